@@ -1,0 +1,87 @@
+"""Element types and reduction operators: the one table every layer consults.
+
+Accumulation rule (documented in the README): every pairwise combination is
+computed in the *accumulation type* and rounded once to the storage type.
+float16 and bfloat16 accumulate in float32, everything else in itself.  A
+sum over p ranks therefore rounds p - 1 times in the storage type -- the same
+rule as NCCL -- and the wire carries storage-type data only, so fp16
+gradients cost half the bandwidth of fp32 ones.
+
+"avg" is the sum followed by a scale applied once, by the rank that owns the
+shard, fused into its last reduction step: ``round((a + b) * (1/p))`` with the
+product taken in the accumulation type for floats, and ``floor((a + b) / p)``
+(Python's ``//``) for integers, so an integer average stays an integer and is
+exact when the sum is divisible by p.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:  # bfloat16 is optional at import time; the error is raised on use.
+    import ml_dtypes as _ml_dtypes
+
+    BFLOAT16 = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a hard dependency in setup.py
+    _ml_dtypes = None
+    BFLOAT16 = None
+
+__all__ = ["OPS", "SUPPORTED_DTYPES", "normalize_op", "check_dtype", "acc_dtype", "dtype_name"]
+
+#: The reduction operators, by name.  "avg" reduces as "sum" then scales.
+OPS = ("sum", "avg", "max", "min", "prod")
+
+SUPPORTED_DTYPES = tuple(
+    d
+    for d in (
+        np.dtype(np.float16),
+        BFLOAT16,
+        np.dtype(np.float32),
+        np.dtype(np.float64),
+        np.dtype(np.int32),
+        np.dtype(np.int64),
+    )
+    if d is not None
+)
+
+
+def dtype_name(dt) -> str:
+    return "bfloat16" if BFLOAT16 is not None and np.dtype(dt) == BFLOAT16 else np.dtype(dt).name
+
+
+def normalize_op(op) -> str:
+    """Map ``op`` (a name, or ``MPI.SUM``/``MAX``/``MIN``/``PROD``) to one of ``OPS``."""
+    if isinstance(op, str):
+        name = op.lower()
+        if name in OPS:
+            return name
+        raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)} or MPI.SUM/MAX/MIN/PROD")
+    from mpi4py import MPI
+
+    table = {MPI.SUM: "sum", MPI.MAX: "max", MPI.MIN: "min", MPI.PROD: "prod"}
+    for mpi_op, name in table.items():
+        if op == mpi_op:
+            return name
+    raise ValueError(f"unsupported op {op!r}; expected one of {', '.join(OPS)} or MPI.SUM/MAX/MIN/PROD")
+
+
+def check_dtype(dt) -> np.dtype:
+    """Return ``np.dtype(dt)`` if ddlkernels can reduce it, else raise ``TypeError``."""
+    try:
+        dt = np.dtype(dt)
+    except TypeError:
+        raise TypeError(f"unsupported dtype {dt!r}") from None
+    if dt.byteorder == ">" or (dt.byteorder == "=" and not np.little_endian):
+        raise TypeError(f"unsupported dtype {dt}: only native little-endian data is reduced")
+    if dt not in SUPPORTED_DTYPES:
+        names = ", ".join(dtype_name(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"unsupported dtype {dtype_name(dt)}; supported: {names}")
+    return dt
+
+
+def acc_dtype(dt) -> np.dtype:
+    """The type pairwise reductions are computed in (see the module docstring)."""
+    dt = np.dtype(dt)
+    if dt == np.float16 or (BFLOAT16 is not None and dt == BFLOAT16):
+        return np.dtype(np.float32)
+    return dt

