@@ -1,0 +1,65 @@
+"""ddlkernels: topology-aware multi-dimensional ring allreduce over MPI, after IBM PowerAI DDL.
+
+    >>> import numpy as np, ddlkernels
+    >>> g = np.random.rand(1 << 20).astype(np.float32)
+    >>> ddlkernels.allreduce(g, "avg", out=g)        # in place, every rank gets the same bits
+
+``import ddlkernels`` needs only numpy and mpi4py; GPU backends are imported
+when an array of theirs is first seen.  MPI itself is initialised by mpi4py
+on first use of a communicator.
+"""
+
+from __future__ import annotations
+
+from ._comm import Communicator, as_communicator
+from ._dtypes import OPS, SUPPORTED_DTYPES
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Communicator",
+    "allreduce",
+    "Allreduce",
+    "reduce_scatter",
+    "allgather",
+    "shard_range",
+    "OPS",
+    "SUPPORTED_DTYPES",
+    "__version__",
+]
+
+
+def allreduce(x, op="sum", *, comm=None, out=None, dims=None, chunk_bytes=None, backend=None):
+    """Reduce ``x`` over every rank of ``comm``; see ``Communicator.allreduce``.
+
+    ``comm`` is an mpi4py ``Intracomm`` or a ``Communicator`` (default
+    ``MPI.COMM_WORLD``).  Returns the reduced array, of ``x``'s type, shape and
+    device (``out`` itself when given; ``out=x`` reduces in place).
+    """
+    return as_communicator(comm).allreduce(x, op, out=out, dims=dims, chunk_bytes=chunk_bytes, backend=backend)
+
+
+def Allreduce(sendbuf, recvbuf, op=None, comm=None):
+    """Drop-in for ``comm.Allreduce(sendbuf, recvbuf, op)``; ``MPI.IN_PLACE`` accepted."""
+    as_communicator(comm).Allreduce(sendbuf, recvbuf, op)
+
+
+def reduce_scatter(x, op="sum", *, comm=None, dims=None, chunk_bytes=None, backend=None):
+    """Reduce ``x`` over every rank and return this rank's shard: elements ``shard_range(x.size)``."""
+    return as_communicator(comm).reduce_scatter(x, op, dims=dims, chunk_bytes=chunk_bytes, backend=backend)
+
+
+def allgather(shard, *, comm=None, dims=None, chunk_bytes=None, backend=None):
+    """Inverse of ``reduce_scatter``'s split: every rank's shard, concatenated, on every rank."""
+    return as_communicator(comm).allgather(shard, dims=dims, chunk_bytes=chunk_bytes, backend=backend)
+
+
+def shard_range(count, *, comm=None, dims=None, rank=None):
+    """``(start, stop)`` of the elements of a ``count``-element buffer that ``reduce_scatter`` leaves on ``rank``.
+
+    The one definition of shard boundaries: the buffer is cut into ``d1``
+    balanced blocks (the first ``count % d1`` one element longer), the block of
+    the rank's first coordinate into ``d2``, and so on.  For the flat ring
+    ``dims=(p,)`` rank r owns block r, as in ``MPI_Reduce_scatter_block``.
+    """
+    return as_communicator(comm).shard_range(count, dims, rank)

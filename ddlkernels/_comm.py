@@ -1,0 +1,441 @@
+"""``Communicator``: an MPI communicator plus what repeated collectives reuse.
+
+It holds a private duplicate of the user's communicator (so our messages never
+match the user's), the detected node layout, a cache of plans and schedules,
+reusable receive slots and scratch buffers per backend and dtype, and the
+transports.  Nothing else is global: the module-level functions use a
+``Communicator`` cached on the mpi4py communicator itself through MPI
+attribute caching, created lazily on first use.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _config
+from ._dtypes import acc_dtype, check_dtype, dtype_name, normalize_op
+from ._engine import execute
+from ._schedule import Plan, build_schedule, shard_bounds, validate_dims
+from ._transport import HostTransport
+from .backends import backend_for
+
+__all__ = ["Communicator", "as_communicator"]
+
+# MPI datatypes MPI's own allreduce can take for the small-message path.
+_MPI_NATIVE = {"float32", "float64", "int32", "int64"}
+
+
+class Communicator:
+    """Multi-dimensional ring collectives over an mpi4py intracommunicator.
+
+    Parameters (each falls back to ``ddlkernels._config`` and then to the
+    environment variables documented in the README):
+
+    comm         mpi4py ``Intracomm``; default ``MPI.COMM_WORLD``.  It is
+                 duplicated: collectives here never match the caller's messages.
+    chunk_bytes  pipeline chunk size in bytes (default 1 MiB).
+    small_bytes  messages of fewer bytes go to MPI's own ``Allreduce`` when the
+                 dtype is one MPI knows (default 64 KiB; 0 = always the ring).
+    window       receive slots in flight per ring step (default 4, >= 1).
+    cuda_aware   ``True``/``False`` overrides detection of CUDA-aware MPI.
+
+    Creating a Communicator is collective over ``comm``.
+    """
+
+    def __init__(self, comm=None, *, chunk_bytes=None, small_bytes=None, window=None, cuda_aware=None):
+        from mpi4py import MPI
+
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if isinstance(comm, Communicator):
+            comm = comm.mpi_comm
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise TypeError(f"comm must be an mpi4py Intracomm, got {comm!r}")
+        env = _config.defaults()
+        self.chunk_bytes = _positive("chunk_bytes", env.chunk_bytes if chunk_bytes is None else chunk_bytes)
+        self.small_bytes = _nonneg("small_bytes", env.small_bytes if small_bytes is None else small_bytes)
+        self.window = _positive("window", env.window if window is None else window)
+        self.cuda_aware_override = env.cuda_aware if cuda_aware is None else bool(cuda_aware)
+        self.mpi_comm = comm
+        self.comm = comm.Dup()
+        self.size = self.comm.Get_size()
+        self.rank = self.comm.Get_rank()
+        self._node_order, self._node_dims = _detect_nodes(self.comm)
+        self._plans: dict = {}
+        self._schedules: dict = {}
+        self._buffers: dict = {}
+        self._transports: dict = {}
+        #: "ring" or "mpi": which algorithm the last allreduce ran (for reports).
+        self.last_algorithm = None
+
+    # -- lifetime ------------------------------------------------------------
+    def free(self) -> None:
+        """Release the duplicated communicator and every cached buffer (collective)."""
+        for t in self._transports.values():
+            t.close()
+        self._transports.clear()
+        self._buffers.clear()
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+    # -- planning ------------------------------------------------------------
+    def plan(self, nbytes: int = 0, dims=None) -> Plan:
+        """The box and rank order a collective of ``nbytes`` bytes uses.
+
+        ``dims=None`` lets the library choose: ranks-per-node x nodes from
+        ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` (dimensions of size 1
+        dropped), the flat ring when nodes hold different numbers of ranks.
+        Ring order follows the nodes: box index = local rank + ranks-per-node
+        x node index.
+        """
+        key = (None if dims is None else tuple(dims), nbytes if dims is None else None)
+        plan = self._plans.get(key)
+        if plan is None:
+            if dims is None:
+                plan = Plan(self._node_dims, self._node_order)
+            else:
+                plan = Plan(validate_dims(dims, self.size), self._node_order)
+            self._plans[key] = plan
+        return plan
+
+    def shard_range(self, count: int, dims=None, rank: int | None = None) -> tuple[int, int]:
+        """``(start, stop)``: the elements ``reduce_scatter`` leaves on ``rank`` (default: this rank).
+
+        ``count`` is the element count of the whole buffer; the range is the
+        nested balanced cut of ``ddlkernels._schedule.shard_bounds`` over the
+        plan's box, so ranges of different ranks differ by at most
+        ``len(dims)`` elements and, for the flat ring, rank r owns block r.
+        """
+        plan = self.plan(0, dims) if dims is not None else self._plan_for(count, None, 0)
+        r = self.rank if rank is None else rank
+        return shard_bounds(count, plan.dims, plan.index_of(r))
+
+    def _plan_for(self, count, dims, itemsize):
+        return self.plan(count * itemsize, dims)
+
+    def _schedule(self, count, plan, kind):
+        key = (count, plan, kind)
+        s = self._schedules.get(key)
+        if s is None:
+            if len(self._schedules) > 256:
+                self._schedules.clear()
+            s = build_schedule(count, plan, self.rank, reduce_scatter=kind != "ag", allgather=kind != "rs")
+            self._schedules[key] = s
+        return s
+
+    # -- buffers -------------------------------------------------------------
+    def _slots(self, backend, dtype, chunk):
+        key = ("slots", backend.name, dtype, chunk, self.window)
+        slots = self._buffers.get(key)
+        if slots is None:
+            slots = [backend.empty(chunk, dtype) for _ in range(self.window)]
+            self._buffers[key] = slots
+        return slots
+
+    def _scratch(self, backend, dtype, count):
+        key = ("scratch", backend.name, dtype)
+        buf = self._buffers.get(key)
+        if buf is None or len(buf) < count:
+            buf = backend.empty(max(count, 1), dtype)
+            self._buffers[key] = buf
+        return buf[:count]
+
+    def _transport(self, backend):
+        t = self._transports.get(backend.name)
+        if t is None:
+            if backend.device and not self.cuda_aware(backend)[0]:
+                from ._staged import StagedTransport
+
+                t = StagedTransport(self.comm, backend, self.chunk_bytes, self.window)
+            else:
+                t = HostTransport(self.comm, backend)
+            self._transports[backend.name] = t
+        return t
+
+    def cuda_aware(self, backend=None):
+        """``(aware, reason)``: whether device buffers go straight to MPI."""
+        if self.cuda_aware_override is not None:
+            return self.cuda_aware_override, "set explicitly"
+        from ._cuda_aware import cuda_aware
+
+        return cuda_aware(self.comm)
+
+    # -- argument checks (local, before any communication) ------------------
+    def _prepare(self, x, op, chunk_bytes, dims, backend_name=None):
+        opname = normalize_op(op)
+        backend = backend_for(x, backend_name)
+        dtype = check_dtype(backend.dtype(x))
+        if dims is not None:
+            validate_dims(dims, self.size)
+        chunk_bytes = self.chunk_bytes if chunk_bytes is None else _positive("chunk_bytes", chunk_bytes)
+        chunk = max(1, chunk_bytes // dtype.itemsize)
+        return opname, backend, dtype, chunk
+
+    def _flat_input(self, backend, x):
+        try:
+            return backend.flat(x), False
+        except ValueError:
+            if backend.device:
+                raise ValueError(
+                    "ddlkernels needs a C-contiguous device array; call .copy() (CuPy/torch: .contiguous()) first"
+                ) from None
+            # Host: reduce a contiguous copy instead (never silently wrong).
+            return np.ascontiguousarray(backend_input_numpy(x)).reshape(-1), True
+
+    # -- collectives ---------------------------------------------------------
+    def allreduce(self, x, op="sum", *, out=None, dims=None, chunk_bytes=None, backend=None):
+        """Reduce ``x`` over all ranks; every rank gets the same bits.
+
+        ``op``: "sum", "avg", "max", "min", "prod" or ``MPI.SUM``/``MAX``/``MIN``/``PROD``.
+        ``out``: where to put the result (same shape and dtype as ``x``);
+        ``out=x`` reduces in place.  ``dims``: the box, e.g. ``(4, 16)``, whose
+        product is the communicator size; ``None`` lets the library choose.
+        ``chunk_bytes``: pipeline chunk for this call.  ``backend``: force an
+        array backend by name ("numpy", "cupy", "numba").
+        Returns ``out``, or a new array of ``x``'s type, shape and device.
+        """
+        opname, be, dtype, chunk = self._prepare(x, op, chunk_bytes, dims, backend)
+        src, src_copied = self._flat_input(be, x)
+        count = src.shape[0]
+        inplace = out is x
+        if out is not None and not inplace:
+            _check_out(be, out, x, dtype)
+        if inplace:
+            dst, dst_copied = (src, src_copied)
+        elif out is not None:
+            dst, dst_copied = self._flat_input(be, out)
+            if dst_copied:
+                dst = np.empty_like(dst)
+        else:
+            dst, dst_copied = be.empty(count, dtype), False
+        self._allreduce_flat(src if not inplace else dst, dst, opname, be, dtype, chunk, dims)
+        if dst_copied:
+            target = out if out is not None else x
+            np.copyto(backend_input_numpy(target), dst.reshape(np.shape(target)))
+            return target
+        if out is not None:
+            return out
+        return be.like(dst, x)
+
+    def _allreduce_flat(self, src, dst, opname, be, dtype, chunk, dims):
+        count = src.shape[0]
+        nbytes = count * dtype.itemsize
+        avg = opname == "avg"
+        redop = "sum" if avg else opname
+        if (
+            self.size > 1
+            and nbytes < self.small_bytes
+            and not be.device
+            and dims is None
+            and dtype_name(dtype) in _MPI_NATIVE
+        ):
+            self.last_algorithm = "mpi"
+            from mpi4py import MPI
+
+            mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[redop]
+            if src is dst:
+                self.comm.Allreduce(MPI.IN_PLACE, dst, mpi_op)
+            else:
+                self.comm.Allreduce(src, dst, mpi_op)
+            if avg:
+                _scale_inplace(dst, self.size)
+            return
+        self.last_algorithm = "ring"
+        plan = self._plan_for(count, dims, dtype.itemsize)
+        sched = self._schedule(count, plan, "ar")
+        execute(
+            sched,
+            src,
+            dst,
+            redop,
+            backend=be,
+            transport=self._transport(be),
+            chunk=chunk,
+            slots=self._slots(be, dtype, chunk),
+            avg_p=self.size if avg else None,
+        )
+
+    def Allreduce(self, sendbuf, recvbuf, op=None):
+        """mpi4py's ``comm.Allreduce(sendbuf, recvbuf, op)``, ``MPI.IN_PLACE`` included.
+
+        As in mpi4py, the buffers need equal element counts, not equal
+        shapes; ``recvbuf`` is overwritten and nothing is returned.
+        """
+        from mpi4py import MPI
+
+        op = MPI.SUM if op is None else op
+        if sendbuf is MPI.IN_PLACE:
+            self.allreduce(recvbuf, op, out=recvbuf)
+            return
+        if tuple(sendbuf.shape) != tuple(recvbuf.shape):
+            if _size(sendbuf) != _size(recvbuf):
+                raise ValueError(f"recvbuf holds {_size(recvbuf)} elements but sendbuf holds {_size(sendbuf)}")
+            be = backend_for(recvbuf)
+            try:
+                flat_out = be.flat(recvbuf)
+            except ValueError:
+                raise ValueError("recvbuf must be C-contiguous when its shape differs from sendbuf's") from None
+            self.allreduce(sendbuf.reshape(-1), op, out=flat_out)
+            return
+        self.allreduce(sendbuf, op, out=recvbuf)
+
+    def reduce_scatter(self, x, op="sum", *, dims=None, chunk_bytes=None, backend=None):
+        """Reduce ``x`` over all ranks and return this rank's shard (a new 1-D array).
+
+        The shard is ``x.reshape(-1)[start:stop]`` of the reduced buffer with
+        ``(start, stop) = shard_range(x.size, dims)``.  ``x`` is not modified.
+        """
+        opname, be, dtype, chunk = self._prepare(x, op, chunk_bytes, dims, backend)
+        src, _ = self._flat_input(be, x)
+        count = src.shape[0]
+        plan = self._plan_for(count, dims, dtype.itemsize)
+        sched = self._schedule(count, plan, "rs")
+        work = self._scratch(be, dtype, count)
+        avg = opname == "avg"
+        execute(
+            sched,
+            src,
+            work,
+            "sum" if avg else opname,
+            backend=be,
+            transport=self._transport(be),
+            chunk=chunk,
+            slots=self._slots(be, dtype, chunk),
+            avg_p=self.size if avg else None,
+        )
+        lo, hi = sched.shard
+        shard = be.empty(hi - lo, dtype)
+        be.copy(shard, work[lo:hi])
+        return shard
+
+    def allgather(self, shard, *, dims=None, chunk_bytes=None, backend=None):
+        """Concatenate every rank's shard into the whole buffer (a new 1-D array on every rank).
+
+        Rank r's shard goes to ``shard_range(count, dims, r)`` where ``count``
+        is the sum of the shard lengths; the lengths must be the ones that
+        ``reduce_scatter`` produces (checked on every rank).
+        """
+        _, be, dtype, chunk = self._prepare(shard, "sum", chunk_bytes, dims, backend)
+        src, _ = self._flat_input(be, shard)
+        lengths = np.empty(self.size, dtype=np.int64)
+        self.comm.Allgather(np.array([src.shape[0]], dtype=np.int64), lengths)
+        count = int(lengths.sum())
+        plan = self._plan_for(count, dims, dtype.itemsize)
+        expect = [shard_bounds(count, plan.dims, plan.index_of(r)) for r in range(self.size)]
+        bad = [r for r in range(self.size) if expect[r][1] - expect[r][0] != lengths[r]]
+        if bad:
+            detail = ", ".join(f"rank {r}: {lengths[r]} (expected {expect[r][1] - expect[r][0]})" for r in bad[:8])
+            raise ValueError(f"allgather: shard lengths do not match shard_range of {count} elements: {detail}")
+        sched = self._schedule(count, plan, "ag")
+        out = be.empty(count, dtype)
+        lo, hi = sched.shard
+        be.copy(out[lo:hi], src)
+        execute(sched, out, out, "sum", backend=be, transport=self._transport(be), chunk=chunk, slots=[], avg_p=None)
+        return out
+
+
+def backend_input_numpy(x):
+    """A numpy view of a host array or CPU torch tensor (for the non-contiguous copy path)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if type(x).__module__.startswith("torch"):
+        return x.detach().numpy()
+    return np.asarray(x)
+
+
+def _scale_inplace(dst, p):
+    if dst.dtype.kind in "iu":
+        np.floor_divide(dst, dst.dtype.type(p), out=dst)
+    else:
+        np.multiply(dst, acc_dtype(dst.dtype).type(1.0 / p), out=dst, casting="unsafe")
+
+
+def _size(x):
+    n = 1
+    for s in x.shape:
+        n *= int(s)
+    return n
+
+
+def _check_out(be, out, x, dtype):
+    ob = backend_for(out)
+    if ob is not be:
+        raise TypeError(f"out is a {ob.name} array but the input is a {be.name} array")
+    odt = ob.dtype(out)
+    if odt != dtype:
+        raise TypeError(f"out has dtype {dtype_name(odt)} but the input has {dtype_name(dtype)}")
+    if tuple(out.shape) != tuple(x.shape):
+        raise ValueError(f"out has shape {tuple(out.shape)} but the input has {tuple(x.shape)}")
+    if be.device_id(out) != be.device_id(x):
+        raise ValueError(f"out is on device {be.device_id(out)} but the input on {be.device_id(x)}")
+
+
+def _positive(name, v):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+def _nonneg(name, v):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    return int(v)
+
+
+def _detect_nodes(comm):
+    """(order, dims): ranks grouped by shared-memory node, and the box ranks-per-node x nodes."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        node_id = local.allreduce(comm.Get_rank(), op=MPI.MIN)
+        lrank = local.Get_rank()
+    finally:
+        local.Free()
+    table = comm.allgather((node_id, lrank))
+    order = tuple(sorted(range(comm.Get_size()), key=lambda r: table[r]))
+    counts: dict = {}
+    for nid, _ in table:
+        counts[nid] = counts.get(nid, 0) + 1
+    sizes = set(counts.values())
+    if len(sizes) == 1:
+        rpn = sizes.pop()
+        dims = tuple(d for d in (rpn, len(counts)) if d > 1) or (1,)
+    else:
+        dims = (comm.Get_size(),)
+    return order, dims
+
+
+_KEYVAL = None
+
+
+def as_communicator(comm=None) -> Communicator:
+    """The ``Communicator`` for ``comm`` (an mpi4py comm, a Communicator, or None = COMM_WORLD).
+
+    For an mpi4py communicator it is created on first use and cached on the
+    communicator itself (MPI attribute caching), so repeated calls reuse its
+    plans and buffers, and it is freed when the communicator is.
+    """
+    global _KEYVAL
+    if isinstance(comm, Communicator):
+        return comm
+    from mpi4py import MPI
+
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"comm must be an mpi4py Intracomm or a ddlkernels.Communicator, got {comm!r}")
+    if _KEYVAL is None:
+        _KEYVAL = MPI.Comm.Create_keyval(delete_fn=lambda c, k, v: v.free())
+    cached = comm.Get_attr(_KEYVAL)
+    if cached is None:
+        cached = Communicator(comm)
+        comm.Set_attr(_KEYVAL, cached)
+    return cached

@@ -1,0 +1,128 @@
+"""Execute a ring schedule over MPI, chunk by chunk, with transfers and reductions overlapped.
+
+Worked example: one reduce-scatter phase of a 3-rank ring, as seen by the rank
+at ring position q = 0, the buffer cut into blocks B0, B1, B2 and each block
+into chunks of ``chunk`` elements (here two chunks, .a and .b)::
+
+    step 0   isend B2.a, B2.b to next          (all at once: they are ready)
+             irecv B1.a -> slot0, B1.b -> slot1 from prev
+             wait B1.a; out[B1.a] = x[B1.a] + slot0;  isend out[B1.a] to next
+             wait B1.b; out[B1.b] = x[B1.b] + slot1;  isend out[B1.b] to next
+    step 1   irecv B0.a -> slot0, ...
+             wait B0.a; out[B0.a] = x[B0.a] + slot0    (last step: B0 is ours,
+             ...                                        fused 1/p scale for avg)
+
+The block received in step s is the block sent in step s + 1, so each chunk is
+forwarded the moment it is reduced, without waiting for the rest of its step:
+while this rank reduces chunk k, its neighbours are already moving chunk k - 1
+of the next step and chunk k + 1 of this one.  ``window`` receive slots are in
+flight at once (2 is classic double buffering); a slot is reposted for chunk
+k + window as soon as chunk k has been reduced out of it.
+
+An allgather phase needs no slots: every chunk is received straight into its
+final place in ``out``, so all of a phase's receives are posted up front and
+each chunk is forwarded as soon as it lands.
+
+Sends are completed at the end of each phase, before a later phase may
+overwrite the blocks they read.  Messages carry the phase number as their tag,
+so no message of one phase can match a receive of another.
+"""
+
+from __future__ import annotations
+
+from ._schedule import Schedule, chunk_ranges
+
+__all__ = ["execute"]
+
+
+def _phases(steps):
+    """Split a schedule's steps into rings: consecutive runs with one phase number."""
+    rings, cur = [], []
+    for st in steps:
+        if cur and st.phase != cur[0].phase:
+            rings.append(cur)
+            cur = []
+        cur.append(st)
+    if cur:
+        rings.append(cur)
+    return rings
+
+
+def _wait_all(reqs):
+    for r in reqs:
+        r.Wait()
+
+
+def _reduce_scatter(ring, src, out, op, backend, transport, chunk, slots, avg_p):
+    tag = ring[0].phase
+    nxt, prv = ring[0].send_peer, ring[0].recv_peer
+    isend, irecv, reduce = transport.isend, transport.irecv, backend.reduce
+    window = len(slots)
+    sends = [isend(src[a:b], nxt, tag) for a, b in chunk_ranges(*ring[0].send, chunk)]
+    last_step = len(ring) - 1
+    for s, st in enumerate(ring):
+        last = s == last_step
+        scale = avg_p if last else None
+        pieces = chunk_ranges(*st.recv, chunk)
+        reqs = [irecv(slots[k][: b - a], prv, tag) for k, (a, b) in enumerate(pieces[:window])]
+        for k, (a, b) in enumerate(pieces):
+            reqs[k].Wait()
+            slot = slots[k % window]
+            reduce(op, out[a:b], src[a:b], slot[: b - a], avg_p=scale)
+            if k + window < len(pieces):
+                a2, b2 = pieces[k + window]
+                reqs.append(irecv(slot[: b2 - a2], prv, tag))
+            if not last:
+                sends.append(isend(out[a:b], nxt, tag))
+    _wait_all(sends)
+
+
+def _allgather(ring, out, transport, chunk):
+    tag = ring[0].phase
+    nxt, prv = ring[0].send_peer, ring[0].recv_peer
+    isend, irecv = transport.isend, transport.irecv
+    sends = [isend(out[a:b], nxt, tag) for a, b in chunk_ranges(*ring[0].send, chunk)]
+    # Every receive lands in its final place, so all of them can be posted
+    # now; MPI matches messages from one peer and tag in posting order.
+    posted = [[(a, b, irecv(out[a:b], prv, tag)) for a, b in chunk_ranges(*st.recv, chunk)] for st in ring]
+    last_step = len(ring) - 1
+    for s, pieces in enumerate(posted):
+        for a, b, req in pieces:
+            req.Wait()
+            if s != last_step:
+                sends.append(isend(out[a:b], nxt, tag))
+    _wait_all(sends)
+
+
+def execute(sched: Schedule, src, out, op: str, *, backend, transport, chunk: int, slots, avg_p=None) -> None:
+    """Run ``sched`` on flat buffers: ``out`` receives the result, ``src`` is only read.
+
+    ``src`` may be ``out`` (in place).  ``op`` is "sum", "max", "min" or
+    "prod"; ``avg_p`` fuses the scale of "avg" into the owner's last
+    reduction.  ``chunk`` is the pipeline chunk in elements and ``slots`` the
+    receive buffers of at least ``chunk`` elements each.  For an
+    allgather-only schedule ``src`` is unused and ``out`` must already hold
+    this rank's shard.
+    """
+    rings = _phases(sched.steps)
+    if not rings and src is not out:
+        backend.copy(out, src)  # a single rank: nothing to reduce
+    reduce_rings = [r for r in rings if r[0].reduce]
+    last_rs = reduce_rings[-1][0].phase if reduce_rings else None
+    first = True
+    for ring in rings:
+        if ring[0].reduce:
+            _reduce_scatter(
+                ring,
+                src if first else out,
+                out,
+                op,
+                backend,
+                transport,
+                chunk,
+                slots,
+                avg_p if ring[0].phase == last_rs else None,
+            )
+            first = False
+        else:
+            _allgather(ring, out, transport, chunk)
