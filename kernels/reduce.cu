@@ -1,0 +1,238 @@
+// reduce.cu -- elementwise chunk reduction for the ddlkernels ring allreduce.
+//
+// Purpose
+//   One kernel per (op, dtype), all with the same signature
+//
+//       ddl_reduce_<op>_<t>(T* dst, const T* a, const T* __restrict__ b,
+//                           unsigned long long n, ARG arg)
+//
+//   computing dst[i] = op(a[i], b[i]) for i in [0, n).  The 2-operand form
+//   dst = op(dst, src) is the call with a == dst.
+//     op : sum, prod, max, min, avg      (avg = sum with the fused 1/p scale)
+//     t  : f16 (__half), bf16 (__nv_bfloat16), f32, f64, i32, i64
+//     ARG: the accumulation type (float for f16/bf16/f32, double for f64,
+//          int / long long for i32 / i64).  Only avg reads it: for floats it
+//          is the scale 1/p (computed by the host in the accumulation type),
+//          for integers the divisor p.  The other ops ignore it, so every
+//          kernel can be launched by the same code.
+//
+// Semantics (identical bits to ddlkernels' numpy backend, see _dtypes.py)
+//   * f16 and bf16 are widened to float, combined once in float and rounded
+//     once (round-to-nearest-even) back to storage; float32 holds >= 2p+2 bits
+//     of either, so this equals the correctly rounded half-precision result.
+//   * avg: floats (a + b) * scale, the product in the accumulation type,
+//     one rounding to storage for f16/bf16; integers floor((a + b) / p).
+//   * integer sum/prod/avg wrap modulo 2^bits like numpy (computed unsigned,
+//     because signed overflow is undefined behaviour in C++).
+//   * max/min propagate NaN like numpy's maximum/minimum: if a is NaN the
+//     result is a, else if b is NaN it is b, and both bit patterns survive.
+//     On a tie (+0 against -0) numpy returns b for float32/float64/bfloat16
+//     and a for float16 (its scalar half loop uses >=); the kernels do the
+//     same so that the sign of a zero matches too.
+//
+// Preconditions
+//   * b does not overlap dst (it is read through the read-only cache).  a is
+//     either exactly dst or does not overlap it.
+//   * All three pointers are aligned to sizeof(T).  When they share the same
+//     offset modulo 16 bytes, the bulk is moved with 128-bit loads/stores
+//     (a scalar head reaches the 16-byte boundary, a scalar tail ends it);
+//     otherwise every element is moved alone.
+//   * 1-D grid of any size: the loops are grid-stride, so correctness does
+//     not depend on the launch shape; no shared memory, no __syncthreads.
+//
+// Use
+//   Loaded by CuPy's RawModule (ddlkernels/backends/_cupy.py): one reduction
+//   per received chunk of a ring step, the fused avg scale on the owner's last
+//   step.  The same file compiles on its own with
+//       nvcc -std=c++17 -arch=sm_90 -cubin kernels/reduce.cu
+//   and, through tests/cuda_host/cuda_host.h, with g++ for the host test
+//   harness, which runs every (block, thread) of the grid on the CPU.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace ddl {
+
+typedef unsigned long long u64;
+
+// ---- storage <-> accumulation ------------------------------------------------
+// tie_a: which operand max/min return when the operands compare equal (see
+// the header: numpy's choice per dtype).
+template <class T> struct Traits;
+
+template <> struct Traits<float> {
+    typedef float acc; typedef unsigned int bits;
+    static const bool tie_a = false;
+    static __device__ __forceinline__ float load(float x) { return x; }
+    static __device__ __forceinline__ float store(float x) { return x; }
+};
+template <> struct Traits<double> {
+    typedef double acc; typedef u64 bits;
+    static const bool tie_a = false;
+    static __device__ __forceinline__ double load(double x) { return x; }
+    static __device__ __forceinline__ double store(double x) { return x; }
+};
+template <> struct Traits<__half> {
+    typedef float acc; typedef unsigned short bits;
+    static const bool tie_a = true;
+    static __device__ __forceinline__ float load(__half x) { return __half2float(x); }
+    static __device__ __forceinline__ __half store(float x) { return __float2half_rn(x); }
+};
+template <> struct Traits<__nv_bfloat16> {
+    typedef float acc; typedef unsigned short bits;
+    static const bool tie_a = false;
+    static __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+    static __device__ __forceinline__ __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
+};
+template <> struct Traits<int> {
+    typedef int acc; typedef unsigned int bits;
+    static const bool tie_a = false;
+};
+template <> struct Traits<long long> {
+    typedef long long acc; typedef u64 bits;
+    static const bool tie_a = false;
+};
+
+template <class T> struct IsInt { static const bool value = false; };
+template <> struct IsInt<int> { static const bool value = true; };
+template <> struct IsInt<long long> { static const bool value = true; };
+
+// ---- the operators ------------------------------------------------------------
+// Floating types go through Traits::load/store; integer types wrap through
+// their unsigned twin.  Each functor maps (a, b, arg) -> storage value.
+
+template <class T, bool I = IsInt<T>::value> struct OpSum;
+template <class T> struct OpSum<T, false> {
+    static __device__ __forceinline__ T apply(T a, T b, typename Traits<T>::acc) {
+        return Traits<T>::store(Traits<T>::load(a) + Traits<T>::load(b));
+    }
+};
+template <class T> struct OpSum<T, true> {
+    typedef typename Traits<T>::bits U;
+    static __device__ __forceinline__ T apply(T a, T b, T) { return (T)((U)a + (U)b); }
+};
+
+template <class T, bool I = IsInt<T>::value> struct OpProd;
+template <class T> struct OpProd<T, false> {
+    static __device__ __forceinline__ T apply(T a, T b, typename Traits<T>::acc) {
+        return Traits<T>::store(Traits<T>::load(a) * Traits<T>::load(b));
+    }
+};
+template <class T> struct OpProd<T, true> {
+    typedef typename Traits<T>::bits U;
+    static __device__ __forceinline__ T apply(T a, T b, T) { return (T)((U)a * (U)b); }
+};
+
+template <class T, bool I = IsInt<T>::value> struct OpAvg;
+template <class T> struct OpAvg<T, false> {
+    // (a + b) * scale: the sum and the product each round in the accumulation
+    // type, exactly as the numpy backend's add-then-multiply; the sum is not
+    // an operand of a multiply, so no FMA contraction can change it.
+    static __device__ __forceinline__ T apply(T a, T b, typename Traits<T>::acc scale) {
+        typename Traits<T>::acc s = Traits<T>::load(a) + Traits<T>::load(b);
+        return Traits<T>::store(s * scale);
+    }
+};
+template <class T> struct OpAvg<T, true> {
+    typedef typename Traits<T>::bits U;
+    // floor((a + b) / p) for p > 0, as Python's //: C++ division truncates,
+    // so a negative inexact quotient is stepped down by one.
+    static __device__ __forceinline__ T apply(T a, T b, T p) {
+        T s = (T)((U)a + (U)b);
+        T q = s / p;
+        T r = s - q * p;
+        return (r != 0 && s < 0) ? (T)(q - 1) : q;
+    }
+};
+
+template <class T, bool I = IsInt<T>::value> struct OpMax;
+template <class T> struct OpMax<T, false> {
+    static __device__ __forceinline__ T apply(T a, T b, typename Traits<T>::acc) {
+        typename Traits<T>::acc x = Traits<T>::load(a), y = Traits<T>::load(b);
+        // x != x is the NaN test (no header needed; we never build with fast-math).
+        bool take_a = x > y || x != x || (Traits<T>::tie_a && x == y);
+        return take_a ? a : b;
+    }
+};
+template <class T> struct OpMax<T, true> {
+    static __device__ __forceinline__ T apply(T a, T b, T) { return a > b ? a : b; }
+};
+
+template <class T, bool I = IsInt<T>::value> struct OpMin;
+template <class T> struct OpMin<T, false> {
+    static __device__ __forceinline__ T apply(T a, T b, typename Traits<T>::acc) {
+        typename Traits<T>::acc x = Traits<T>::load(a), y = Traits<T>::load(b);
+        bool take_a = x < y || x != x || (Traits<T>::tie_a && x == y);
+        return take_a ? a : b;
+    }
+};
+template <class T> struct OpMin<T, true> {
+    static __device__ __forceinline__ T apply(T a, T b, T) { return a < b ? a : b; }
+};
+
+// ---- the grid-stride driver ----------------------------------------------------
+template <class T> union Vec16 {
+    uint4 u;
+    T v[16 / sizeof(T)];
+};
+
+template <class T, class Op>
+__device__ __forceinline__ void reduce_grid(T* dst, const T* a, const T* __restrict__ b, u64 n,
+                                            typename Traits<T>::acc arg) {
+    const int V = 16 / sizeof(T);
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    const u64 off = (u64)dst & 15;
+    const bool vec = ((u64)a & 15) == off && ((u64)b & 15) == off;
+    // Elements before the first 16-byte boundary (all of them when the
+    // pointers cannot be vectorized together).
+    u64 head = n;
+    if (vec) {
+        head = ((16 - off) & 15) / sizeof(T);
+        if (head > n) head = n;
+    }
+    for (u64 i = tid; i < head; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
+    if (!vec) return;
+    const u64 nvec = (n - head) / V;
+    const uint4* av = reinterpret_cast<const uint4*>(a + head);
+    const uint4* bv = reinterpret_cast<const uint4*>(b + head);
+    uint4* dv = reinterpret_cast<uint4*>(dst + head);
+    for (u64 i = tid; i < nvec; i += stride) {
+        Vec16<T> x, y, r;
+        x.u = av[i];          // a may be dst: an ordinary load
+        y.u = __ldg(bv + i);  // b is read-only for the kernel: ld.global.nc
+#pragma unroll
+        for (int k = 0; k < V; ++k) r.v[k] = Op::apply(x.v[k], y.v[k], arg);
+        dv[i] = r.u;
+    }
+    for (u64 i = head + nvec * V + tid; i < n; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
+}
+
+}  // namespace ddl
+
+// ---- the exported kernels (unmangled names for RawModule.get_function) ----------
+// X-macro: (op name, functor, dtype suffix, storage type, argument type).  The
+// host test harness reuses the list to build its table of kernels.
+#define DDL_REDUCE_DTYPES(X, OPNAME, OPF)              \
+    X(OPNAME, OPF, f16, __half, float)                 \
+    X(OPNAME, OPF, bf16, __nv_bfloat16, float)         \
+    X(OPNAME, OPF, f32, float, float)                  \
+    X(OPNAME, OPF, f64, double, double)                \
+    X(OPNAME, OPF, i32, int, int)                      \
+    X(OPNAME, OPF, i64, long long, long long)
+
+#define DDL_REDUCE_KERNELS(X)                          \
+    DDL_REDUCE_DTYPES(X, sum, OpSum)                   \
+    DDL_REDUCE_DTYPES(X, prod, OpProd)                 \
+    DDL_REDUCE_DTYPES(X, max, OpMax)                   \
+    DDL_REDUCE_DTYPES(X, min, OpMin)                   \
+    DDL_REDUCE_DTYPES(X, avg, OpAvg)
+
+#define DDL_DEFINE_REDUCE(OPNAME, OPF, SUF, T, ARG)                                          \
+    extern "C" __global__ void ddl_reduce_##OPNAME##_##SUF(T* dst, const T* a,                \
+                                                            const T* __restrict__ b,          \
+                                                            unsigned long long n, ARG arg) {  \
+        ddl::reduce_grid<T, ddl::OPF<T> >(dst, a, b, n, arg);                                 \
+    }
+
+DDL_REDUCE_KERNELS(DDL_DEFINE_REDUCE)

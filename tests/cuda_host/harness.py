@@ -1,0 +1,80 @@
+"""Build the host harness (g++ + cuda_host.h + kernels/*.cu) and call it through ctypes.
+
+``build(workdir)`` compiles ``host_reduce.cpp`` and ``host_pack.cpp`` -- each
+of which includes the unmodified ``kernels/<file>.cu`` -- into shared
+libraries and returns a ``Harness`` whose methods launch one kernel over a
+whole grid on the CPU (see ``cuda_host.h`` for why that is faithful).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["HERE", "KERNELS", "CUDA_INCLUDE", "gxx", "build", "Harness"]
+
+HERE = Path(__file__).resolve().parent
+KERNELS = HERE.parent.parent / "kernels"
+CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
+
+# -ffp-contract=off: the host must not fuse a*b+c where the device would not
+# (the kernels never present such a pattern, but the harness must not add one).
+CXXFLAGS = ["-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-Wall", "-Wno-unused-function"]
+
+
+def gxx():
+    """Path of g++, or None."""
+    return shutil.which("g++")
+
+
+def _compile(src: Path, out: Path):
+    cmd = [gxx(), *CXXFLAGS, f"-I{CUDA_INCLUDE}", str(src), "-o", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"host harness build failed: {' '.join(cmd)}\n{res.stderr}")
+    return ctypes.CDLL(str(out))
+
+
+class Harness:
+    def __init__(self, reduce_lib, pack_lib):
+        self._r, self._p = reduce_lib, pack_lib
+        self._r.host_reduce.argtypes = [
+            ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_double,
+        ]
+        self._r.host_reduce.restype = ctypes.c_int
+        self._r.host_reduce_name.restype = ctypes.c_char_p
+        for f in (self._p.host_pack, self._p.host_unpack):
+            f.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int,
+                          ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            f.restype = None
+
+    def reduce_kernels(self) -> list[str]:
+        """Names of every kernel reduce.cu defines (from its own X-macro list)."""
+        return [self._r.host_reduce_name(i).decode() for i in range(self._r.host_reduce_count())]
+
+    def reduce(self, name, dst: np.ndarray, a: np.ndarray, b: np.ndarray, arg: float, grid=3, block=32, reverse=False):
+        """Run kernel ``name`` over ``grid`` x ``block`` threads: dst = op(a, b) (numpy arrays, any offsets)."""
+        n = dst.size
+        assert a.size == n and b.size == n
+        rc = self._r.host_reduce(name.encode(), grid, block, int(reverse),
+                                 dst.ctypes.data, a.ctypes.data, b.ctypes.data, n, float(arg))
+        if rc != 0:
+            raise KeyError(name)
+
+    def pack(self, table: np.ndarray, buf: np.ndarray, grid=(2, 2), block=32, reverse=False):
+        self._p.host_pack(grid[0], grid[1], block, int(reverse), table.ctypes.data, table.shape[0], buf.ctypes.data)
+
+    def unpack(self, table: np.ndarray, buf: np.ndarray, grid=(2, 2), block=32, reverse=False):
+        self._p.host_unpack(grid[0], grid[1], block, int(reverse), table.ctypes.data, table.shape[0], buf.ctypes.data)
+
+
+def build(workdir) -> Harness:
+    workdir = Path(workdir)
+    return Harness(_compile(HERE / "host_reduce.cpp", workdir / "libhost_reduce.so"),
+                   _compile(HERE / "host_pack.cpp", workdir / "libhost_pack.so"))

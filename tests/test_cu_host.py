@@ -1,0 +1,152 @@
+"""Execute the very kernels/*.cu files on the CPU and compare them with numpy.
+
+g++ compiles kernels/reduce.cu and kernels/pack.cu, unmodified, after
+tests/cuda_host/cuda_host.h, which defines the CUDA built-ins and runs every
+(block, thread) of a launch.  Every kernel (op x dtype) is checked bitwise
+against the numpy backend on the 128-bit vector path, the scalar head and
+tail, the all-scalar path for pointers of different alignment, the in-place
+2-operand form and several grid shapes (forward and backward thread order),
+with guard elements around the output to catch stray writes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_host"))
+
+import _kernel_ref as K  # noqa: E402
+import harness as H  # noqa: E402
+
+pytestmark = pytest.mark.skipif(H.gxx() is None or not (H.CUDA_INCLUDE / "cuda_fp16.h").exists(),
+                                reason="needs g++ and the CUDA toolkit headers (cuda_fp16.h)")
+
+GUARD = 5
+# (grid, block, reverse): a single thread does everything; fewer threads than
+# elements (grid-stride loops wrap); more threads than elements.
+LAUNCHES = ((1, 1, False), (3, 32, True), (4, 128, False))
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    return H.build(tmp_path_factory.mktemp("cuda_host"))
+
+
+def aligned(n, dtype, offset_elems):
+    """A view of ``n`` elements starting ``offset_elems`` past a 64-byte boundary,
+    with GUARD sentinel-filled elements on each side."""
+    dtype = np.dtype(dtype)
+    raw = np.empty((n + 2 * GUARD + offset_elems) * dtype.itemsize + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + (offset_elems - GUARD) * dtype.itemsize
+    if offset_elems < GUARD:
+        start += 64 * ((GUARD * dtype.itemsize + 63) // 64)
+    whole = raw[start:start + (n + 2 * GUARD) * dtype.itemsize].view(dtype)
+    K.bits_view(whole)[:] = 0x5A5A5A5A5A5A5A5A & ((1 << (8 * dtype.itemsize)) - 1)
+    return whole, whole[GUARD:GUARD + n]
+
+
+def lengths(dtype):
+    v = 16 // np.dtype(dtype).itemsize
+    return sorted({0, 1, v - 1, v, v + 1, 2 * v + 3, 64, 67, 131, 257})
+
+
+def test_every_kernel_is_listed(harness):
+    expected = {f"ddl_reduce_{op}_{K.SUFFIX[dt]}" for op in K.OPS for dt in K.DTYPES}
+    assert set(harness.reduce_kernels()) == expected
+
+
+@pytest.mark.parametrize("op", K.OPS)
+@pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
+def test_reduce_matches_numpy(harness, dtype, op):
+    name = f"ddl_reduce_{op}_{K.SUFFIX[dtype]}"
+    v = 16 // dtype.itemsize
+    for n in lengths(dtype):
+        for p in (3, 7):
+            a0, b0 = K.make_pair(dtype, n, seed=n + p, op=op)
+            ref = K.reference(op, a0, b0, p)
+            arg = K.kernel_arg(dtype, op, p)
+            # (dst offset, a offset, b offset) in elements: vector path with no
+            # head, vector path with a scalar head, and mixed alignment (all scalar)
+            for offs in ((0, 0, 0), (1, 1, 1), (v - 1, v - 1, v - 1), (1, 1, 0), (0, 0, 1)):
+                for grid, block, rev in LAUNCHES:
+                    wd, d = aligned(n, dtype, offs[0])
+                    _, a = aligned(n, dtype, offs[1])
+                    _, b = aligned(n, dtype, offs[2])
+                    a[:], b[:] = a0, b0
+                    before = K.bits_view(wd).copy()
+                    harness.reduce(name, d, a, b, arg, grid, block, rev)
+                    ok, err, bad = K.compare(d, ref, op)
+                    assert ok, f"{name} n={n} offs={offs} launch={grid}x{block}: first mismatch at {bad}: {d[bad]!r} vs {ref[bad]!r}"
+                    gb = K.bits_view(wd)
+                    assert (gb[:GUARD] == before[:GUARD]).all() and (gb[GUARD + n:] == before[GUARD + n:]).all(), "write outside [0, n)"
+                    assert (K.bits_view(a) == K.bits_view(a0)).all() and (K.bits_view(b) == K.bits_view(b0)).all(), "input modified"
+
+
+@pytest.mark.parametrize("op", K.OPS)
+@pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
+def test_reduce_in_place_two_operand(harness, dtype, op):
+    """dst = op(dst, src): the kernel called with a == dst."""
+    name = f"ddl_reduce_{op}_{K.SUFFIX[dtype]}"
+    for n in (0, 1, 67, 257):
+        for off in (0, 1):
+            a0, b0 = K.make_pair(dtype, n, seed=11, op=op)
+            ref = a0.copy()
+            with np.errstate(all="ignore"):
+                if op == "avg":
+                    K.NumpyBackend().reduce("sum", ref, b0, avg_p=5)
+                else:
+                    K.NumpyBackend().reduce(op, ref, b0)
+            _, d = aligned(n, dtype, off)
+            _, b = aligned(n, dtype, off)
+            d[:], b[:] = a0, b0
+            harness.reduce(name, d, d, b, K.kernel_arg(dtype, op, 5), 2, 32, True)
+            ok, _, bad = K.compare(d, ref, op)
+            assert ok, f"{name} in place n={n} off={off}: first mismatch at {bad}"
+
+
+def _tensors(rng_seed):
+    """Byte arrays of awkward lengths at awkward offsets (all alignments mod 16)."""
+    lens = [0, 1, 3, 16, 17, 31, 64, 100, 255, 1000, 7, 2]
+    out = []
+    for k, n in enumerate(lens):
+        raw = np.empty(n + 32, np.uint8)
+        off = (-raw.ctypes.data) % 16 + (k * 5) % 16
+        t = raw[off:off + n]
+        t[:] = (np.arange(n) * 31 + k * 7 + rng_seed) % 251
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("pad", [1, 4, 16], ids=["dense", "align4", "align16"])
+@pytest.mark.parametrize("grid,block,rev", [((1, 1), 1, False), ((2, 3), 32, True), ((3, 16), 64, False)])
+def test_pack_unpack(harness, pad, grid, block, rev):
+    tensors = _tensors(pad)
+    offsets, pos = [], 3 if pad == 1 else 0  # dense packing also starts off-boundary
+    for t in tensors:
+        pos = -(-pos // pad) * pad
+        offsets.append(pos)
+        pos += t.size
+    raw = np.zeros(pos + 64, np.uint8)
+    buf = raw[(-raw.ctypes.data) % 16:][:pos]
+    table = np.array([[t.ctypes.data, t.size, o] for t, o in zip(tensors, offsets)], dtype=np.uint64)
+    harness.pack(table, buf, grid, block, rev)
+    expect = np.zeros(pos, np.uint8)
+    for t, o in zip(tensors, offsets):
+        expect[o:o + t.size] = t
+    assert (buf == expect).all()
+    # unpack into fresh destinations whose surroundings hold a sentinel
+    dests = _tensors(99)
+    for d in dests:
+        d.base[:] = 0xEE
+        d[:] = 0
+    table = np.array([[d.ctypes.data, d.size, o] for d, o in zip(dests, offsets)], dtype=np.uint64)
+    harness.unpack(table, buf, grid, block, rev)
+    for t, d in zip(tensors, dests):
+        assert (d == t).all()
+        start = d.ctypes.data - d.base.ctypes.data
+        assert (d.base[:start] == 0xEE).all() and (d.base[start + d.size:] == 0xEE).all(), "write outside a tensor"
