@@ -345,9 +345,9 @@ def backend_input_numpy(x):
     """A numpy view of a host array or CPU torch tensor (for the non-contiguous copy path)."""
     if isinstance(x, np.ndarray):
         return x
-    if type(x).__module__.startswith("torch"):
-        return x.detach().numpy()
-    return np.asarray(x)
+    from .backends import get_backend
+
+    return get_backend("numpy")._as_numpy(x)
 
 
 def _scale_inplace(dst, p):

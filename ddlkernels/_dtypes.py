@@ -58,10 +58,10 @@ def normalize_op(op) -> str:
         raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)} or MPI.SUM/MAX/MIN/PROD")
     from mpi4py import MPI
 
-    table = {MPI.SUM: "sum", MPI.MAX: "max", MPI.MIN: "min", MPI.PROD: "prod"}
-    for mpi_op, name in table.items():
-        if op == mpi_op:
-            return name
+    if isinstance(op, MPI.Op):  # mpi4py ops are not hashable: compare one by one
+        for mpi_op, name in ((MPI.SUM, "sum"), (MPI.MAX, "max"), (MPI.MIN, "min"), (MPI.PROD, "prod")):
+            if op == mpi_op:
+                return name
     raise ValueError(f"unsupported op {op!r}; expected one of {', '.join(OPS)} or MPI.SUM/MAX/MIN/PROD")
 
 

@@ -57,28 +57,30 @@ def _reduce_scatter(ring, src, out, op, backend, transport, chunk, slots, avg_p)
     tag = ring[0].phase
     nxt, prv = ring[0].send_peer, ring[0].recv_peer
     isend, irecv, reduce = transport.isend, transport.irecv, backend.reduce
+    # MPI sees the "wire" views (same memory, an MPI-friendly type), the
+    # reduction kernels the typed ones.
+    w_src, w_out, w_slots = backend.wire(src), backend.wire(out), [backend.wire(s) for s in slots]
     window = len(slots)
-    sends = [isend(src[a:b], nxt, tag) for a, b in chunk_ranges(*ring[0].send, chunk)]
+    sends = [isend(w_src[a:b], nxt, tag) for a, b in chunk_ranges(*ring[0].send, chunk)]
     last_step = len(ring) - 1
     for s, st in enumerate(ring):
         last = s == last_step
         scale = avg_p if last else None
         pieces = chunk_ranges(*st.recv, chunk)
-        reqs = [irecv(slots[k][: b - a], prv, tag) for k, (a, b) in enumerate(pieces[:window])]
+        reqs = [irecv(w_slots[k][: b - a], prv, tag) for k, (a, b) in enumerate(pieces[:window])]
         for k, (a, b) in enumerate(pieces):
             reqs[k].Wait()
-            slot = slots[k % window]
-            reduce(op, out[a:b], src[a:b], slot[: b - a], avg_p=scale)
+            reduce(op, out[a:b], src[a:b], slots[k % window][: b - a], avg_p=scale)
             if k + window < len(pieces):
                 a2, b2 = pieces[k + window]
-                reqs.append(irecv(slot[: b2 - a2], prv, tag))
+                reqs.append(irecv(w_slots[k % window][: b2 - a2], prv, tag))
             if not last:
-                sends.append(isend(out[a:b], nxt, tag))
+                sends.append(isend(w_out[a:b], nxt, tag))
     _wait_all(sends)
 
 
 def _allgather(ring, out, transport, chunk):
-    tag = ring[0].phase
+    tag = ring[0].phase  # out is the wire view here: nothing is computed
     nxt, prv = ring[0].send_peer, ring[0].recv_peer
     isend, irecv = transport.isend, transport.irecv
     sends = [isend(out[a:b], nxt, tag) for a, b in chunk_ranges(*ring[0].send, chunk)]
@@ -125,4 +127,4 @@ def execute(sched: Schedule, src, out, op: str, *, backend, transport, chunk: in
             )
             first = False
         else:
-            _allgather(ring, out, transport, chunk)
+            _allgather(ring, backend.wire(out), transport, chunk)

@@ -63,6 +63,13 @@ class Backend(abc.ABC):
         """Device ordinal of ``x`` (``None`` on the host)."""
         return None
 
+    def wire(self, buf):
+        """``buf`` as MPI should see it: the same memory, typed so mpi4py can pass it.
+
+        MPI has no float16/bfloat16 datatype; they travel as 16-bit integers.
+        """
+        return buf
+
     # -- kernels ----------------------------------------------------------------
     @abc.abstractmethod
     def copy(self, dst, src) -> None:

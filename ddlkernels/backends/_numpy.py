@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._dtypes import acc_dtype
+from .._dtypes import BFLOAT16, acc_dtype
 from . import Backend
 
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
@@ -23,9 +23,18 @@ class NumpyBackend(Backend):
             return x
         if type(x).__module__.startswith("torch"):
             # .numpy() shares memory with the tensor; detach() drops autograd
-            # bookkeeping without copying.
-            return x.detach().numpy()
+            # bookkeeping without copying.  numpy has no bfloat16: reinterpret
+            # the bits as ml_dtypes' bfloat16.
+            import torch
+
+            t = x.detach()
+            if t.dtype == torch.bfloat16:
+                return t.view(torch.int16).numpy().view(BFLOAT16)
+            return t.numpy()
         return np.asarray(x)
+
+    def dtype(self, x):
+        return self._as_numpy(x).dtype
 
     def flat(self, x):
         a = self._as_numpy(x)
@@ -43,8 +52,13 @@ class NumpyBackend(Backend):
         if type(x).__module__.startswith("torch"):
             import torch
 
+            if a.dtype == BFLOAT16:
+                return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
             return torch.from_numpy(a)
         return a
+
+    def wire(self, buf):
+        return buf.view(np.uint16) if buf.dtype.itemsize == 2 and buf.dtype.kind != "i" else buf
 
     def copy(self, dst, src):
         np.copyto(dst, src)

@@ -1,0 +1,406 @@
+"""A discrete-event simulation of the engine's own schedule on a modeled cluster.
+
+Worked example
+--------------
+Four ranks on two nodes of two (``powerai-ddl`` cut to 4 ranks is one node;
+think of a 2 x 2 cluster), flat ring ``Plan((4,))``, 8 MB of float32, chunks
+of 1 MB.  ``build_schedule`` gives every rank 3 reduce-scatter steps and 3
+allgather steps of one 2 MB block each; the simulator cuts each block into two
+1 MB chunks, exactly as the engine does, and plays::
+
+    t=0      r0..r3: block of step 0 is local data -> both chunks ready;
+             r0->r1, r1->r2, r2->r3, r3->r0 each start chunk 0 (one message
+             per connection at a time, in program order, like one MPI pair).
+             r1->r2 and r3->r0 leave their node: they share nothing, but each
+             crosses its node's NIC (links * bandwidth, shared by every
+             message in flight through it) and pays the inter-node latency.
+    t=c/bw   chunk 0 of every step-0 message has left; chunk 1 starts.
+    t+lat    chunk 0 arrives; the receiver reduces it (bytes / reduce_rate,
+             one reduction at a time per rank) and only then may it forward
+             that same range as chunk 0 of step 1 -- the dependency the
+             engine's pipelining exploits.
+    ...      allgather steps copy instead of reduce (no compute time).
+
+Per rank, per step, per chunk, every send is matched to its receive (same
+phase, in order, as MPI matches a tag) and the ranges must agree; a send with
+no receive, or a dependency that can never be met, raises ``ScheduleError``.
+With ``verify=True`` the simulator also moves real data (unique int64 values
+per rank and element) through the same events and checks that every rank ends
+with the exact sum -- a misplaced range shows as a wrong element.
+
+Network model (see ``ddlkernels.topology``): a message from ``a`` to ``b``
+whose first common group is at level ``L`` crosses, for each level j <= L, the
+level-j links of a's and b's level-(j-1) groups (egress and ingress, full
+duplex), plus the level-L group's ``capacity`` if stated.  Messages in flight
+share each such resource equally (``links * bandwidth / n``), and one message
+never goes faster than ``min(bandwidth_j, j <= L)`` (it rides one link).
+Rates are recomputed whenever a message starts or ends.  The level-L latency
+is added to each message's arrival but does not hold the link (the next chunk
+may start while the previous is in flight, as on a real NIC).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._schedule import Plan, build_schedule, chunk_ranges
+from .topology import Topology
+
+__all__ = ["simulate", "SimResult", "ScheduleError", "DEFAULT_CHUNK_BYTES"]
+
+#: Chunk size (bytes) used when none is given: the engine's default pipelining unit.
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+class ScheduleError(RuntimeError):
+    """The schedule cannot run as written: unmatched messages, a deadlock, or wrong data."""
+
+
+@dataclass
+class SimResult:
+    """What one simulated collective cost.
+
+    ``time_s``      -- seconds from the start until the last rank is done.
+    ``rank_end_s``  -- per rank, when its last receive completed (or its last send left).
+    ``phase_end_s`` -- per phase, when its last receive completed on any rank.
+    ``messages``    -- chunk messages sent; ``bytes_by_level[j]`` -- bytes of
+                       messages whose first common group is level j+1.
+    ``verified``    -- True when the data was moved and checked (``verify``).
+    """
+
+    time_s: float
+    rank_end_s: list[float]
+    phase_end_s: list[float]
+    messages: int
+    bytes_by_level: list[int]
+    verified: bool
+    dims: tuple[int, ...]
+    chunk_bytes: int
+    itemsize: int
+    count: int
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "dims": list(self.dims),
+            "time_s": self.time_s,
+            "phase_end_s": self.phase_end_s,
+            "messages": self.messages,
+            "bytes_by_level": self.bytes_by_level,
+            "verified": self.verified,
+            "chunk_bytes": self.chunk_bytes,
+            "itemsize": self.itemsize,
+            "count": self.count,
+        }
+
+
+class _Network:
+    """Flows sharing resources; bottleneck fair share, recomputed on every start and end."""
+
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        self.ids = topo.group_ids()
+        self.cap: list[float] = []
+        self.res_index: dict[tuple, int] = {}
+        self.flows_on: list[set] = []
+        self.path_cache: dict[tuple[int, int], tuple] = {}
+        # flow state, indexed by flow id
+        self.f_path: dict[int, tuple] = {}
+        self.f_cap: dict[int, float] = {}
+        self.f_rem: dict[int, float] = {}
+        self.f_rate: dict[int, float] = {}
+        self.f_last: dict[int, float] = {}
+        self.f_ver: dict[int, int] = {}
+
+    def _res(self, key, capacity) -> int:
+        i = self.res_index.get(key)
+        if i is None:
+            i = self.res_index[key] = len(self.cap)
+            self.cap.append(capacity)
+            self.flows_on.append(set())
+        return i
+
+    def path(self, a: int, b: int):
+        """(resources, per-message cap, latency, level) of a message a -> b."""
+        key = (a, b)
+        hit = self.path_cache.get(key)
+        if hit is not None:
+            return hit
+        ids, levels = self.ids, self.topo.levels
+        L = 1
+        while ids[L][a] != ids[L][b]:
+            L += 1
+        res = []
+        cap = float("inf")
+        for j in range(1, L + 1):
+            lv = levels[j - 1]
+            c = lv.links * lv.bandwidth
+            res.append(self._res(("E", j, ids[j - 1][a]), c))
+            res.append(self._res(("I", j, ids[j - 1][b]), c))
+            cap = min(cap, lv.bandwidth)
+        top = levels[L - 1]
+        if top.capacity is not None:
+            res.append(self._res(("F", L, ids[L][a]), top.capacity))
+        hit = (tuple(res), cap, top.latency, L)
+        self.path_cache[key] = hit
+        return hit
+
+    def _rate(self, f: int) -> float:
+        r = self.f_cap[f]
+        cap, flows_on = self.cap, self.flows_on
+        for i in self.f_path[f]:
+            share = cap[i] / len(flows_on[i])
+            if share < r:
+                r = share
+        return r
+
+    def _update(self, flows, now, push):
+        for g in flows:
+            rem = self.f_rem[g] - self.f_rate[g] * (now - self.f_last[g])
+            self.f_rem[g] = rem if rem > 0 else 0.0
+            self.f_last[g] = now
+            rate = self._rate(g)
+            if rate != self.f_rate[g] or g not in self.f_ver:
+                self.f_rate[g] = rate
+                v = self.f_ver.get(g, 0) + 1
+                self.f_ver[g] = v
+                push(now + self.f_rem[g] / rate, g, v)
+
+    def start(self, f: int, path, cap: float, nbytes: float, now: float, push):
+        self.f_path[f] = path
+        self.f_cap[f] = cap
+        self.f_rem[f] = float(nbytes)
+        self.f_rate[f] = 0.0
+        self.f_last[f] = now
+        affected = set()
+        for i in path:
+            self.flows_on[i].add(f)
+            affected |= self.flows_on[i]
+        self._update(affected, now, push)
+
+    def finish(self, f: int, now: float, push):
+        affected = set()
+        for i in self.f_path[f]:
+            s = self.flows_on[i]
+            s.discard(f)
+            affected |= s
+        for d in (self.f_path, self.f_cap, self.f_rem, self.f_rate, self.f_last, self.f_ver):
+            del d[f]
+        self._update(affected, now, push)
+
+
+class _Msg:
+    """One chunk message: posted by an isend, matched to an irecv in order of (src, dst, tag)."""
+
+    __slots__ = ("src", "dst", "tag", "a", "b", "recv", "sent", "arrived", "payload", "send_done")
+
+    def __init__(self, src, dst, tag, a, b):
+        self.src, self.dst, self.tag, self.a, self.b = src, dst, tag, a, b
+        self.recv = None
+        self.sent = False
+        self.arrived = None  # time the last byte reached the receiver
+        self.payload = None
+        self.send_done = False
+
+
+class _Recv:
+    __slots__ = ("rank", "src", "tag", "a", "b", "msg", "waiter")
+
+    def __init__(self, rank, src, tag, a, b):
+        self.rank, self.src, self.tag, self.a, self.b = rank, src, tag, a, b
+        self.msg = None
+        self.waiter = False
+
+
+def _rings(steps):
+    """Consecutive runs of steps with one phase number (one ring each), as the engine splits them."""
+    out, cur = [], []
+    for st in steps:
+        if cur and st.phase != cur[0].phase:
+            out.append(cur)
+            cur = []
+        cur.append(st)
+    if cur:
+        out.append(cur)
+    return out
+
+
+class _Sim:
+    """The event loop: per-rank programs (generators mirroring ``_engine.execute``) over ``_Network``."""
+
+    FLOW, ARRIVE, RESUME = 0, 1, 2
+
+    def __init__(self, topo, p, itemsize, rrate, eager_bytes, verify, count):
+        self.net = _Network(topo)
+        self.p = p
+        self.itemsize = itemsize
+        self.rrate = rrate
+        self.eager = eager_bytes
+        self.heap: list = []
+        self.seq = 0
+        self.now = 0.0
+        self.unmatched_sends = defaultdict(deque)  # (src, dst, tag) -> msgs without a receive
+        self.unmatched_recvs = defaultdict(deque)
+        self.conn_queue = defaultdict(deque)  # (src, dst) -> msgs in posting order, not yet started
+        self.conn_busy = defaultdict(bool)
+        self.flows: dict[int, _Msg] = {}
+        self.progs: list = [None] * p
+        self.waiting: list = [None] * p  # what each rank's program waits for
+        self.rank_end = [0.0] * p
+        self.messages = 0
+        self.bytes_by_level = [0] * topo.depth
+        self.verify = verify
+        self.data = None
+        if verify:
+            base = np.arange(count, dtype=np.int64)
+            self.data = [base + np.int64(r) * np.int64(count) * 7 + 1 for r in range(p)]
+
+    # ---------------------------------------------------------------- events
+    def push(self, t, kind, a, b=0):
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    def _push_flow(self, t, f, v):
+        self.push(t, self.FLOW, f, v)
+
+    # ------------------------------------------------------------- MPI-like
+    def isend(self, src, dst, tag, a, b) -> _Msg:
+        m = _Msg(src, dst, tag, a, b)
+        q = self.unmatched_recvs[(src, dst, tag)]
+        if q:
+            self._match(m, q.popleft())
+        else:
+            self.unmatched_sends[(src, dst, tag)].append(m)
+        self.conn_queue[(src, dst)].append(m)
+        self._try_start((src, dst))
+        return m
+
+    def irecv(self, rank, src, tag, a, b) -> _Recv:
+        rq = _Recv(rank, src, tag, a, b)
+        q = self.unmatched_sends[(src, rank, tag)]
+        if q:
+            m = q.popleft()
+            self._match(m, rq)
+            self._try_start((src, rank))
+        else:
+            self.unmatched_recvs[(src, rank, tag)].append(rq)
+        return rq
+
+    def _match(self, m: _Msg, rq: _Recv):
+        if (m.a, m.b) != (rq.a, rq.b):
+            raise ScheduleError(
+                f"phase {m.tag}: rank {m.src} sends elements [{m.a}, {m.b}) to rank {m.dst}, "
+                f"which receives that message into [{rq.a}, {rq.b})"
+            )
+        m.recv, rq.msg = rq, m
+        if m.arrived is not None and rq.waiter:  # an eager message that had already landed
+            self.push(max(m.arrived, self.now), self.ARRIVE, id(rq), 0)
+
+    def _try_start(self, c):
+        """Start the next message of connection ``c`` if the wire is free and MPI may move it."""
+        if self.conn_busy[c]:
+            return
+        q = self.conn_queue[c]
+        if not q:
+            return
+        m = q[0]
+        nb = (m.b - m.a) * self.itemsize
+        # Rendezvous: a message above the eager limit moves only once its receive is posted.
+        if m.recv is None and nb > self.eager:
+            return
+        q.popleft()
+        self.conn_busy[c] = True
+        path, cap, lat, L = self.net.path(m.src, m.dst)
+        self.bytes_by_level[L - 1] += nb
+        self.messages += 1
+        if self.verify:
+            m.payload = self.data[m.src][m.a : m.b].copy()
+        self.flows[id(m)] = m
+        if nb == 0:
+            self.push(self.now, self.FLOW, id(m), -1)
+        else:
+            self.net.start(id(m), path, cap, nb, self.now, self._push_flow)
+
+    def _flow_done(self, fid):
+        m = self.flows.pop(fid)
+        if fid in self.net.f_ver:
+            self.net.finish(fid, self.now, self._push_flow)
+        c = (m.src, m.dst)
+        self.conn_busy[c] = False
+        lat = self.net.path(m.src, m.dst)[2]
+        m.arrived = self.now + lat
+        self.push(m.arrived, self.ARRIVE, id(m), 1)
+        self._try_start(c)
+
+    # ---------------------------------------------------------------- run
+    def run(self, programs):
+        self.msg_by_id: dict[int, object] = {}
+        for r, prog in enumerate(programs):
+            self.progs[r] = prog
+            self._advance(r)
+        while self.heap:
+            t, _, kind, a, b = heapq.heappop(self.heap)
+            self.now = t
+            if kind == self.FLOW:
+                if b != -1 and self.net.f_ver.get(a) != b:
+                    continue  # superseded by a rate change
+                self._flow_done(a)
+            elif kind == self.ARRIVE:
+                self._arrived(a, b)
+            else:
+                self._advance(a)
+
+    def _arrived(self, key, is_msg):
+        # Wake whichever rank waits on this message (as a receive or as a send).
+        for r in range(self.p) if False else ():
+            pass
+        w = self._watch.pop((key, is_msg), None)
+        for r in w or ():
+            self._advance(r)
+
+    def _advance(self, r):
+        """Run rank r's program until it blocks; register what it waits on."""
+        prog = self.progs[r]
+        while True:
+            try:
+                cond = next(prog)
+            except StopIteration:
+                self.progs[r] = None
+                self.waiting[r] = None
+                if self.now > self.rank_end[r]:
+                    self.rank_end[r] = self.now
+                return
+            kind = cond[0]
+            if kind == "compute":
+                self.waiting[r] = cond
+                self.push(self.now + cond[1], self.RESUME, r)
+                return
+            if kind == "recv":
+                rq = cond[1]
+                m = rq.msg
+                if m is not None and m.arrived is not None and m.arrived <= self.now:
+                    continue
+                self.waiting[r] = cond
+                rq.waiter = True
+                if m is not None and m.arrived is not None:
+                    self._watch_add((id(m), 1), r)
+                elif m is not None:
+                    self._watch_add((id(m), 1), r)
+                else:
+                    self._watch_add((id(rq), 0), r)
+                return
+            if kind == "sends":
+                pending = [m for m in cond[1] if m.arrived is None or m.arrived > self.now]
+                if not pending:
+                    continue
+                self.waiting[r] = cond
+                self._watch_add((id(pending[-1]), 1), r, recheck=cond)
+                return
+            raise AssertionError(kind)
+
+    def _watch_add(self, key, r, recheck=None):
+        self._watch.setdefault(key, []).append(r)

@@ -1,0 +1,162 @@
+"""allreduce / Allreduce / reduce_scatter / allgather against numpy, under any rank count.
+
+Every case checks: the reference (exact for integers and max/min, within the
+bound of tests/helpers.py for float sums and products), identical bits on
+every rank, and an untouched input for out-of-place calls.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ddlkernels
+from helpers import ALL_DTYPES, DTYPE_IDS, OPS, assert_close, assert_same_on_all_ranks, rank_data
+
+COMM = MPI.COMM_WORLD
+P, RANK = COMM.Get_size(), COMM.Get_rank()
+SIZES = [0, 1, 3, 5, 4097, 1_000_003]
+
+
+def dims_cases():
+    """(p,), a 2-D factorization where p allows, and None (the library's choice)."""
+    out = [(P,), None]
+    for a in range(2, P):
+        if P % a == 0:
+            out.append((a, P // a))
+            break
+    return out
+
+
+DIMS = dims_cases()
+
+
+def gather_inputs(x):
+    return COMM.allgather(np.asarray(x))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", OPS)
+def test_allreduce_every_dims_and_mode(n, dtype, op):
+    # Chunks of 64 KiB so that 1,000,003 elements pipeline through many chunks
+    # per step; small sizes below the default threshold take MPI's own
+    # allreduce when dims is None, the ring otherwise.
+    x = rank_data(n, RANK, P, dtype)
+    inputs = gather_inputs(x)
+    for dims in DIMS:
+        what = f"n={n} {dtype} {op} dims={dims}"
+        keep = x.copy()
+        y = ddlkernels.allreduce(x, op, dims=dims, chunk_bytes=64 << 10)
+        assert np.array_equal(x.view(np.uint8), keep.view(np.uint8)), f"{what}: input modified"
+        assert y.dtype == x.dtype and y.shape == x.shape
+        assert_close(y, inputs, op, dtype, what)
+        assert_same_on_all_ranks(COMM, y, what)
+        z = x.copy()
+        r = ddlkernels.allreduce(z, op, out=z, dims=dims, chunk_bytes=64 << 10)
+        assert r is z
+        assert np.array_equal(z.view(np.uint8), y.view(np.uint8)), f"{what}: in place differs from out of place"
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("mpi_op", ["SUM", "MAX", "MIN", "PROD"])
+def test_Allreduce_mpi4py_shape(n, dtype, mpi_op):
+    op = getattr(MPI, mpi_op)
+    x = rank_data(n, RANK, P, dtype, salt=1)
+    inputs = gather_inputs(x)
+    recv = np.empty_like(x)
+    ddlkernels.Allreduce(x, recv, op)
+    assert_close(recv, inputs, mpi_op.lower(), dtype, f"Allreduce n={n}")
+    assert_same_on_all_ranks(COMM, recv)
+    buf = x.copy()
+    ddlkernels.Allreduce(MPI.IN_PLACE, buf, op)
+    assert np.array_equal(buf.view(np.uint8), recv.view(np.uint8))
+
+
+def test_Allreduce_is_a_drop_in_for_comm_Allreduce():
+    """Same call shape as mpi4py, same answer (integers: exact)."""
+    x = rank_data(1001, RANK, P, np.int64)
+    a, b = np.empty_like(x), np.empty_like(x)
+    COMM.Allreduce(x, a, MPI.SUM)
+    ddlkernels.Allreduce(x, b, MPI.SUM)
+    assert np.array_equal(a, b)
+    # Shapes may differ when sizes agree, as in mpi4py.
+    c = np.empty((7, 11, 13), dtype=np.int64)
+    ddlkernels.Allreduce(x, c, MPI.SUM)
+    assert np.array_equal(c.reshape(-1), a)
+
+
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("n", [0, 1, max(P - 1, 0), P + 1, 4099, 65537])
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_reduce_scatter_allgather_roundtrip(dims, n, op):
+    x = rank_data(n, RANK, P, np.float64, salt=2)
+    keep = x.copy()
+    inputs = gather_inputs(x)
+    shard = ddlkernels.reduce_scatter(x, op, dims=dims, chunk_bytes=8 << 10)
+    assert np.array_equal(x, keep)
+    lo, hi = ddlkernels.shard_range(n, dims=dims)
+    assert shard.shape == (hi - lo,)
+    full_ref = ddlkernels.allreduce(x, op, dims=dims, chunk_bytes=8 << 10)
+    assert np.array_equal(shard, full_ref[lo:hi])
+    ranges = COMM.allgather((lo, hi))
+    assert sorted(ranges)[0][0] == 0 and sorted(ranges)[-1][1] == n
+    full = ddlkernels.allgather(shard, dims=dims, chunk_bytes=8 << 10)
+    assert np.array_equal(full, full_ref)
+    assert_close(full, inputs, op, np.float64)
+
+
+def test_flat_ring_shards_are_rank_ordered():
+    n = 10 * P + 3
+    bounds = [ddlkernels.shard_range(n, dims=(P,), rank=r) for r in range(P)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+def test_multidimensional_array_and_noncontiguous_input():
+    base = rank_data(6 * 50 * 4, RANK, P, np.float32).reshape(6, 50, 4)
+    view = base[:, ::2, :]  # not contiguous
+    keep = base.copy()
+    inputs = gather_inputs(np.ascontiguousarray(view))
+    y = ddlkernels.allreduce(view, "sum", chunk_bytes=256)
+    assert y.shape == view.shape and y.flags.c_contiguous
+    assert_close(y.reshape(-1), [a.reshape(-1) for a in inputs], "sum", np.float32)
+    assert np.array_equal(base, keep)
+    # In place on a non-contiguous view writes through to the base array.
+    ddlkernels.allreduce(view, "sum", out=view, chunk_bytes=256)
+    assert np.array_equal(view, y)
+    assert np.array_equal(base[:, 1::2, :], keep[:, 1::2, :])
+
+
+def test_communicator_object_and_mpi_comm_argument():
+    sub = COMM.Split(RANK % 2, RANK)
+    try:
+        with ddlkernels.Communicator(sub, chunk_bytes=1024, small_bytes=0) as dc:
+            x = rank_data(3001, sub.Get_rank(), sub.Get_size(), np.int32)
+            inputs = sub.allgather(x)
+            for y in (dc.allreduce(x), ddlkernels.allreduce(x, comm=dc), ddlkernels.allreduce(x, comm=sub)):
+                assert_close(y, inputs, "sum", np.int32)
+    finally:
+        sub.Free()
+
+
+def test_torch_cpu_tensors():
+    torch = pytest.importorskip("torch", reason="torch not installed (pip install -e .[torch])")
+    x = torch.from_numpy(rank_data(1234, RANK, P, np.float32))
+    inputs = gather_inputs(x.numpy())
+    y = ddlkernels.allreduce(x, "avg")
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float32
+    assert_close(y.numpy(), inputs, "avg", np.float32)
+    ddlkernels.allreduce(x, "avg", out=x)
+    assert torch.equal(x, y)
+
+
+def test_small_message_path_and_ring_agree():
+    """Below small_bytes MPI's own allreduce runs; integers must match the ring exactly."""
+    x = rank_data(100, RANK, P, np.int64)
+    with ddlkernels.Communicator(COMM, small_bytes=1 << 20) as small, ddlkernels.Communicator(COMM, small_bytes=0) as ring:
+        a = small.allreduce(x, "avg")
+        assert small.last_algorithm == ("mpi" if P > 1 else "ring")
+        b = ring.allreduce(x, "avg")
+        assert ring.last_algorithm == "ring"
+    assert np.array_equal(a, b)

@@ -1,0 +1,69 @@
+"""Bad input: a clear exception on every rank before any communication.
+
+Every rank passes the same bad argument here, so every rank must raise
+locally; if any rank entered a collective instead, the others would raise
+and it would hang, which MPIEXEC_TIMEOUT turns into a failed run.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ddlkernels
+
+COMM = MPI.COMM_WORLD
+P = COMM.Get_size()
+
+
+def good(n=10, dtype=np.float32):
+    return np.zeros(n, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "call,exc,msg",
+    [
+        (lambda: ddlkernels.allreduce(good(dtype=np.complex64)), TypeError, "unsupported dtype complex64"),
+        (lambda: ddlkernels.allreduce(good(dtype=np.int16)), TypeError, "unsupported dtype int16"),
+        (lambda: ddlkernels.allreduce(good(dtype=np.bool_)), TypeError, "unsupported dtype bool"),
+        (lambda: ddlkernels.allreduce(good().astype(">f4")), TypeError, "little-endian"),
+        (lambda: ddlkernels.allreduce(good(), "mean"), ValueError, "unknown op 'mean'"),
+        (lambda: ddlkernels.allreduce(good(), MPI.LAND), ValueError, "unsupported op"),
+        (lambda: ddlkernels.allreduce(good(), out=np.empty(11, np.float32)), ValueError, "out has shape"),
+        (lambda: ddlkernels.allreduce(good(), out=np.empty(10, np.float64)), TypeError, "out has dtype float64"),
+        (lambda: ddlkernels.allreduce(good(), dims=(P + 1,)), ValueError, f"describe {P + 1} ranks"),
+        (lambda: ddlkernels.allreduce(good(), dims=(0,)), ValueError, "positive"),
+        (lambda: ddlkernels.allreduce(good(), chunk_bytes=0), ValueError, "chunk_bytes must be a positive int"),
+        (lambda: ddlkernels.allreduce([1.0, 2.0]), TypeError, "cannot reduce an object of type builtins.list"),
+        (lambda: ddlkernels.allreduce(good(), comm="world"), TypeError, "comm must be"),
+        (lambda: ddlkernels.Allreduce(good(), np.empty(3, np.float32)), ValueError, "recvbuf holds 3 elements"),
+        (lambda: ddlkernels.Allreduce(good(), np.empty(10, np.int32)), TypeError, "out has dtype int32"),
+        (lambda: ddlkernels.reduce_scatter(good(), "median"), ValueError, "unknown op"),
+        (lambda: ddlkernels.reduce_scatter(good(dtype=np.uint8)), TypeError, "unsupported dtype uint8"),
+        (lambda: ddlkernels.allgather(good(dtype=np.float128) if hasattr(np, "float128") else good(dtype=np.complex128)), TypeError, "unsupported dtype"),
+        (lambda: ddlkernels.shard_range(10, dims=(P, 2)), ValueError, "ranks but the communicator"),
+        (lambda: ddlkernels.Communicator(COMM, window=0), ValueError, "window must be a positive int"),
+    ],
+)
+def test_bad_input_raises_locally(call, exc, msg):
+    with pytest.raises(exc, match=msg):
+        call()
+    # Everyone raised and nobody is stuck in a collective: a barrier completes.
+    COMM.Barrier()
+
+
+def test_out_of_place_never_modifies_input_even_on_error():
+    x = good(1000)
+    keep = x.copy()
+    with pytest.raises(ValueError):
+        ddlkernels.allreduce(x, out=np.empty(5, np.float32))
+    assert np.array_equal(x, keep)
+
+
+def test_mismatched_shard_lengths_raise_on_every_rank():
+    # Every rank learns every length in allgather, so all raise together.
+    n = 5 if COMM.Get_rank() == 0 else 3
+    if P == 1:
+        pytest.skip("needs 2 or more ranks to disagree")
+    with pytest.raises(ValueError, match="shard lengths do not match"):
+        ddlkernels.allgather(np.zeros(n, np.float32))
+    COMM.Barrier()
