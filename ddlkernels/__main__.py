@@ -1,0 +1,125 @@
+"""Command line: ``python -m ddlkernels <command>`` (under ``mpirun`` for the collective ones).
+
+  info       versions, MPI library, CUDA-awareness, backends, detected topology
+  job        the main job: allreduce sweep, checked, beside MPI's own Allreduce
+
+Other subcommands (planner, simulator, calibration, benchmarks) register
+themselves from their modules through ``add_subcommands``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that add subcommands: each has add_subcommands(subparsers).
+_EXTENSIONS = ("ddlkernels._cli_topo", "ddlkernels._cli_bench")
+
+
+def _info(args):
+    import platform
+
+    import numpy as np
+    from mpi4py import MPI
+
+    import ddlkernels
+    from ddlkernels import Communicator
+    from ddlkernels.backends import available_backends
+
+    comm = MPI.COMM_WORLD
+    dc = Communicator(comm, cuda_aware=args.cuda_aware)
+    lines = [
+        f"ddlkernels     {ddlkernels.__version__}",
+        f"python         {platform.python_version()}  numpy {np.__version__}  mpi4py {__import__('mpi4py').__version__}",
+        f"MPI library    {MPI.Get_library_version().splitlines()[0].strip()}",
+        f"MPI standard   {'.'.join(map(str, MPI.Get_version()))}; thread level {_thread_level(MPI.Query_thread())}",
+        f"ranks          {dc.size}",
+    ]
+    aware, why = dc.cuda_aware()
+    lines.append(f"CUDA-aware MPI {'yes' if aware else 'no'} ({why})")
+    for name, status in available_backends().items():
+        lines.append(f"backend        {name:6s} {status}")
+    try:
+        from ddlkernels._cuda_aware import gpu_info
+
+        for k, v in gpu_info(dc.comm, override=args.cuda_aware).items():
+            lines.append(f"gpu            {k}: {v}")
+    except ImportError as exc:  # the GPU helpers are optional at import time
+        lines.append(f"gpu            unavailable ({exc})")
+    plan = dc.plan()
+    nodes = len(set(dc._node_order)) and (dc.size // (plan.dims[0] if len(plan.dims) > 1 else dc.size))
+    lines.append(f"topology       {nodes} node(s); default box {'x'.join(map(str, plan.dims))}")
+    if comm.Get_rank() == 0:
+        print("\n".join(lines))
+    dc.free()
+
+
+def _thread_level(level):
+    from mpi4py import MPI
+
+    return {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled", MPI.THREAD_SERIALIZED: "serialized",
+            MPI.THREAD_MULTIPLE: "multiple"}.get(level, str(level))
+
+
+def _job(args):
+    from mpi4py import MPI
+
+    from ddlkernels._bench import ALLREDUCE_IMPLS, dump_json, format_table, parse_size, run_sweep, sweep_sizes
+
+    comm = MPI.COMM_WORLD
+    sizes = sweep_sizes(parse_size(args.begin), parse_size(args.end), args.factor)
+    impls = [ALLREDUCE_IMPLS["ddlkernels"], ALLREDUCE_IMPLS["MPI_Allreduce"]]
+    rows = run_sweep(comm, sizes, impls, dtype=args.dtype, op=args.op, iters=args.iters, warmup=args.warmup,
+                     check=not args.no_check, inplace=args.inplace)
+    wrong = sum((r["impls"][i.name]["wrong"] or 0) for r in rows for i in impls)
+    if comm.Get_rank() == 0:
+        print(f"# ddlkernels allreduce vs MPI_Allreduce: {comm.Get_size()} ranks, {args.dtype}, op {args.op}, "
+              f"{'in place' if args.inplace else 'out of place'}, {args.iters} iterations (median), "
+              f"time = slowest rank; busbw = algbw * 2(p-1)/p; path: which algorithm ddlkernels ran")
+        print(format_table(rows, impls, ratio_of=("ddlkernels", "MPI_Allreduce")))
+        print(f"# #wrong total: {wrong}")
+        if args.json:
+            dump_json(args.json, vars(args) | {"ranks": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0]}, rows)
+    if wrong:
+        sys.exit(1)
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(prog="python -m ddlkernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="versions, MPI, CUDA-awareness, backends, topology")
+    p.add_argument("--cuda-aware", type=lambda s: {"1": True, "0": False, "auto": None}[s], default=None,
+                   metavar="{1,0,auto}", help="override CUDA-aware MPI detection")
+    p.set_defaults(func=_info)
+    p = sub.add_parser("job", help="the main job: checked allreduce sweep vs MPI_Allreduce (run under mpirun)")
+    p.add_argument("-b", "--begin", default="4K", help="smallest message (bytes; K/M/G suffixes)")
+    p.add_argument("-e", "--end", default="64M", help="largest message")
+    p.add_argument("-f", "--factor", type=int, default=4, help="size multiplication factor")
+    p.add_argument("-n", "--iters", type=int, default=10, help="timed iterations per size")
+    p.add_argument("-w", "--warmup", type=int, default=3, help="untimed iterations per size")
+    p.add_argument("-d", "--dtype", default="float32")
+    p.add_argument("-o", "--op", default="sum")
+    p.add_argument("--inplace", action="store_true")
+    p.add_argument("--no-check", action="store_true", help="do not verify results")
+    p.add_argument("--json", help="write the rows as JSON to this path (rank 0)")
+    p.set_defaults(func=_job)
+    for mod in _EXTENSIONS:
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name != mod:
+                raise
+            continue
+        m.add_subcommands(sub)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
