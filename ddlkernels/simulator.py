@@ -54,6 +54,11 @@ __all__ = ["simulate", "SimResult", "ScheduleError", "DEFAULT_CHUNK_BYTES"]
 
 #: Chunk size (bytes) used when none is given: the engine's default pipelining unit.
 DEFAULT_CHUNK_BYTES = 1 << 20
+#: Receive slots per reduce-scatter step, as the engine's default.
+DEFAULT_WINDOW = 4
+#: Messages up to this size are sent eagerly (Open MPI's shared-memory and
+#: InfiniBand eager limits are 4 KiB .. 12 KiB); larger ones wait for the receive.
+DEFAULT_EAGER_BYTES = 4096
 
 
 class ScheduleError(RuntimeError):
@@ -196,24 +201,21 @@ class _Network:
 class _Msg:
     """One chunk message: posted by an isend, matched to an irecv in order of (src, dst, tag)."""
 
-    __slots__ = ("src", "dst", "tag", "a", "b", "recv", "sent", "arrived", "payload", "send_done")
+    __slots__ = ("src", "dst", "tag", "a", "b", "recv", "arrived", "payload")
 
     def __init__(self, src, dst, tag, a, b):
         self.src, self.dst, self.tag, self.a, self.b = src, dst, tag, a, b
         self.recv = None
-        self.sent = False
-        self.arrived = None  # time the last byte reached the receiver
+        self.arrived = None  # time the last byte reached the receiver (and the send completed)
         self.payload = None
-        self.send_done = False
 
 
 class _Recv:
-    __slots__ = ("rank", "src", "tag", "a", "b", "msg", "waiter")
+    __slots__ = ("rank", "src", "tag", "a", "b", "msg")
 
     def __init__(self, rank, src, tag, a, b):
         self.rank, self.src, self.tag, self.a, self.b = rank, src, tag, a, b
         self.msg = None
-        self.waiter = False
 
 
 def _rings(steps):
@@ -248,6 +250,8 @@ class _Sim:
         self.conn_queue = defaultdict(deque)  # (src, dst) -> msgs in posting order, not yet started
         self.conn_busy = defaultdict(bool)
         self.flows: dict[int, _Msg] = {}
+        self.arriving: dict[int, _Msg] = {}
+        self.nflows = 0
         self.progs: list = [None] * p
         self.waiting: list = [None] * p  # what each rank's program waits for
         self.rank_end = [0.0] * p
@@ -297,8 +301,6 @@ class _Sim:
                 f"which receives that message into [{rq.a}, {rq.b})"
             )
         m.recv, rq.msg = rq, m
-        if m.arrived is not None and rq.waiter:  # an eager message that had already landed
-            self.push(max(m.arrived, self.now), self.ARRIVE, id(rq), 0)
 
     def _try_start(self, c):
         """Start the next message of connection ``c`` if the wire is free and MPI may move it."""
@@ -319,11 +321,13 @@ class _Sim:
         self.messages += 1
         if self.verify:
             m.payload = self.data[m.src][m.a : m.b].copy()
-        self.flows[id(m)] = m
+        self.nflows += 1
+        fid = self.nflows  # never reused, so a stale event cannot match a newer flow
+        self.flows[fid] = m
         if nb == 0:
-            self.push(self.now, self.FLOW, id(m), -1)
+            self.push(self.now, self.FLOW, fid, -1)
         else:
-            self.net.start(id(m), path, cap, nb, self.now, self._push_flow)
+            self.net.start(fid, path, cap, nb, self.now, self._push_flow)
 
     def _flow_done(self, fid):
         m = self.flows.pop(fid)
@@ -333,74 +337,217 @@ class _Sim:
         self.conn_busy[c] = False
         lat = self.net.path(m.src, m.dst)[2]
         m.arrived = self.now + lat
-        self.push(m.arrived, self.ARRIVE, id(m), 1)
+        self.arriving[fid] = m
+        self.push(m.arrived, self.ARRIVE, fid)
         self._try_start(c)
 
     # ---------------------------------------------------------------- run
     def run(self, programs):
-        self.msg_by_id: dict[int, object] = {}
         for r, prog in enumerate(programs):
             self.progs[r] = prog
             self._advance(r)
-        while self.heap:
-            t, _, kind, a, b = heapq.heappop(self.heap)
+        heap, pop = self.heap, heapq.heappop
+        while heap:
+            t, _, kind, a, b = pop(heap)
             self.now = t
             if kind == self.FLOW:
                 if b != -1 and self.net.f_ver.get(a) != b:
                     continue  # superseded by a rate change
                 self._flow_done(a)
             elif kind == self.ARRIVE:
-                self._arrived(a, b)
+                m = self.arriving.pop(a)
+                self._check(m.dst)
+                self._check(m.src)
             else:
+                self.waiting[a] = None
                 self._advance(a)
 
-    def _arrived(self, key, is_msg):
-        # Wake whichever rank waits on this message (as a receive or as a send).
-        for r in range(self.p) if False else ():
-            pass
-        w = self._watch.pop((key, is_msg), None)
-        for r in w or ():
+    def _satisfied(self, r) -> bool:
+        cond = self.waiting[r]
+        if cond is None:
+            return False
+        kind = cond[0]
+        if kind == "recv":
+            m = cond[1].msg
+            return m is not None and m.arrived is not None and m.arrived <= self.now
+        if kind == "sends":
+            lst, i = cond[1], cond[2]
+            while i < len(lst) and lst[i].arrived is not None and lst[i].arrived <= self.now:
+                i += 1
+            cond[2] = i
+            return i == len(lst)
+        return False  # compute: resumed by its own event
+
+    def _check(self, r):
+        if self._satisfied(r):
+            self.waiting[r] = None
             self._advance(r)
 
     def _advance(self, r):
-        """Run rank r's program until it blocks; register what it waits on."""
+        """Run rank r's program until it blocks on something not yet true."""
         prog = self.progs[r]
+        if prog is None:
+            return
         while True:
             try:
                 cond = next(prog)
             except StopIteration:
                 self.progs[r] = None
-                self.waiting[r] = None
                 if self.now > self.rank_end[r]:
                     self.rank_end[r] = self.now
                 return
-            kind = cond[0]
-            if kind == "compute":
+            if cond[0] == "compute":
                 self.waiting[r] = cond
                 self.push(self.now + cond[1], self.RESUME, r)
                 return
-            if kind == "recv":
-                rq = cond[1]
-                m = rq.msg
-                if m is not None and m.arrived is not None and m.arrived <= self.now:
-                    continue
-                self.waiting[r] = cond
-                rq.waiter = True
-                if m is not None and m.arrived is not None:
-                    self._watch_add((id(m), 1), r)
-                elif m is not None:
-                    self._watch_add((id(m), 1), r)
-                else:
-                    self._watch_add((id(rq), 0), r)
+            if cond[0] == "sends":
+                cond = ["sends", cond[1], 0]
+            self.waiting[r] = cond
+            if not self._satisfied(r):
                 return
-            if kind == "sends":
-                pending = [m for m in cond[1] if m.arrived is None or m.arrived > self.now]
-                if not pending:
-                    continue
-                self.waiting[r] = cond
-                self._watch_add((id(pending[-1]), 1), r, recheck=cond)
-                return
-            raise AssertionError(kind)
+            self.waiting[r] = None
 
-    def _watch_add(self, key, r, recheck=None):
-        self._watch.setdefault(key, []).append(r)
+
+def _program(sim: _Sim, r: int, sched, ce: int, window: int, phase_end: list):
+    """Rank r's part of the collective, step for step the code of ``_engine.execute``.
+
+    Yields what the engine would block on: ("recv", req) for ``req.Wait()``,
+    ("compute", seconds) for a reduction kernel, ("sends", msgs) for the
+    ``_wait_all(sends)`` that closes each phase.
+    """
+    isz = sim.itemsize
+    data = sim.data
+    for ring in _rings(sched.steps):
+        tag = ring[0].phase
+        nxt, prv = ring[0].send_peer, ring[0].recv_peer
+        for st in ring:
+            if (st.send_peer, st.recv_peer) != (nxt, prv):
+                raise ScheduleError(f"rank {r} phase {tag}: step {st.step} changes ring neighbours, which the engine does not support")
+        for s in range(1, len(ring)):
+            # The engine forwards what it received at step s-1 as step s's send:
+            # the schedule must say the same, or the engine sends the wrong block.
+            if ring[s].send != ring[s - 1].recv:
+                raise ScheduleError(
+                    f"rank {r} phase {tag}: step {s} sends {ring[s].send} but step {s - 1} received {ring[s - 1].recv}; "
+                    "the engine forwards the block it just received"
+                )
+        sends = [sim.isend(r, nxt, tag, a, b) for a, b in chunk_ranges(*ring[0].send, ce)]
+        last = len(ring) - 1
+        if ring[0].reduce:
+            for s, st in enumerate(ring):
+                pieces = chunk_ranges(*st.recv, ce)
+                reqs = [sim.irecv(r, prv, tag, a, b) for a, b in pieces[:window]]
+                for k, (a, b) in enumerate(pieces):
+                    rq = reqs[k]
+                    yield ("recv", rq)
+                    yield ("compute", (b - a) * isz / sim.rrate)
+                    if data is not None:
+                        data[r][a:b] += rq.msg.payload
+                        rq.msg.payload = None
+                    if k + window < len(pieces):
+                        reqs.append(sim.irecv(r, prv, tag, *pieces[k + window]))
+                    if s != last:
+                        sends.append(sim.isend(r, nxt, tag, a, b))
+        else:
+            posted = [[sim.irecv(r, prv, tag, a, b) for a, b in chunk_ranges(*st.recv, ce)] for st in ring]
+            for s, reqs in enumerate(posted):
+                for rq in reqs:
+                    yield ("recv", rq)
+                    if data is not None:
+                        data[r][rq.a : rq.b] = rq.msg.payload
+                        rq.msg.payload = None
+                    if s != last:
+                        sends.append(sim.isend(r, nxt, tag, rq.a, rq.b))
+        yield ("sends", sends)
+        if sim.now > phase_end[tag]:
+            phase_end[tag] = sim.now
+
+
+def simulate(
+    topology: Topology,
+    plan,
+    nbytes: int,
+    *,
+    itemsize: int = 4,
+    chunk_bytes: int | None = None,
+    reduce_rate: float | None = None,
+    window: int | None = None,
+    eager_bytes: int = DEFAULT_EAGER_BYTES,
+    verify: bool | None = None,
+    schedules=None,
+) -> SimResult:
+    """Simulate one allreduce of ``nbytes`` bytes (``nbytes // itemsize`` elements) under ``plan``.
+
+    ``plan``        -- a ``Plan`` or a dims tuple (identity order).
+    ``chunk_bytes`` -- the engine's pipelining unit in bytes (default 1 MiB, as the engine).
+    ``reduce_rate`` -- bytes/s one rank reduces; default the topology's.
+    ``window``      -- receive slots per reduce-scatter step (default 4, as the engine).
+    ``eager_bytes`` -- messages up to this size move before their receive is
+                       posted; larger ones wait for it (MPI's rendezvous).
+    ``verify``      -- move real data and check the sums; default: only when
+                       ranks * elements <= 2**22.
+    ``schedules``   -- per-rank schedules to run instead of ``build_schedule``'s
+                       (tests inject faulty ones).
+    """
+    if not isinstance(plan, Plan):
+        plan = Plan(tuple(int(d) for d in plan))
+    p = plan.size
+    if p != topology.ranks:
+        raise ValueError(f"plan {plan.dims} has {p} ranks but topology {topology.name} has {topology.ranks}")
+    if nbytes < 0 or itemsize < 1:
+        raise ValueError(f"nbytes must be >= 0 and itemsize >= 1, got {nbytes}, {itemsize}")
+    count = nbytes // itemsize
+    chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
+    if chunk_bytes < itemsize:
+        raise ValueError(f"chunk_bytes must be >= itemsize ({itemsize}), got {chunk_bytes}")
+    window = DEFAULT_WINDOW if window is None else int(window)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    rrate = topology.reduce_rate if reduce_rate is None else float(reduce_rate)
+    if not rrate > 0:
+        raise ValueError(f"reduce_rate must be > 0, got {rrate}")
+    if verify is None:
+        verify = p * count <= (1 << 22)
+    if schedules is None:
+        schedules = [build_schedule(count, plan, r) for r in range(p)]
+    if len(schedules) != p:
+        raise ValueError(f"need {p} schedules, got {len(schedules)}")
+    nphases = max((s.phases for s in schedules), default=0)
+    sim = _Sim(topology, p, itemsize, rrate, eager_bytes, verify, count)
+    phase_end = [0.0] * nphases
+    sim.run([_program(sim, r, schedules[r], chunk_bytes // itemsize, window, phase_end) for r in range(p)])
+
+    stuck = [r for r in range(p) if sim.progs[r] is not None]
+    if stuck:
+        r = stuck[0]
+        cond = sim.waiting[r]
+        what = f"a receive from rank {cond[1].src} of elements [{cond[1].a}, {cond[1].b}) in phase {cond[1].tag}" if cond and cond[0] == "recv" else "its sends to complete"
+        raise ScheduleError(f"deadlock: {len(stuck)} ranks never finish; rank {r} waits for {what}")
+    leftover = [m for q in sim.unmatched_sends.values() for m in q]
+    if leftover:
+        m = leftover[0]
+        raise ScheduleError(f"phase {m.tag}: rank {m.src} sent elements [{m.a}, {m.b}) to rank {m.dst}, which never receives them")
+    verified = False
+    if verify:
+        want = np.zeros(count, dtype=np.int64)
+        base = np.arange(count, dtype=np.int64)
+        for r in range(p):
+            want += base + np.int64(r) * np.int64(count) * 7 + 1
+        for r in range(p):
+            bad = np.flatnonzero(sim.data[r] != want)
+            if bad.size:
+                i = int(bad[0])
+                raise ScheduleError(f"wrong data: rank {r} element {i} is {int(sim.data[r][i])}, the sum over ranks is {int(want[i])}")
+        verified = True
+    return SimResult(
+        time_s=max(sim.rank_end, default=0.0),
+        rank_end_s=sim.rank_end,
+        phase_end_s=phase_end,
+        messages=sim.messages,
+        bytes_by_level=sim.bytes_by_level,
+        verified=verified,
+        dims=plan.dims,
+        chunk_bytes=chunk_bytes,
+        itemsize=itemsize,
+        count=count,
+    )
