@@ -1,0 +1,273 @@
+"""Numba-CUDA kernels: the operations of kernels/reduce.cu and kernels/pack.cu, in Python.
+
+For users who have numba-cuda but not CuPy, and because Numba kernels run in
+the Numba CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which is how the device
+path is executed end to end on machines without a GPU.
+
+Worked example -- ``reduce_kernel("max", "bf16")`` is generated from the
+templates below as::
+
+    def ddl_reduce_max_bf16(dst, a, b, arg):
+        for i in range(cuda.grid(1), dst.shape[0], cuda.gridsize(1)):
+            x = libdevice.int_as_float(int32(uint32(a[i]) << uint32(16)))  # bf16 bits -> f32
+            y = libdevice.int_as_float(int32(uint32(b[i]) << uint32(16)))
+            dst[i] = a[i] if (x > y or x != x) else b[i]
+
+one grid-stride loop per (op, dtype), every element owned by one thread.  The
+kernels are generated from source text rather than composed from
+``@cuda.jit(device=True)`` helpers because numba-cuda compiles a called
+device function for the *current device*, so ``cuda.compile_ptx`` of a kernel
+with helpers fails on a machine without a GPU -- and compiling every kernel
+for sm_70/80/90 here is part of the proof.
+
+Semantics are those of kernels/reduce.cu and of the numpy backend (see the
+header of reduce.cu): f16/bf16 combine in float32 and round once; avg is
+``(a + b) * scale`` in the accumulation type (``scale`` = 1/p from the host)
+or ``floor((a + b) / p)`` for integers; integer arithmetic wraps; max/min
+propagate NaN and select one operand's bits (ties: ``a`` for float16, ``b``
+otherwise, as numpy).
+
+Storage: bfloat16 has no Numba type, so bfloat16 buffers are passed as their
+uint16 bits (``backends._numba`` does the views); uint16 is not a dtype
+ddlkernels reduces, so a uint16 buffer always means bfloat16.
+
+Preconditions of every reduce kernel: 1-D C-contiguous arrays of one length;
+``b`` does not overlap ``dst``; ``a`` is ``dst`` or does not overlap it (the
+2-operand form ``dst = op(dst, src)`` is ``kernel(dst, dst, src, arg)``).
+``arg`` has the accumulation type (``ARG_TYPES``); only avg reads it.
+
+Unlike the .cu kernels these do no 128-bit vectorization (Numba has no vector
+load types); they are the portable path.  The pack kernels take the tensors
+as a tuple of uint8 arrays (one compiled specialization per tuple length).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "OPS",
+    "SUFFIXES",
+    "ARG_TYPES",
+    "reduce_kernel",
+    "reduce_source",
+    "pack_kernel",
+    "unpack_kernel",
+    "suffix_of",
+    "kernel_signature",
+    "launch_config",
+]
+
+OPS = ("sum", "prod", "max", "min", "avg")
+SUFFIXES = ("f16", "bf16", "f32", "f64", "i32", "i64")
+#: numpy type of the last kernel argument (the accumulation type).
+ARG_TYPES = {
+    "f16": np.float32,
+    "bf16": np.float32,
+    "f32": np.float32,
+    "f64": np.float64,
+    "i32": np.int32,
+    "i64": np.int64,
+}
+_STORAGE = {
+    "f16": np.float16,
+    "bf16": np.uint16,
+    "f32": np.float32,
+    "f64": np.float64,
+    "i32": np.int32,
+    "i64": np.int64,
+}
+
+
+def suffix_of(dtype) -> str:
+    """Kernel suffix for a *storage* dtype (uint16 = bfloat16 bits)."""
+    dt = np.dtype(dtype)
+    for suf, st in _STORAGE.items():
+        if dt == np.dtype(st):
+            return suf
+    from ._dtypes import BFLOAT16
+
+    if BFLOAT16 is not None and dt == BFLOAT16:
+        return "bf16"
+    raise TypeError(f"no Numba kernel for dtype {dt}")
+
+
+# --- source templates ------------------------------------------------------------
+# Loads produce the accumulation values x, y; STORE turns an accumulation
+# expression into the assignment to dst[i].
+
+def _as_f32(expr: str) -> str:
+    """Source of a uint32 -> float32 bit cast: libdevice's __nv_int_as_float (a
+    register move in PTX) on the device; a numpy view in the simulator, which
+    has no libdevice."""
+    if _simulating():
+        return f"_sim_as_f32({expr})"
+    return f"libdevice.int_as_float(int32({expr}))"
+
+
+def _as_u32(expr: str) -> str:
+    if _simulating():
+        return f"_sim_as_u32({expr})"
+    return f"uint32(libdevice.float_as_int({expr}))"
+
+
+_LOAD = {
+    "f16": "x = float32(a[i])\n            y = float32(b[i])",
+    "bf16": None,  # built by _load(): depends on the bit cast
+    "f32": "x = a[i]\n            y = b[i]",
+    "f64": "x = a[i]\n            y = b[i]",
+    "i32": "x = a[i]\n            y = b[i]",
+    "i64": "x = a[i]\n            y = b[i]",
+}
+
+# float32 -> bfloat16 bits, round to nearest even; a NaN stays a (quiet) NaN.
+_BF16_STORE = """r = {expr}
+            u = {as_u32}
+            if r != r:
+                dst[i] = uint16((u >> uint32(16)) | uint32(0x40))
+            else:
+                dst[i] = uint16((u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16))"""
+
+
+def _store(suf: str, expr: str) -> str:
+    if suf == "bf16":
+        return _BF16_STORE.format(expr=expr, as_u32=_as_u32("r"))
+    # f16: numba rounds float32 -> float16 to nearest even on the store;
+    # integers: the store truncates to the storage width, i.e. wraps.
+    return f"dst[i] = {expr}"
+
+
+def _body(op: str, suf: str) -> str:
+    is_int = suf.startswith("i")
+    tie = " or x == y" if suf == "f16" else ""  # numpy's half loop uses >= / <=
+    if op in ("max", "min"):
+        cmp = ">" if op == "max" else "<"
+        if is_int:
+            return f"dst[i] = x if x {cmp} y else y"
+        return f"dst[i] = a[i] if (x {cmp} y or x != x{tie}) else b[i]"
+    if op == "avg" and is_int:
+        # Wrap the sum to the storage width first (the store does it), then
+        # floor-divide: numba's // on integers is Python's floor division.
+        return "dst[i] = x + y\n            dst[i] = dst[i] // arg"
+    expr = {"sum": "x + y", "prod": "x * y", "avg": "(x + y) * arg"}[op]
+    return _store(suf, expr)
+
+
+_KERNEL = '''
+def {name}(dst, a, b, arg):
+    for i in range(cuda.grid(1), dst.shape[0], cuda.gridsize(1)):
+            {load}
+            {body}
+'''
+
+
+def reduce_source(op: str, suf: str) -> str:
+    """Python source of kernel ``ddl_reduce_<op>_<suf>`` (see the module docstring)."""
+    if op not in OPS or suf not in SUFFIXES:
+        raise ValueError(f"no kernel for op={op!r}, dtype suffix={suf!r}")
+    if suf == "bf16":
+        load = f"x = {_as_f32('uint32(a[i]) << uint32(16)')}\n            y = {_as_f32('uint32(b[i]) << uint32(16)')}"
+    else:
+        load = _LOAD[suf]
+    return _KERNEL.format(name=f"ddl_reduce_{op}_{suf}", load=load, body=_body(op, suf))
+
+
+_PACK = '''
+def ddl_pack(buf, tensors, offsets):
+    start = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    stride = cuda.gridDim.x * cuda.blockDim.x
+    for t in range(cuda.blockIdx.y, len(tensors), cuda.gridDim.y):
+        src = tensors[t]
+        o = offsets[t]
+        for i in range(start, src.shape[0], stride):
+            buf[o + i] = src[i]
+
+
+def ddl_unpack(buf, tensors, offsets):
+    start = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    stride = cuda.gridDim.x * cuda.blockDim.x
+    for t in range(cuda.blockIdx.y, len(tensors), cuda.gridDim.y):
+        dst = tensors[t]
+        o = offsets[t]
+        for i in range(start, dst.shape[0], stride):
+            dst[i] = buf[o + i]
+'''
+
+
+# --- compilation -------------------------------------------------------------------
+def _namespace():
+    from numba import cuda, float32, int32, uint16, uint32
+
+    ns = {"cuda": cuda, "float32": float32, "int32": int32, "uint16": uint16, "uint32": uint32}
+    if _simulating():
+        ns["_sim_as_f32"] = lambda u: np.array([u], dtype=np.uint32).view(np.float32)[0]
+        ns["_sim_as_u32"] = lambda f: np.array([f], dtype=np.float32).view(np.uint32)[0]
+    else:
+        from numba.cuda import libdevice
+
+        ns["libdevice"] = libdevice
+    return ns
+
+
+def _simulating() -> bool:
+    from numba import config
+
+    return bool(getattr(config, "ENABLE_CUDASIM", 0))
+
+
+_PY: dict = {}
+_JIT: dict = {}
+
+
+def _pyfunc(name: str, source: str):
+    """The plain Python function for ``source`` (what ``cuda.jit``/``compile_ptx`` take)."""
+    if name not in _PY:
+        ns = _namespace()
+        code = compile(source, f"<ddlkernels numba kernel {name}>", "exec")
+        exec(code, ns)
+        _PY[name] = ns[name]
+    return _PY[name]
+
+
+def _jit(name: str, source: str):
+    if name not in _JIT:
+        from numba import cuda
+
+        _JIT[name] = cuda.jit(_pyfunc(name, source))
+    return _JIT[name]
+
+
+def reduce_kernel(op: str, suf: str, *, python: bool = False):
+    """The ``cuda.jit`` kernel ``ddl_reduce_<op>_<suf>`` (``python=True``: the undecorated function)."""
+    name = f"ddl_reduce_{op}_{suf}"
+    src = reduce_source(op, suf)
+    return _pyfunc(name, src) if python else _jit(name, src)
+
+
+def pack_kernel(*, python: bool = False):
+    return _pyfunc("ddl_pack", _PACK) if python else _jit("ddl_pack", _PACK)
+
+
+def unpack_kernel(*, python: bool = False):
+    return _pyfunc("ddl_unpack", _PACK) if python else _jit("ddl_unpack", _PACK)
+
+
+def kernel_signature(suf: str):
+    """Numba argument types of a reduce kernel for ``suf`` (for ``cuda.compile_ptx``)."""
+    from numba import types
+
+    st = {"f16": types.float16, "bf16": types.uint16, "f32": types.float32, "f64": types.float64,
+          "i32": types.int32, "i64": types.int64}[suf]
+    arg = {"f16": types.float32, "bf16": types.float32, "f32": types.float32, "f64": types.float64,
+           "i32": types.int32, "i64": types.int64}[suf]
+    arr = types.Array(st, 1, "C")
+    return (arr, arr, arr, arg)
+
+
+def launch_config(n: int, threads: int = 256, max_blocks: int = 1024) -> tuple[int, int]:
+    """(blocks, threads per block) for ``n`` elements: one thread per element up
+    to ``max_blocks`` blocks, beyond which the grid-stride loops take over."""
+    if n <= 0:
+        return 1, 1
+    threads = min(threads, n)
+    return min(max_blocks, -(-n // threads)), threads
