@@ -53,7 +53,7 @@ def _wait_all(reqs):
         r.Wait()
 
 
-def _reduce_scatter(ring, src, out, op, backend, transport, chunk, slots, avg_p):
+def _reduce_scatter(ring, src, out, op, backend, transport, chunk, slots, avg_p, deadline=None):
     tag = ring[0].phase
     nxt, prv = ring[0].send_peer, ring[0].recv_peer
     isend, irecv, reduce = transport.isend, transport.irecv, backend.reduce
@@ -69,17 +69,23 @@ def _reduce_scatter(ring, src, out, op, backend, transport, chunk, slots, avg_p)
         pieces = chunk_ranges(*st.recv, chunk)
         reqs = [irecv(w_slots[k][: b - a], prv, tag) for k, (a, b) in enumerate(pieces[:window])]
         for k, (a, b) in enumerate(pieces):
-            reqs[k].Wait()
+            if deadline is None:
+                reqs[k].Wait()
+            else:  # timeout= set: poll, and name this step and chunk on expiry (ddlkernels._wait)
+                deadline.wait_recv(reqs[k], st, k, len(pieces), a, b)
             reduce(op, out[a:b], src[a:b], slots[k % window][: b - a], avg_p=scale)
             if k + window < len(pieces):
                 a2, b2 = pieces[k + window]
                 reqs.append(irecv(w_slots[k % window][: b2 - a2], prv, tag))
             if not last:
                 sends.append(isend(w_out[a:b], nxt, tag))
-    _wait_all(sends)
+    if deadline is None:
+        _wait_all(sends)
+    else:
+        deadline.wait_sends(sends, ring, chunk)
 
 
-def _allgather(ring, out, transport, chunk):
+def _allgather(ring, out, transport, chunk, deadline=None):
     tag = ring[0].phase  # out is the wire view here: nothing is computed
     nxt, prv = ring[0].send_peer, ring[0].recv_peer
     isend, irecv = transport.isend, transport.irecv
@@ -89,14 +95,20 @@ def _allgather(ring, out, transport, chunk):
     posted = [[(a, b, irecv(out[a:b], prv, tag)) for a, b in chunk_ranges(*st.recv, chunk)] for st in ring]
     last_step = len(ring) - 1
     for s, pieces in enumerate(posted):
-        for a, b, req in pieces:
-            req.Wait()
+        for k, (a, b, req) in enumerate(pieces):
+            if deadline is None:
+                req.Wait()
+            else:
+                deadline.wait_recv(req, ring[s], k, len(pieces), a, b)
             if s != last_step:
                 sends.append(isend(out[a:b], nxt, tag))
-    _wait_all(sends)
+    if deadline is None:
+        _wait_all(sends)
+    else:
+        deadline.wait_sends(sends, ring, chunk)
 
 
-def execute(sched: Schedule, src, out, op: str, *, backend, transport, chunk: int, slots, avg_p=None) -> None:
+def execute(sched: Schedule, src, out, op: str, *, backend, transport, chunk: int, slots, avg_p=None, deadline=None) -> None:
     """Run ``sched`` on flat buffers: ``out`` receives the result, ``src`` is only read.
 
     ``src`` may be ``out`` (in place).  ``op`` is "sum", "max", "min" or
@@ -104,7 +116,8 @@ def execute(sched: Schedule, src, out, op: str, *, backend, transport, chunk: in
     reduction.  ``chunk`` is the pipeline chunk in elements and ``slots`` the
     receive buffers of at least ``chunk`` elements each.  For an
     allgather-only schedule ``src`` is unused and ``out`` must already hold
-    this rank's shard.
+    this rank's shard.  ``deadline`` (a ``ddlkernels._wait.Deadline``, set
+    when the call has a ``timeout=``) replaces every ``Wait()`` by polling.
     """
     rings = _phases(sched.steps)
     if not rings and src is not out:
@@ -124,7 +137,8 @@ def execute(sched: Schedule, src, out, op: str, *, backend, transport, chunk: in
                 chunk,
                 slots,
                 avg_p if ring[0].phase == last_rs else None,
+                deadline,
             )
             first = False
         else:
-            _allgather(ring, backend.wire(out), transport, chunk)
+            _allgather(ring, backend.wire(out), transport, chunk, deadline)
