@@ -40,18 +40,21 @@ typedef unsigned long long u64;
 
 // Copy n bytes as words of type W: a byte head up to the first sizeof(W)
 // boundary of dst (src has the same offset, checked by the caller), the
-// words, then a byte tail.
+// words, then a byte tail.  Loads go through the read-only cache (__ldg) and
+// stores through __stwb (an ordinary write-back st.global): both name the
+// global state space, which a pointer read from the table would otherwise
+// lose (it is generic), so the 128-bit accesses stay global accesses.
 template <class W>
 __device__ __forceinline__ void copy_words(unsigned char* dst, const unsigned char* __restrict__ src, u64 n,
                                            u64 tid, u64 stride) {
     u64 head = (sizeof(W) - ((u64)dst % sizeof(W))) % sizeof(W);
     if (head > n) head = n;
-    for (u64 i = tid; i < head; i += stride) dst[i] = __ldg(src + i);
+    for (u64 i = tid; i < head; i += stride) __stwb(dst + i, __ldg(src + i));
     const u64 nw = (n - head) / sizeof(W);
     const W* sw = reinterpret_cast<const W*>(src + head);
     W* dw = reinterpret_cast<W*>(dst + head);
-    for (u64 i = tid; i < nw; i += stride) dw[i] = __ldg(sw + i);
-    for (u64 i = head + nw * sizeof(W) + tid; i < n; i += stride) dst[i] = __ldg(src + i);
+    for (u64 i = tid; i < nw; i += stride) __stwb(dw + i, __ldg(sw + i));
+    for (u64 i = head + nw * sizeof(W) + tid; i < n; i += stride) __stwb(dst + i, __ldg(src + i));
 }
 
 __device__ __forceinline__ void copy_bytes(unsigned char* dst, const unsigned char* __restrict__ src, u64 n) {

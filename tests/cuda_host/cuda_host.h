@@ -5,7 +5,7 @@
 //   that CuPy loads, the test harness compiles them with g++ after this
 //   header, which supplies what nvcc would: the qualifiers (__global__,
 //   __device__, __forceinline__), the built-in index variables (threadIdx,
-//   blockIdx, blockDim, gridDim), and __ldg.  uint4/dim3 and the half types
+//   blockIdx, blockDim, gridDim), and __ldg/__stwb.  uint4/dim3 and the half types
 //   come from the CUDA toolkit's own vector_types.h, cuda_fp16.h and
 //   cuda_bf16.h, which compile for the host (their host paths do the same
 //   round-to-nearest-even conversions as the device instructions).
@@ -50,6 +50,12 @@ static dim3 blockDim, gridDim;
 template <class T>
 static inline T __ldg(const T* p) {
     return *p;
+}
+
+// Cache-hinted store (write-back, the default policy): on the host, a store.
+template <class T>
+static inline void __stwb(T* p, T v) {
+    *p = v;
 }
 
 template <class... P, class... A>

@@ -1,0 +1,133 @@
+"""Compile the kernels for real GPU targets without a GPU, and read what the compilers say.
+
+* ``.cu`` files: NVRTC from cuda-python (``cuda.bindings.nvrtc``, CUDA 12.9,
+  reaches sm_70) and the machine's ``nvcc`` (CUDA 13, sm_75 and newer).
+* Numba kernels: ``numba.cuda.compile_ptx``, then ``ptxas -v`` from the pip
+  CUDA 12.9 toolchain (``nvidia-cuda-nvcc-cu12``) for registers and spills.
+
+Shared by tests/test_compile.py and bench/kernel_report.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ddlkernels._kernel_sources import kernel_dir, nvrtc_options
+
+__all__ = ["nvrtc", "nvcc", "nvcc_path", "ptxas_path", "ptxas", "parse_ptxas", "ptx_entries", "vectorized",
+           "numba_ptx", "NVRTC_ARCHS", "NVCC_ARCHS"]
+
+NVRTC_ARCHS = (70, 80, 90)
+NVCC_ARCHS = (75, 80, 90)
+
+_INFO = re.compile(r"Function properties for (\S+)\s*\n.*?(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+                   r"\s*\n.*?Used (\d+) registers", re.S)
+
+
+def parse_ptxas(log: str) -> dict:
+    """``{function: {"regs", "stack", "spill_stores", "spill_loads"}}`` from ``ptxas -v`` output."""
+    out = {}
+    for m in _INFO.finditer(log):
+        name, stack, st, ld, regs = m.group(1), *map(int, m.group(2, 3, 4, 5))
+        out[name] = {"regs": regs, "stack": stack, "spill_stores": st, "spill_loads": ld}
+    return out
+
+
+def nvrtc(source: str, arch: str) -> tuple[bool, str, bytes]:
+    """Compile kernels/<source> with NVRTC: ``arch`` "sm_XX" -> cubin (log has ptxas -v), "compute_XX" -> PTX."""
+    from cuda.bindings import nvrtc as N
+
+    src = (kernel_dir() / source).read_bytes()
+    err, prog = N.nvrtcCreateProgram(src, source.encode(), 0, [], [])
+    try:
+        extra = ("-Xptxas=-v",) if arch.startswith("sm_") else ()
+        opts = [o.encode() for o in nvrtc_options(arch, extra)]
+        (err,) = N.nvrtcCompileProgram(prog, len(opts), opts)
+        _, n = N.nvrtcGetProgramLogSize(prog)
+        log = b" " * n
+        N.nvrtcGetProgramLog(prog, log)
+        ok = err == N.nvrtcResult.NVRTC_SUCCESS
+        out = b""
+        if ok:
+            if arch.startswith("sm_"):
+                _, size = N.nvrtcGetCUBINSize(prog)
+                out = b" " * size
+                N.nvrtcGetCUBIN(prog, out)
+            else:
+                _, size = N.nvrtcGetPTXSize(prog)
+                out = b" " * size
+                N.nvrtcGetPTX(prog, out)
+        return ok, log.decode(errors="replace").rstrip("\x00 "), out
+    finally:
+        N.nvrtcDestroyProgram(prog)
+
+
+def nvcc_path():
+    return shutil.which("nvcc") or (shutil.which("/usr/local/cuda/bin/nvcc"))
+
+
+def nvcc(source: str, arch: int, ptx: bool = False) -> tuple[bool, str, str]:
+    """``nvcc -std=c++17 -arch=sm_<arch> -cubin kernels/<source>`` (with ``-Xptxas -v``), or ``-ptx``."""
+    with tempfile.TemporaryDirectory() as td:
+        out = Path(td) / ("k.ptx" if ptx else "k.cubin")
+        cmd = [nvcc_path(), "-std=c++17", f"-arch=sm_{arch}", "-ptx" if ptx else "-cubin",
+               str(kernel_dir() / source), "-o", str(out)]
+        if not ptx:
+            cmd[4:4] = ["-Xptxas", "-v"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        text = out.read_text(errors="replace") if (ptx and res.returncode == 0) else ""
+        return res.returncode == 0, res.stdout + res.stderr, text
+
+
+def ptxas_path():
+    """ptxas of the pip CUDA 12 toolchain (reaches sm_70), else the one on PATH."""
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            p = Path(loc) / "bin" / "ptxas"
+            if p.is_file():
+                return str(p)
+    return shutil.which("ptxas")
+
+
+def ptxas(ptx: str, arch: int) -> tuple[bool, str]:
+    with tempfile.TemporaryDirectory() as td:
+        src = Path(td) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run([ptxas_path(), "-v", f"-arch=sm_{arch}", str(src), "-o", str(Path(td) / "k.cubin")],
+                             capture_output=True, text=True)
+        return res.returncode == 0, res.stdout + res.stderr
+
+
+def ptx_entries(ptx: str) -> dict:
+    """``{entry name: body}`` of every ``.entry`` in a PTX text."""
+    out = {}
+    for m in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\n\}", ptx, re.S):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+_V128 = re.compile(r"\b(ld|st)\.global(\.(?:nc|wb|cg|cs|ca|lu|cv|wt))?(\.L\w+::\w+)*\.(v4\.[bfsu]32|v2\.[bfsu]64)\b")
+
+
+def vectorized(body: str) -> bool:
+    """True if a PTX body has both a 128-bit global load and a 128-bit global store."""
+    kinds = {m.group(1) for m in _V128.finditer(body)}
+    return kinds == {"ld", "st"}
+
+
+def numba_ptx(pyfunc, sig, cc: int) -> tuple[str, str]:
+    """(ptx, entry name) of a Numba kernel compiled for compute capability ``cc`` (e.g. 70)."""
+    from numba import cuda
+
+    ptx, _ = cuda.compile_ptx(pyfunc, sig, cc=(cc // 10, cc % 10))
+    names = list(ptx_entries(ptx))
+    return ptx, names[0] if names else ""

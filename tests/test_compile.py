@@ -1,0 +1,134 @@
+"""Every kernel compiled for real GPU targets, without a GPU.
+
+* kernels/*.cu with NVRTC (cuda.bindings.nvrtc, CUDA 12.9) for sm_70/80/90 and
+  with the machine's nvcc (CUDA 13: sm_75/80/90), each file on its own;
+  ``ptxas -v`` must report no spills and no stack frame, every kernel of the
+  file must be there, and the reduce and pack kernels must move their bulk
+  with 128-bit global loads and stores (the float32 reduce: ``ld.global.v4``
+  / ``ld.global.nc.v4``).
+* every Numba kernel with ``numba.cuda.compile_ptx`` for sm_70/80/90, then
+  ptxas (pip CUDA 12.9) for registers and spills.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _compile_tools as C  # noqa: E402
+import _kernel_ref as K  # noqa: E402
+
+from ddlkernels import _numba_kernels as N  # noqa: E402
+from ddlkernels._kernel_sources import SOURCES, kernel_dir  # noqa: E402
+
+REDUCE = {f"ddl_reduce_{op}_{K.SUFFIX[dt]}" for op in K.OPS for dt in K.DTYPES}
+EXPECTED = {"reduce.cu": REDUCE, "pack.cu": {"ddl_pack", "ddl_unpack"}}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _nvrtc_available():
+    try:
+        from cuda.bindings import nvrtc  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="cuda-python (cuda.bindings.nvrtc) is not installed")
+needs_nvcc = pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc is not on PATH")
+needs_ptxas = pytest.mark.skipif(C.ptxas_path() is None, reason="ptxas (nvidia-cuda-nvcc-cu12) is not installed")
+
+
+def _check_ptxas(log, source, target):
+    info = C.parse_ptxas(log)
+    assert set(info) == EXPECTED[source], f"{source} {target}: kernels seen by ptxas: {sorted(info)}"
+    for name, i in info.items():
+        assert i["spill_stores"] == 0 and i["spill_loads"] == 0, f"{name} spills on {target}: {i}"
+        assert i["stack"] == 0, f"{name} has a stack frame on {target}: {i}"
+        assert 0 < i["regs"] <= 64, f"{name} uses {i['regs']} registers on {target}"
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", C.NVRTC_ARCHS)
+@pytest.mark.parametrize("source", SOURCES)
+def test_nvrtc(source, arch):
+    ok, log, cubin = C.nvrtc(source, f"sm_{arch}")
+    assert ok, log
+    assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
+    _check_ptxas(log, source, f"sm_{arch} (NVRTC)")
+    ok, log, ptx = C.nvrtc(source, f"compute_{arch}")
+    assert ok, log
+    entries = C.ptx_entries(ptx.decode())
+    assert set(entries) == EXPECTED[source]
+    unvectorized = [n for n, body in entries.items() if not C.vectorized(body)]
+    assert not unvectorized, f"no 128-bit global load+store in {unvectorized} (compute_{arch})"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", C.NVCC_ARCHS)
+@pytest.mark.parametrize("source", SOURCES)
+def test_nvcc(source, arch):
+    ok, log, _ = C.nvcc(source, arch)
+    assert ok, log
+    _check_ptxas(log, source, f"sm_{arch} (nvcc)")
+    ok, log, ptx = C.nvcc(source, arch, ptx=True)
+    assert ok, log
+    entries = C.ptx_entries(ptx)
+    assert set(entries) == EXPECTED[source]
+    assert all(C.vectorized(b) for b in entries.values())
+
+
+@needs_nvcc
+@pytest.mark.parametrize("source", SOURCES)
+def test_each_cu_compiles_on_its_own(source, tmp_path):
+    """The exact command of the kernel headers, from the checkout root."""
+    rel = (kernel_dir() / source).relative_to(ROOT) if kernel_dir().is_relative_to(ROOT) else kernel_dir() / source
+    res = subprocess.run([C.nvcc_path(), "-std=c++17", "-arch=sm_90", "-cubin", str(rel), "-o", str(tmp_path / "k.cubin")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "k.cubin").stat().st_size > 0
+
+
+@needs_nvcc
+def test_f32_reduce_uses_128_bit_loads():
+    ok, log, ptx = C.nvcc("reduce.cu", 90, ptx=True)
+    assert ok, log
+    body = C.ptx_entries(ptx)["ddl_reduce_sum_f32"]
+    assert "ld.global.v4.f32" in body or "ld.global.nc.v4" in body
+    assert "ld.global.nc.v4" in body, "the read-only operand should go through the non-coherent cache"
+    assert "st.global.v4" in body
+
+
+@needs_ptxas
+@pytest.mark.parametrize("suf", N.SUFFIXES)
+@pytest.mark.parametrize("op", N.OPS)
+def test_numba_reduce_compiles(op, suf):
+    for cc in C.NVRTC_ARCHS:
+        ptx, entry = C.numba_ptx(N.reduce_kernel(op, suf, python=True), N.kernel_signature(suf), cc)
+        assert f"ddl_reduce_{op}_{suf}" in entry
+        assert f".target sm_{cc}" in ptx
+        ok, log = C.ptxas(ptx, cc)
+        assert ok, log
+        (info,) = C.parse_ptxas(log).values()
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"sm_{cc}: {info}"
+
+
+@needs_ptxas
+@pytest.mark.parametrize("which", ["pack", "unpack"])
+def test_numba_pack_compiles(which):
+    from numba import types
+
+    fn = N.pack_kernel(python=True) if which == "pack" else N.unpack_kernel(python=True)
+    u8 = types.Array(types.uint8, 1, "C")
+    sig = (u8, types.UniTuple(u8, 4), types.Array(types.int64, 1, "C"))
+    for cc in C.NVRTC_ARCHS:
+        ptx, entry = C.numba_ptx(fn, sig, cc)
+        assert f"ddl_{which}" in entry
+        ok, log = C.ptxas(ptx, cc)
+        assert ok, log
+        (info,) = C.parse_ptxas(log).values()
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0
