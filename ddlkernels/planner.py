@@ -22,13 +22,15 @@ does (each link used once per direction).  Each candidate is costed with the
 alpha-beta model of ``docs/planner.md``:
 
     T = sum over dimensions i, for reduce-scatter and allgather:
-        (d_i - 1) * max(m_i / r_i, a_i + c * (1/r_i + 1/R)) + a_i
+        (d_i - 1) * max(m_i / r_i, a_i + c * (1/r_i + 1/R)) + [m_i > c] (a_i + c / r_i)
 
 where ``m_i`` is the block one rank sends per step of dimension i (N / (d1 ...
 di)), ``r_i`` the slowest ring edge's rate once every ring of that dimension
 shares the links it crosses (``links * bandwidth / n`` per group, never more
-than one link), ``a_i`` the latency of the highest level those edges cross,
-``c`` the pipeline chunk and ``R`` the reduction rate (reduce-scatter only).
+than one link), ``a_i`` the mean latency of the ring's edges (the pipeline's
+critical path walks around the ring, one edge per step), ``c`` the pipeline
+chunk and ``R`` the reduction rate (reduce-scatter only; in the allgather the
+``1/R`` term is absent).
 
 Edge rates depend only on (stride, d) of a dimension, not on the message
 size, so they are computed once per topology (vectorised over ranks) and each
@@ -91,7 +93,7 @@ class _Model:
         self.edge_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def edges(self, stride: int, d: int):
-        """(latency, rate) arrays of the distinct ring-edge classes of a dimension with this stride and size."""
+        """(mean latency, max latency, min rate, mean 1/rate) over the ring edges of a dimension (stride, d)."""
         key = (stride, d)
         hit = self.edge_cache.get(key)
         if hit is not None:
@@ -124,8 +126,10 @@ class _Model:
                 n = np.bincount(g[use], minlength=g.max() + 1)
                 rate = np.where(use, np.minimum(rate, capf / np.maximum(n[g], 1)), rate)
         alpha = self.lat[L - 1]
-        pairs = np.unique(np.stack([alpha, rate], axis=1), axis=0)
-        hit = (pairs[:, 0].copy(), pairs[:, 1].copy())
+        # The bandwidth term follows the slowest edge; the latency chain of a
+        # pipelined ring walks backwards around it, one edge per step, so it
+        # pays the edges' mean latency (rings of one dimension are alike).
+        hit = (float(alpha.mean()), float(alpha.max()), float(rate.min()), float(np.mean(1.0 / rate)))
         self.edge_cache[key] = hit
         return hit
 
@@ -135,12 +139,15 @@ class _Model:
         n = float(nbytes)
         for d in dims:
             if d > 1:
-                alpha, rate = self.edges(stride, d)
+                a_mean, a_max, r_min, inv_r = self.edges(stride, d)
                 m = n / d
                 c = min(chunk, m)
-                rs = np.max(np.maximum(m / np.minimum(rate, R), alpha + c * (1.0 / rate + 1.0 / R)) + 0.0)
-                ag = np.max(np.maximum(m / rate, alpha + c / rate))
-                t += (d - 1) * (rs + ag) + 2 * float(np.max(alpha))
+                rs = max(m / min(r_min, R), a_mean + c * (inv_r + 1.0 / R))
+                ag = max(m / r_min, a_mean + c * inv_r)
+                # With more than one chunk per step, the first chunk of the
+                # first step fills the pipeline before the links are all busy.
+                fill = a_mean + c * inv_r if m > c else 0.0
+                t += (d - 1) * (rs + ag) + 2 * fill
                 n = m
             stride *= d
         return float(t)
@@ -247,7 +254,12 @@ def choose_plan(topology: Topology, p: int, nbytes: int, *, chunk_bytes: int = D
     R = topo.reduce_rate if reduce_rate is None else reduce_rate
     size = max(int(nbytes), 1)
     scored = sorted((model.time(c, size, chunk_bytes, R), len(c), c) for c in _candidates(topo.ranks, topo.depth))
-    best_t, _, best = scored[0]
+    # Among boxes the model cannot tell apart (within 0.1 %), take the one with
+    # the fewest dimensions: each phase ends with a wait the model does not see.
+    near = [s for s in scored if s[0] <= scored[0][0] * (1 + 1e-3)]
+    best_t, _, best = min(near, key=lambda s: (s[1], s[0]))
+    scored.remove((best_t, len(best), best))
+    scored.insert(0, (best_t, len(best), best))
     order = tuple(int(r) for r in model.order)
     plan = Plan(best, order)
     info = {

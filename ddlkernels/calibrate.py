@@ -1,0 +1,225 @@
+"""Measure the running job's links and write a topology file the planner and simulator can use.
+
+Worked example
+--------------
+``mpirun -n 4 python -m ddlkernels calibrate --out here.json`` on one 2-core
+machine finds one level (all 4 ranks share memory) and measures, in order:
+
+1. latency and bandwidth of that level: ranks 0 and 1 ping-pong messages of
+   8 B .. 4 MiB while the others sleep (``Ibarrier`` + ``sleep`` polling, so
+   idle ranks do not steal the cores); one-way time t(n) = RTT / 2, latency =
+   t(8 B), bandwidth = 1 / slope of t over the sizes >= 256 KiB;
+2. what the level carries when everyone talks at once: every rank
+   ``Sendrecv``-s 4 MiB around a ring inside its group; if the groups move
+   less than (members x bandwidth), the measured total becomes the level's
+   ``capacity`` (on a node: the memory bus and the cores shared by the copies);
+   on higher levels, the number of ``links`` leaving a group is how many
+   single-message bandwidths the group's members reach together;
+3. the reduction rate: every rank at once sums 8 MiB float32 arrays with numpy
+   (the host backend's kernel), bytes of result per second per rank.
+
+On a cluster, step 1 and 2 repeat for each level with a pair of ranks whose
+first common group is that level (same node, other node in the rack, other
+rack), so nothing assumes a single level.  The structure comes from
+``topology.detect`` (or from ``structure``, a topology file whose placement
+stands in for the real one, e.g. to treat ranks 0-1 and 2-3 as two nodes).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .topology import Level, Topology, detect, _replace
+
+__all__ = ["calibrate", "pingpong", "fit_alpha_beta"]
+
+DEFAULT_SIZES = (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20)
+
+
+def _idle_wait(comm):
+    """Barrier that sleeps instead of spinning, so measuring ranks keep the cores."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.0005)
+
+
+def pingpong(comm, a: int, b: int, sizes=DEFAULT_SIZES, reps: int = 20) -> dict[int, float]:
+    """One-way seconds per message size between ranks ``a`` and ``b`` (median of ``reps`` round trips / 2).
+
+    Collective over ``comm``: every other rank waits without spinning.
+    Returns the timings on every rank.
+    """
+    r = comm.Get_rank()
+    out: dict[int, float] = {}
+    if r in (a, b):
+        peer = b if r == a else a
+        for n in sizes:
+            buf = np.zeros(max(n, 1), dtype=np.uint8)[:n]
+            times = []
+            for i in range(reps + 2):
+                if r == a:
+                    t0 = time.perf_counter()
+                    comm.Send(buf, peer, 77)
+                    comm.Recv(buf, peer, 77)
+                    if i >= 2:  # two warm-up round trips (connection setup, page faults)
+                        times.append((time.perf_counter() - t0) / 2)
+                else:
+                    comm.Recv(buf, peer, 77)
+                    comm.Send(buf, peer, 77)
+            if r == a:
+                out[n] = float(np.median(times))
+    _idle_wait(comm)
+    return comm.bcast(out, root=a)
+
+
+def fit_alpha_beta(times: dict[int, float], min_bw_size: int = 256 << 10) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) from one-way times: latency = the smallest message's time,
+    bandwidth = 1 / least-squares slope over sizes >= ``min_bw_size`` (all sizes if fewer than two)."""
+    sizes = sorted(times)
+    alpha = times[sizes[0]]
+    big = [n for n in sizes if n >= min_bw_size]
+    if len(big) < 2:
+        big = sizes
+    x = np.array(big, dtype=float)
+    y = np.array([times[n] for n in big])
+    slope = np.polyfit(x, y, 1)[0] if len(big) >= 2 else y[0] / max(x[0], 1)
+    if not slope > 0:  # noise on a flat curve: fall back to the largest message's average rate
+        slope = y[-1] / x[-1]
+    return float(alpha), float(1.0 / slope)
+
+
+def _ring_exchange(comm, members: list[list[int]], nbytes: int, reps: int) -> float:
+    """Every rank in ``members`` (lists of rings) Sendrecv-s ``nbytes`` to its ring successor at once.
+
+    Returns the median seconds of one exchange (slowest rank), on every rank.
+    """
+    r = comm.Get_rank()
+    ring = next((m for m in members if r in m), None)
+    sbuf = np.ones(nbytes, dtype=np.uint8)
+    rbuf = np.empty(nbytes, dtype=np.uint8)
+    times = []
+    for i in range(reps + 1):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        if ring is not None and len(ring) > 1:
+            q = ring.index(r)
+            comm.Sendrecv(sbuf, ring[(q + 1) % len(ring)], 78, rbuf, ring[(q - 1) % len(ring)], 78)
+        dt = comm.allreduce(time.perf_counter() - t0, op=_max())
+        if i:
+            times.append(dt)
+    return float(np.median(times))
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def _reduce_rate(comm, nbytes: int = 8 << 20, reps: int = 5) -> float:
+    """Bytes/s of float32 sum per rank with every rank reducing at once (mean over ranks)."""
+    n = nbytes // 4
+    a = np.arange(n, dtype=np.float32)
+    b = np.ones(n, dtype=np.float32)
+    np.add(a, b, out=a)
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        np.add(a, b, out=a)
+    rate = reps * n * 4 / (time.perf_counter() - t0)
+    return float(np.mean(comm.allgather(rate)))
+
+
+def calibrate(comm, *, rack_map=None, structure: Topology | None = None, sizes=DEFAULT_SIZES, reps: int = 20, concurrent_bytes: int = 4 << 20) -> Topology:
+    """Measure every level of the job's topology; collective over ``comm``. Returns the same Topology on every rank.
+
+    ``rack_map``  -- host -> rack map for ``detect`` (path or dict).
+    ``structure`` -- a topology whose placement replaces detection (its link values are ignored).
+    ``sizes``     -- ping-pong message sizes in bytes; ``reps`` round trips per size.
+    """
+    p = comm.Get_size()
+    if structure is not None:
+        if structure.ranks != p:
+            raise ValueError(f"structure describes {structure.ranks} ranks but the communicator has {p}")
+        topo = structure
+    else:
+        topo = detect(comm, rack_map=rack_map)
+    ids = topo.group_ids()
+    levels = []
+    notes = [
+        f"measured by python -m ddlkernels calibrate with {p} ranks on {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
+        f"ping-pong sizes {list(sizes)} B, {reps} round trips each, median; latency = one-way time of the smallest size, bandwidth = 1/slope over sizes >= 256 KiB",
+        f"concurrent: every rank Sendrecv-s {concurrent_bytes} B around rings that cross the level at once",
+    ]
+    for j, lv in enumerate(topo.levels, start=1):
+        # A pair whose first common group is level j: rank 0 and the first rank
+        # in the same level-j group but another level-(j-1) group.
+        a = 0
+        b = next((x for x in range(p) if ids[j][x] == ids[j][a] and ids[j - 1][x] != ids[j - 1][a]), None)
+        if b is None:
+            levels.append(lv)
+            notes.append(f"level {lv.name}: no pair of ranks differs first at this level; values kept from the structure")
+            continue
+        t = pingpong(comm, a, b, sizes, reps)
+        alpha, beta = fit_alpha_beta(t)
+        # Concurrent rings: inside every level-j group, the members of each
+        # level-(j-1) group pair up position by position with the next group's.
+        rings = _level_rings(ids, j, p)
+        dt = _ring_exchange(comm, rings, concurrent_bytes, max(3, reps // 4))
+        per_flow = concurrent_bytes / dt
+        flows_per_port = _flows_per_port(rings, ids, j)
+        links, capacity = 1, None
+        if j == 1:
+            # Each rank is its own level-1 port (one link); what the level as a
+            # whole carries is the group's shared capacity (memory bus, cores).
+            members = max(len(set(x for x in range(p) if ids[1][x] == g)) for g in set(ids[1]))
+            total = members * per_flow
+            if total < 0.9 * members * beta:
+                capacity = total
+        else:
+            links = int(min(flows_per_port, max(1, round(flows_per_port * per_flow / beta))))
+        levels.append(Level(name=lv.name, fanout=lv.fanout, bandwidth=beta, latency=alpha, links=links, capacity=capacity,
+                            note=f"one-way times {{size: s}} = { {k: round(v, 9) for k, v in t.items()} }; concurrent rate per flow {per_flow:.3e} B/s with {flows_per_port} flow(s) per port"))
+    rrate = _reduce_rate(comm)
+    notes.append(f"reduce_rate: numpy float32 add of 8 MiB arrays, all {p} ranks at once, mean per rank")
+    return Topology(levels=tuple(levels), ranks=p, name="calibrated", reduce_rate=rrate, placement=topo.placement,
+                    hostnames=topo.hostnames, notes=tuple(notes))
+
+
+def _level_rings(ids, j: int, p: int) -> list[list[int]]:
+    """Rings that cross level j: for level 1, all ranks of each level-1 group; above, the i-th rank of
+    every level-(j-1) group of a level-j group."""
+    if j == 1:
+        groups: dict[int, list[int]] = {}
+        for r in range(p):
+            groups.setdefault(ids[1][r], []).append(r)
+        return list(groups.values())
+    rings: dict[tuple[int, int], list[int]] = {}
+    pos: dict[int, int] = {}
+    for r in range(p):
+        sub = ids[j - 1][r]
+        i = pos.get(sub, 0)
+        pos[sub] = i + 1
+        rings.setdefault((ids[j][r], i), []).append(r)
+    return [ring for ring in rings.values() if len({ids[j - 1][x] for x in ring}) > 1]
+
+
+def _flows_per_port(rings, ids, j: int) -> int:
+    """The most ring edges leaving one level-(j-1) group at once (1 for level 1)."""
+    count: dict[int, int] = {}
+    for ring in rings:
+        for q, r in enumerate(ring):
+            nxt = ring[(q + 1) % len(ring)]
+            if ids[j - 1][r] != ids[j - 1][nxt]:
+                count[ids[j - 1][r]] = count.get(ids[j - 1][r], 0) + 1
+    return max(count.values(), default=1)
+
+
+def with_params(structure: Topology, params: Topology) -> Topology:
+    """``structure``'s placement with ``params``' link values, level by level (for reusing a calibration)."""
+    levels = tuple(
+        _replace(params.levels[i], name=lv.name, fanout=lv.fanout) if i < params.depth else lv for i, lv in enumerate(structure.levels)
+    )
+    return Topology(levels=levels, ranks=structure.ranks, name=structure.name, reduce_rate=params.reduce_rate, placement=structure.placement, hostnames=structure.hostnames)
