@@ -11,7 +11,9 @@ on first use of a communicator.
 
 from __future__ import annotations
 
+from ._abort import abort_on_exception
 from ._comm import Communicator, as_communicator
+from ._wait import CollectiveTimeout
 from ._dtypes import OPS, SUPPORTED_DTYPES
 
 __version__ = "0.1.0"
@@ -23,35 +25,47 @@ __all__ = [
     "reduce_scatter",
     "allgather",
     "shard_range",
+    "CollectiveTimeout",
+    "abort_on_exception",
     "OPS",
     "SUPPORTED_DTYPES",
     "__version__",
 ]
 
 
-def allreduce(x, op="sum", *, comm=None, out=None, dims=None, chunk_bytes=None, backend=None):
+def allreduce(x, op="sum", *, comm=None, out=None, dims=None, chunk_bytes=None, backend=None, validate=None,
+              timeout=None):
     """Reduce ``x`` over every rank of ``comm``; see ``Communicator.allreduce``.
 
     ``comm`` is an mpi4py ``Intracomm`` or a ``Communicator`` (default
     ``MPI.COMM_WORLD``).  Returns the reduced array, of ``x``'s type, shape and
     device (``out`` itself when given; ``out=x`` reduces in place).
+    ``validate=True`` checks first that every rank passed the same count,
+    dtype, op and dims; ``timeout`` (seconds) raises ``CollectiveTimeout``
+    instead of waiting longer (docs/reliability.md).
     """
-    return as_communicator(comm).allreduce(x, op, out=out, dims=dims, chunk_bytes=chunk_bytes, backend=backend)
+    return as_communicator(comm).allreduce(
+        x, op, out=out, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate, timeout=timeout
+    )
 
 
-def Allreduce(sendbuf, recvbuf, op=None, comm=None):
+def Allreduce(sendbuf, recvbuf, op=None, comm=None, *, validate=None, timeout=None):
     """Drop-in for ``comm.Allreduce(sendbuf, recvbuf, op)``; ``MPI.IN_PLACE`` accepted."""
-    as_communicator(comm).Allreduce(sendbuf, recvbuf, op)
+    as_communicator(comm).Allreduce(sendbuf, recvbuf, op, validate=validate, timeout=timeout)
 
 
-def reduce_scatter(x, op="sum", *, comm=None, dims=None, chunk_bytes=None, backend=None):
+def reduce_scatter(x, op="sum", *, comm=None, dims=None, chunk_bytes=None, backend=None, validate=None, timeout=None):
     """Reduce ``x`` over every rank and return this rank's shard: elements ``shard_range(x.size)``."""
-    return as_communicator(comm).reduce_scatter(x, op, dims=dims, chunk_bytes=chunk_bytes, backend=backend)
+    return as_communicator(comm).reduce_scatter(
+        x, op, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate, timeout=timeout
+    )
 
 
-def allgather(shard, *, comm=None, dims=None, chunk_bytes=None, backend=None):
+def allgather(shard, *, comm=None, dims=None, chunk_bytes=None, backend=None, validate=None, timeout=None):
     """Inverse of ``reduce_scatter``'s split: every rank's shard, concatenated, on every rank."""
-    return as_communicator(comm).allgather(shard, dims=dims, chunk_bytes=chunk_bytes, backend=backend)
+    return as_communicator(comm).allgather(
+        shard, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate, timeout=timeout
+    )
 
 
 def shard_range(count, *, comm=None, dims=None, rank=None):

@@ -17,6 +17,8 @@ from ._dtypes import acc_dtype, check_dtype, dtype_name, normalize_op
 from ._engine import execute
 from ._schedule import Plan, build_schedule, shard_bounds, validate_dims
 from ._transport import HostTransport
+from ._validate import Call
+from ._wait import Deadline, _check_timeout
 from .backends import backend_for
 
 __all__ = ["Communicator", "as_communicator"]
@@ -38,11 +40,19 @@ class Communicator:
                  dtype is one MPI knows (default 64 KiB; 0 = always the ring).
     window       receive slots in flight per ring step (default 4, >= 1).
     cuda_aware   ``True``/``False`` overrides detection of CUDA-aware MPI.
+    validate     check before every collective that all ranks passed the same
+                 count, dtype, op, dims and chunk, raising the same
+                 ``ValueError`` on every rank if not (one small allgather per
+                 call; default ``DDLKERNELS_VALIDATE``, else off).
+    timeout      seconds a collective may take before it raises
+                 ``ddlkernels.CollectiveTimeout`` naming the peer it waited
+                 on (default: wait forever).  See docs/reliability.md.
 
     Creating a Communicator is collective over ``comm``.
     """
 
-    def __init__(self, comm=None, *, chunk_bytes=None, small_bytes=None, window=None, cuda_aware=None):
+    def __init__(self, comm=None, *, chunk_bytes=None, small_bytes=None, window=None, cuda_aware=None,
+                 validate=None, timeout=None):
         from mpi4py import MPI
 
         if comm is None:
@@ -56,6 +66,10 @@ class Communicator:
         self.small_bytes = _nonneg("small_bytes", env.small_bytes if small_bytes is None else small_bytes)
         self.window = _positive("window", env.window if window is None else window)
         self.cuda_aware_override = env.cuda_aware if cuda_aware is None else bool(cuda_aware)
+        self.validate = env.validate if validate is None else bool(validate)
+        self.timeout = _check_timeout(timeout)
+        # Set when a collective timed out: its messages are still in flight.
+        self._broken = None
         self.mpi_comm = comm
         self.comm = comm.Dup()
         self.size = self.comm.Get_size()
@@ -190,7 +204,21 @@ class Communicator:
             return np.ascontiguousarray(backend_input_numpy(x)).reshape(-1), True
 
     # -- collectives ---------------------------------------------------------
-    def allreduce(self, x, op="sum", *, out=None, dims=None, chunk_bytes=None, backend=None):
+    def _call(self, kind, validate, timeout):
+        """The ``Call`` (validation and deadline) of one collective, or None when it needs neither."""
+        if self._broken is not None:
+            raise RuntimeError(
+                "this Communicator is unusable: an earlier collective timed out with messages still in flight "
+                f"({self._broken}); create a new Communicator or abort the job"
+            )
+        v = self.validate if validate is None else bool(validate)
+        t = self.timeout if timeout is None else _check_timeout(timeout)
+        if not v and t is None:
+            return None
+        return Call(self, kind, v, None if t is None else Deadline(kind, self.rank, t))
+
+    def allreduce(self, x, op="sum", *, out=None, dims=None, chunk_bytes=None, backend=None, validate=None,
+                  timeout=None):
         """Reduce ``x`` over all ranks; every rank gets the same bits.
 
         ``op``: "sum", "avg", "max", "min", "prod" or ``MPI.SUM``/``MAX``/``MIN``/``PROD``.
@@ -198,9 +226,19 @@ class Communicator:
         ``out=x`` reduces in place.  ``dims``: the box, e.g. ``(4, 16)``, whose
         product is the communicator size; ``None`` lets the library choose.
         ``chunk_bytes``: pipeline chunk for this call.  ``backend``: force an
-        array backend by name ("numpy", "cupy", "numba").
+        array backend by name ("numpy", "cupy", "numba").  ``validate``: check
+        that every rank passed the same arguments first (default: the
+        Communicator's).  ``timeout``: seconds before ``CollectiveTimeout``
+        (default: the Communicator's).
         Returns ``out``, or a new array of ``x``'s type, shape and device.
         """
+        call = self._call("allreduce", validate, timeout)
+        if call is None:
+            return self._allreduce(x, op, out, dims, chunk_bytes, backend, None)
+        with call:
+            return self._allreduce(x, op, out, dims, chunk_bytes, backend, call)
+
+    def _allreduce(self, x, op, out, dims, chunk_bytes, backend, call):
         opname, be, dtype, chunk = self._prepare(x, op, chunk_bytes, dims, backend)
         src, src_copied = self._flat_input(be, x)
         count = src.shape[0]
@@ -215,7 +253,7 @@ class Communicator:
                 dst = np.empty_like(dst)
         else:
             dst, dst_copied = be.empty(count, dtype), False
-        self._allreduce_flat(src if not inplace else dst, dst, opname, be, dtype, chunk, dims)
+        self._allreduce_flat(src if not inplace else dst, dst, opname, be, dtype, chunk, dims, call)
         if dst_copied:
             target = out if out is not None else x
             np.copyto(backend_input_numpy(target), dst.reshape(np.shape(target)))
@@ -224,23 +262,29 @@ class Communicator:
             return out
         return be.like(dst, x)
 
-    def _allreduce_flat(self, src, dst, opname, be, dtype, chunk, dims):
+    def _allreduce_flat(self, src, dst, opname, be, dtype, chunk, dims, call=None):
         count = src.shape[0]
         nbytes = count * dtype.itemsize
         avg = opname == "avg"
         redop = "sum" if avg else opname
-        if (
+        use_mpi = (
             self.size > 1
             and nbytes < self.small_bytes
             and not be.device
             and dims is None
             and dtype_name(dtype) in _MPI_NATIVE
-        ):
+        )
+        if call is not None:
+            call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=None if use_mpi else chunk,
+                       path="mpi" if use_mpi else "ring")
+        if use_mpi:
             self.last_algorithm = "mpi"
             from mpi4py import MPI
 
             mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[redop]
-            if src is dst:
+            if call is not None and call.deadline is not None:
+                call.mpi_allreduce(self.comm, src, dst, mpi_op, src is dst)
+            elif src is dst:
                 self.comm.Allreduce(MPI.IN_PLACE, dst, mpi_op)
             else:
                 self.comm.Allreduce(src, dst, mpi_op)
@@ -260,19 +304,28 @@ class Communicator:
             chunk=chunk,
             slots=self._slots(be, dtype, chunk),
             avg_p=self.size if avg else None,
+            deadline=None if call is None else call.deadline,
         )
 
-    def Allreduce(self, sendbuf, recvbuf, op=None):
+    def Allreduce(self, sendbuf, recvbuf, op=None, *, validate=None, timeout=None):
         """mpi4py's ``comm.Allreduce(sendbuf, recvbuf, op)``, ``MPI.IN_PLACE`` included.
 
         As in mpi4py, the buffers need equal element counts, not equal
         shapes; ``recvbuf`` is overwritten and nothing is returned.
+        ``validate`` and ``timeout`` as for ``allreduce``.
         """
+        call = self._call("allreduce", validate, timeout)
+        if call is None:
+            return self._Allreduce(sendbuf, recvbuf, op, None)
+        with call:
+            return self._Allreduce(sendbuf, recvbuf, op, call)
+
+    def _Allreduce(self, sendbuf, recvbuf, op, call):
         from mpi4py import MPI
 
         op = MPI.SUM if op is None else op
         if sendbuf is MPI.IN_PLACE:
-            self.allreduce(recvbuf, op, out=recvbuf)
+            self._allreduce(recvbuf, op, recvbuf, None, None, None, call)
             return
         if tuple(sendbuf.shape) != tuple(recvbuf.shape):
             if _size(sendbuf) != _size(recvbuf):
@@ -282,21 +335,32 @@ class Communicator:
                 flat_out = be.flat(recvbuf)
             except ValueError:
                 raise ValueError("recvbuf must be C-contiguous when its shape differs from sendbuf's") from None
-            self.allreduce(sendbuf.reshape(-1), op, out=flat_out)
+            self._allreduce(sendbuf.reshape(-1), op, flat_out, None, None, None, call)
             return
-        self.allreduce(sendbuf, op, out=recvbuf)
+        self._allreduce(sendbuf, op, recvbuf, None, None, None, call)
 
-    def reduce_scatter(self, x, op="sum", *, dims=None, chunk_bytes=None, backend=None):
+    def reduce_scatter(self, x, op="sum", *, dims=None, chunk_bytes=None, backend=None, validate=None,
+                       timeout=None):
         """Reduce ``x`` over all ranks and return this rank's shard (a new 1-D array).
 
         The shard is ``x.reshape(-1)[start:stop]`` of the reduced buffer with
         ``(start, stop) = shard_range(x.size, dims)``.  ``x`` is not modified.
+        ``validate`` and ``timeout`` as for ``allreduce``.
         """
+        call = self._call("reduce_scatter", validate, timeout)
+        if call is None:
+            return self._reduce_scatter(x, op, dims, chunk_bytes, backend, None)
+        with call:
+            return self._reduce_scatter(x, op, dims, chunk_bytes, backend, call)
+
+    def _reduce_scatter(self, x, op, dims, chunk_bytes, backend, call):
         opname, be, dtype, chunk = self._prepare(x, op, chunk_bytes, dims, backend)
         src, _ = self._flat_input(be, x)
         count = src.shape[0]
         plan = self._plan_for(count, dims, dtype.itemsize)
         sched = self._schedule(count, plan, "rs")
+        if call is not None:
+            call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=chunk, path="ring")
         work = self._scratch(be, dtype, count)
         avg = opname == "avg"
         execute(
@@ -309,23 +373,37 @@ class Communicator:
             chunk=chunk,
             slots=self._slots(be, dtype, chunk),
             avg_p=self.size if avg else None,
+            deadline=None if call is None else call.deadline,
         )
         lo, hi = sched.shard
         shard = be.empty(hi - lo, dtype)
         be.copy(shard, work[lo:hi])
         return shard
 
-    def allgather(self, shard, *, dims=None, chunk_bytes=None, backend=None):
+    def allgather(self, shard, *, dims=None, chunk_bytes=None, backend=None, validate=None, timeout=None):
         """Concatenate every rank's shard into the whole buffer (a new 1-D array on every rank).
 
         Rank r's shard goes to ``shard_range(count, dims, r)`` where ``count``
         is the sum of the shard lengths; the lengths must be the ones that
-        ``reduce_scatter`` produces (checked on every rank).
+        ``reduce_scatter`` produces (checked on every rank).  ``validate``
+        (dtype, dims and chunk; the lengths are always checked) and
+        ``timeout`` as for ``allreduce``.
         """
+        call = self._call("allgather", validate, timeout)
+        if call is None:
+            return self._allgather(shard, dims, chunk_bytes, backend, None)
+        with call:
+            return self._allgather(shard, dims, chunk_bytes, backend, call)
+
+    def _allgather(self, shard, dims, chunk_bytes, backend, call):
         _, be, dtype, chunk = self._prepare(shard, "sum", chunk_bytes, dims, backend)
         src, _ = self._flat_input(be, shard)
         lengths = np.empty(self.size, dtype=np.int64)
-        self.comm.Allgather(np.array([src.shape[0]], dtype=np.int64), lengths)
+        if call is None:
+            self.comm.Allgather(np.array([src.shape[0]], dtype=np.int64), lengths)
+        else:
+            call.agree(count=None, dtype=dtype, op=None, dims=dims, chunk=chunk, path="ring")
+            call.mpi_allgather(self.comm, np.array([src.shape[0]], dtype=np.int64), lengths)
         count = int(lengths.sum())
         plan = self._plan_for(count, dims, dtype.itemsize)
         expect = [shard_bounds(count, plan.dims, plan.index_of(r)) for r in range(self.size)]
@@ -337,7 +415,8 @@ class Communicator:
         out = be.empty(count, dtype)
         lo, hi = sched.shard
         be.copy(out[lo:hi], src)
-        execute(sched, out, out, "sum", backend=be, transport=self._transport(be), chunk=chunk, slots=[], avg_p=None)
+        execute(sched, out, out, "sum", backend=be, transport=self._transport(be), chunk=chunk, slots=[], avg_p=None,
+                deadline=None if call is None else call.deadline)
         return out
 
 
