@@ -143,3 +143,10 @@ def _is_host(x) -> bool:
 
 
 register_backend("numpy", "ddlkernels.backends._numpy:NumpyBackend", _is_host)
+
+# Device backends (predicates in _detect import no GPU library; see there for
+# how CUDA arrays of other libraries, e.g. torch, are routed).
+from ._detect import is_cupy_array as _is_cupy, is_numba_array as _is_numba  # noqa: E402
+
+register_backend("cupy", "ddlkernels.backends._cupy:CupyBackend", _is_cupy)
+register_backend("numba", "ddlkernels.backends._numba:NumbaBackend", _is_numba)

@@ -1,0 +1,171 @@
+"""Device buffers over an MPI that cannot read GPU memory: stage every chunk through pinned host memory.
+
+Worked example: one chunk k of a reduce-scatter step on one rank, with the
+engine's window of receive slots (here 2) and this transport's streams::
+
+    compute stream   ... reduce(k-1) ......... reduce(k) ..........
+                            |ev                    ^ waits for H2D(k)
+    copy stream      D2H(send k+1) ... H2D(k) -----+
+                       |sync            ^
+    host / MPI       Isend(pinned) --- Wait(recv k) on pinned slot
+                     (chunk k+1 leaves while chunk k is still arriving
+                      and chunk k-1 is being reduced on the device)
+
+* ``isend(buf)``: an event recorded on the compute stream makes the copy
+  stream wait for the kernel that produced ``buf``; the chunk is copied D2H
+  into a pinned slot on the copy stream, and as soon as that copy (only that
+  one) is done, ``MPI_Isend`` starts from the slot.  Earlier chunks are
+  still on the wire meanwhile.
+* ``irecv(buf)``: ``MPI_Irecv`` is posted at once into a pinned slot, so the
+  data can arrive while the device works.  ``Wait()`` completes the MPI
+  receive, queues the H2D copy on the copy stream and makes the compute
+  stream wait for it with an event -- the host does not block on the copy,
+  and the reduction the engine launches next is ordered after it.
+* Slots are page-locked buffers of ``chunk_bytes`` allocated on first need
+  and reused for the lifetime of the transport (page-locking is slow: a
+  Communicator keeps one transport per backend).  A send slot returns to
+  the pool when its MPI send completes, a receive slot when its H2D copy
+  has.  The pool grows to what one ring phase keeps in flight -- the engine
+  completes a phase's sends at its end, so that is up to the bytes this rank
+  sends in one phase -- and no further; a bounded pool could deadlock, since
+  a send only completes once the neighbour has posted its receive.
+
+Messages travel as bytes (``MPI_BYTE``): the device and host views share one
+layout, and no MPI datatype exists for float16/bfloat16 anyway.
+
+The backend provides the device primitives (``compute_stream``,
+``new_stream``, ``pinned``, ``d2h``, ``h2d``, ``record``, ``wait``,
+``sync``; see ``ddlkernels/backends/_device.py``).  In the Numba CUDA
+simulator they are synchronous, which exercises the same code paths.
+"""
+
+from __future__ import annotations
+
+from ._transport import Transport
+
+__all__ = ["StagedTransport"]
+
+
+class _StagedRecv:
+    """Request of a staged receive: ``Wait()`` lands the chunk in device memory (stream-ordered)."""
+
+    __slots__ = ("_t", "_req", "_slot", "_buf", "_nbytes", "_done")
+
+    def __init__(self, transport, req, slot, buf, nbytes):
+        self._t, self._req, self._slot, self._buf, self._nbytes = transport, req, slot, buf, nbytes
+        self._done = False
+
+    def Wait(self, status=None):
+        if self._done:
+            return True
+        self._req.Wait(status)
+        self._t._land(self._slot, self._buf, self._nbytes)
+        self._done = True
+        return True
+
+    wait = Wait
+
+
+class StagedTransport(Transport):
+    """Transport for device buffers when MPI is not CUDA-aware.
+
+    ``comm``: the mpi4py communicator; ``backend``: a device backend (see the
+    module docstring); ``chunk_bytes``: size of one pinned slot in bytes
+    (the engine's chunk; a larger chunk grows the slots); ``window``: receive
+    slots the engine keeps in flight, pre-allocated with as many send slots.
+    """
+
+    def __init__(self, comm, backend, chunk_bytes: int, window: int):
+        if not getattr(backend, "device", False):
+            raise TypeError(f"StagedTransport needs a device backend, got {getattr(backend, 'name', backend)!r}")
+        self.comm = comm
+        self.backend = backend
+        self.slot_bytes = max(16, int(chunk_bytes))
+        self.window = max(1, int(window))
+        self._copy = backend.new_stream()
+        self._free: list = []
+        self._sending: list = []  # (slot, MPI request)
+        self._landing: list = []  # (slot, event of its H2D copy)
+        #: pinned bytes allocated so far (for reports; grows only on first use)
+        self.pinned_bytes = 0
+        for _ in range(2 * self.window):
+            self._free.append(self._new_slot())
+
+    # -- slots --------------------------------------------------------------------------
+    def _new_slot(self):
+        slot = self.backend.pinned(self.slot_bytes)
+        self.pinned_bytes += self.slot_bytes
+        return slot
+
+    def _acquire(self, nbytes: int):
+        if nbytes > self.slot_bytes:
+            # A call with a larger chunk: new slots of that size from now on;
+            # smaller ones in flight are dropped as they come back.
+            self.slot_bytes = nbytes
+            self._free = [s for s in self._free if s.shape[0] >= nbytes]
+        if not self._free:
+            self._reclaim()
+        while self._free:
+            slot = self._free.pop()
+            if slot.shape[0] >= nbytes:
+                return slot
+        if self._landing:
+            # The oldest H2D copy is the one most likely finished already.
+            slot, ev = self._landing.pop(0)
+            self.backend.sync(ev)
+            if slot.shape[0] >= nbytes:
+                return slot
+        return self._new_slot()
+
+    def _reclaim(self):
+        still = []
+        for slot, req in self._sending:
+            if req.Test():
+                self._put(slot)
+            else:
+                still.append((slot, req))
+        self._sending = still
+
+    def _put(self, slot):
+        if slot.shape[0] >= self.slot_bytes:
+            self._free.append(slot)
+
+    # -- Transport ----------------------------------------------------------------------
+    def isend(self, buf, peer, tag):
+        be = self.backend
+        nbytes = buf.shape[0] * buf.dtype.itemsize
+        slot = self._acquire(nbytes)
+        host = slot[:nbytes]
+        if nbytes:
+            # The copy waits for the kernels that produced buf, then MPI waits for the copy.
+            be.wait(self._copy, be.record(be.compute_stream()))
+            be.d2h(host, buf, self._copy)
+            be.sync(be.record(self._copy))
+        req = self.comm.Isend(host, peer, tag)
+        self._sending.append((slot, req))
+        return req
+
+    def irecv(self, buf, peer, tag):
+        nbytes = buf.shape[0] * buf.dtype.itemsize
+        slot = self._acquire(nbytes)
+        req = self.comm.Irecv(slot[:nbytes], peer, tag)
+        return _StagedRecv(self, req, slot, buf, nbytes)
+
+    def _land(self, slot, buf, nbytes):
+        be = self.backend
+        if nbytes:
+            be.h2d(buf, slot[:nbytes], self._copy)
+            ev = be.record(self._copy)
+            be.wait(be.compute_stream(), ev)  # the next reduction sees the data
+            self._landing.append((slot, ev))
+        else:
+            self._put(slot)
+
+    def close(self):
+        """Finish outstanding copies and sends, and release the pinned slots."""
+        for _, req in self._sending:
+            req.Wait()
+        for _, ev in self._landing:
+            self.backend.sync(ev)
+        self._sending, self._landing, self._free = [], [], []
+        self.pinned_bytes = 0

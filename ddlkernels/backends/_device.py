@@ -1,0 +1,120 @@
+"""What the CuPy and Numba backends share: kernel selection, argument checks, staging primitives.
+
+A device backend stores bfloat16 as its uint16 bits (neither CuPy nor Numba
+has a bfloat16 type); uint16 is not a dtype ddlkernels reduces, so inside a
+device backend a uint16 buffer always means bfloat16.  ``dtype(x)`` reports
+the user's logical dtype; ``flat``/``empty`` hand out storage buffers and
+``like`` turns them back into the user's type.
+
+Besides the ``Backend`` interface, device backends offer what the staging
+transport (``ddlkernels._staged``) needs, in the array library's own terms:
+
+=====================  ========================================================
+``compute_stream()``   the stream the reduction kernels run on
+``new_stream()``       a stream for copies (does not serialize with compute)
+``pinned(nbytes)``     page-locked host memory, as a numpy uint8 array
+``d2h(host, dev, s)``  async copy device -> host (same byte length) on stream s
+``h2d(dev, host, s)``  async copy host -> device on stream s
+``record(s)``          an event recorded on stream s
+``wait(s, ev)``        make stream s wait for event ev (no host block)
+``sync(ev)``           block the host until ev has happened
+=====================  ========================================================
+
+and ``pack(tensors, buf, offsets)`` / ``unpack(buf, tensors, offsets)``:
+copy a list of flat device buffers into one fusion buffer and back, in one
+kernel launch (offsets in bytes; ``pack_offsets`` computes 16-byte aligned
+ones so every tensor takes the 128-bit path of kernels/pack.cu).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._dtypes import BFLOAT16
+from .._numba_kernels import ARG_TYPES, suffix_of
+from . import Backend
+
+__all__ = ["DeviceBackend", "storage_dtype", "pack_offsets"]
+
+_REDUCE_OPS = ("sum", "prod", "max", "min")
+
+
+def storage_dtype(dtype) -> np.dtype:
+    dt = np.dtype(dtype)
+    return np.dtype(np.uint16) if BFLOAT16 is not None and dt == BFLOAT16 else dt
+
+
+def pack_offsets(nbytes, align: int = 16) -> tuple[list[int], int]:
+    """Byte offsets of tensors of ``nbytes`` bytes packed at ``align``-byte boundaries, and the total."""
+    offs, pos = [], 0
+    for n in nbytes:
+        pos = -(-pos // align) * align
+        offs.append(pos)
+        pos += int(n)
+    return offs, pos
+
+
+class DeviceBackend(Backend):
+    device = True
+
+    # -- subclass hooks ---------------------------------------------------------
+    def _ptr(self, buf) -> int:
+        raise NotImplementedError
+
+    def _launch_reduce(self, name: str, dst, a, b, n: int, arg) -> None:
+        raise NotImplementedError
+
+    # -- Backend ------------------------------------------------------------------
+    def wire(self, buf):
+        # MPI has no 16-bit float types: float16 travels as its bits.
+        if buf.dtype.itemsize == 2 and buf.dtype != np.uint16 and buf.dtype.kind == "f":
+            return buf.view(np.uint16)
+        return buf
+
+    def _span(self, buf):
+        p = self._ptr(buf)
+        return p, p + buf.shape[0] * buf.dtype.itemsize
+
+    def _overlaps(self, x, y) -> bool:
+        x0, x1 = self._span(x)
+        y0, y1 = self._span(y)
+        return x0 < y1 and y0 < x1
+
+    def reduce(self, op, dst, a, b=None, *, avg_p=None):
+        if b is None:
+            a, b = dst, a
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"reduce op must be one of {_REDUCE_OPS}, got {op!r}")
+        if avg_p is not None and op != "sum":
+            raise ValueError("avg_p is only defined for the sum")
+        n = dst.shape[0]
+        if a.shape[0] != n or b.shape[0] != n:
+            raise ValueError(f"reduce: lengths differ (dst {n}, a {a.shape[0]}, b {b.shape[0]})")
+        if not (dst.dtype == a.dtype == b.dtype):
+            raise TypeError(f"reduce: dtypes differ (dst {dst.dtype}, a {a.dtype}, b {b.dtype})")
+        suf = suffix_of(dst.dtype)
+        if n == 0:
+            return
+        argt = ARG_TYPES[suf]
+        if avg_p is None:
+            arg, kop = argt(0), op
+        else:
+            p = int(avg_p)
+            if p < 1:
+                raise ValueError(f"avg_p must be >= 1, got {avg_p!r}")
+            # ARG_TYPES is the accumulation type: this is the numpy backend's
+            # acc_dtype(dtype).type(1.0 / p), bit for bit.
+            arg = argt(p) if suf.startswith("i") else argt(1.0 / p)
+            kop = "avg"
+        # Kernel preconditions: b never overlaps dst; a is dst or disjoint.
+        # The engine never breaks them; a caller that does gets a copy.
+        if self._overlaps(b, dst):
+            b = self._dup(b)
+        if self._ptr(a) != self._ptr(dst) and self._overlaps(a, dst):
+            a = self._dup(a)
+        self._launch_reduce(f"ddl_reduce_{kop}_{suf}", dst, a, b, n, arg)
+
+    def _dup(self, x):
+        y = self.empty(x.shape[0], x.dtype)
+        self.copy(y, x)
+        return y

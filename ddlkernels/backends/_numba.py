@@ -1,0 +1,178 @@
+"""The Numba-CUDA backend: numba device arrays (and CUDA arrays of other libraries, zero-copy).
+
+Kernels are those of ``ddlkernels._numba_kernels``, launched on a stream of
+this backend (a blocking stream: it orders itself after work the user queued
+on the legacy default stream, as Numba code usually does, while the staging
+transport's copy stream runs beside it).  Runs unchanged in the Numba CUDA
+simulator (``NUMBA_ENABLE_CUDASIM=1``), which is how the device path is
+tested without a GPU.
+
+A CUDA torch tensor (or any ``__cuda_array_interface__`` exporter) is viewed
+through ``numba.cuda.as_cuda_array`` without a copy; ``like`` gives back a
+torch tensor sharing the result's memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._dtypes import BFLOAT16
+from .._numba_kernels import launch_config, pack_kernel, reduce_kernel, unpack_kernel
+from . import BackendUnavailable
+from ._device import DeviceBackend, pack_offsets, storage_dtype
+
+__all__ = ["NumbaBackend"]
+
+
+class NumbaBackend(DeviceBackend):
+    name = "numba"
+
+    def __init__(self):
+        try:
+            from numba import cuda
+        except ImportError as exc:  # pragma: no cover - numba is installed in CI
+            raise BackendUnavailable(
+                "the numba backend needs numba-cuda: pip install 'numba-cuda[cu12]' "
+                "(or install CuPy: pip install cupy-cuda12x)"
+            ) from exc
+        self._cuda = cuda
+        self._stream = None
+        self.simulated = bool(getattr(__import__("numba").config, "ENABLE_CUDASIM", 0))
+
+    # -- streams and events ----------------------------------------------------------
+    def compute_stream(self):
+        if self._stream is None:
+            self._stream = self._cuda.stream()
+        return self._stream
+
+    def new_stream(self):
+        return self._cuda.stream()
+
+    def record(self, stream):
+        try:
+            ev = self._cuda.event(timing=False)
+        except TypeError:  # the simulator's Event takes no arguments
+            ev = self._cuda.event()
+        ev.record(stream)
+        return ev
+
+    def wait(self, stream, ev):
+        ev.wait(stream)
+
+    def sync(self, ev):
+        ev.synchronize()
+
+    def synchronize(self):
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def pinned(self, nbytes):
+        return self._cuda.pinned_array(int(nbytes), dtype=np.uint8)
+
+    def d2h(self, host, dev, stream):
+        dev.copy_to_host(host.view(dev.dtype), stream=stream)
+
+    def h2d(self, dev, host, stream):
+        dev.copy_to_device(host.view(dev.dtype), stream=stream)
+
+    # -- arrays ----------------------------------------------------------------------
+    def _device_array(self, x):
+        t = type(x)
+        if t.__module__.startswith("numba"):
+            return x
+        if t.__module__.startswith("torch"):
+            import torch
+
+            x = x.detach()
+            if x.dtype == torch.bfloat16:  # no bf16 in the array interface: its bits
+                return self._cuda.as_cuda_array(x.view(torch.int16)).view(np.uint16)
+            return self._cuda.as_cuda_array(x)
+        return self._cuda.as_cuda_array(x)
+
+    def dtype(self, x):
+        t = type(x)
+        if t.__module__.startswith("torch"):
+            import torch
+
+            if x.dtype == torch.bfloat16:
+                return BFLOAT16
+            return np.dtype(str(x.dtype).replace("torch.", ""))
+        return np.dtype(x.dtype)
+
+    def device_id(self, x):
+        if type(x).__module__.startswith("torch"):
+            return x.device.index
+        try:
+            return int(x.gpu_data.context.device.id)
+        except AttributeError:
+            try:
+                return int(self._cuda.get_current_device().id)
+            except AttributeError:  # the simulator's single fake device
+                return 0
+
+    def flat(self, x):
+        d = self._device_array(x)
+        if not d.is_c_contiguous():
+            raise ValueError("device array is not C-contiguous")
+        f = d.reshape(d.size) if d.ndim != 1 else d
+        if BFLOAT16 is not None and f.dtype == BFLOAT16:
+            f = f.view(np.uint16)
+        return f
+
+    def empty(self, n, dtype):
+        return self._cuda.device_array(int(n), dtype=storage_dtype(dtype), stream=self.compute_stream())
+
+    def like(self, flat, x):
+        t = type(x)
+        if t.__module__.startswith("torch"):
+            import torch
+
+            if x.dtype == torch.bfloat16:
+                return torch.as_tensor(flat.view(np.int16), device=x.device).view(torch.bfloat16).reshape(x.shape)
+            return torch.as_tensor(flat, device=x.device).reshape(x.shape)
+        out = flat
+        if BFLOAT16 is not None and np.dtype(x.dtype) == BFLOAT16:
+            out = out.view(BFLOAT16)
+        return out.reshape(x.shape) if tuple(x.shape) != tuple(out.shape) else out
+
+    def _ptr(self, buf):
+        try:
+            return int(buf.__cuda_array_interface__["data"][0])
+        except AttributeError:  # simulator arrays wrap numpy arrays
+            return int(buf.ctypes.data)
+
+    # -- kernels ---------------------------------------------------------------------
+    def copy(self, dst, src):
+        if dst.shape[0] != src.shape[0]:
+            raise ValueError(f"copy: lengths differ ({dst.shape[0]} vs {src.shape[0]})")
+        if dst.shape[0]:
+            dst.copy_to_device(src, stream=self.compute_stream())
+
+    def _launch_reduce(self, name, dst, a, b, n, arg):
+        _, op, suf = name.rsplit("_", 2)
+        blocks, threads = launch_config(n)
+        reduce_kernel(op, suf)[blocks, threads, self.compute_stream()](dst, a, b, arg)
+
+    def pack(self, tensors, buf, offsets=None):
+        """Copy flat device buffers ``tensors`` into ``buf`` at byte ``offsets`` (default 16-byte aligned)."""
+        return self._table_copy(pack_kernel(), tensors, buf, offsets)
+
+    def unpack(self, buf, tensors, offsets):
+        """Inverse of ``pack``: ``tensors[i]`` receive their bytes from ``buf``."""
+        return self._table_copy(unpack_kernel(), tensors, buf, offsets)
+
+    def _table_copy(self, kernel, tensors, buf, offsets):
+        views = tuple(t.view(np.uint8) for t in tensors)
+        if offsets is None:
+            offsets, _ = pack_offsets([v.shape[0] for v in views])
+        bbuf = buf.view(np.uint8)
+        for v, o in zip(views, offsets):
+            if o < 0 or o + v.shape[0] > bbuf.shape[0]:
+                raise ValueError(f"tensor of {v.shape[0]} bytes at offset {o} does not fit a {bbuf.shape[0]}-byte buffer")
+        if views:
+            longest = max(v.shape[0] for v in views)
+            blocks, threads = launch_config(max(longest, 1), max_blocks=64)
+            s = self.compute_stream()
+            offs = self._cuda.to_device(np.asarray(offsets, dtype=np.int64), stream=s)
+            kernel[(blocks, min(len(views), 65535)), threads, s](bbuf, views, offs)
+        return list(offsets)
