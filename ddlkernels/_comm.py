@@ -24,7 +24,16 @@ from .backends import backend_for
 __all__ = ["Communicator", "as_communicator"]
 
 # MPI datatypes MPI's own allreduce can take for the small-message path.
-_MPI_NATIVE = {"float32", "float64", "int32", "int64"}
+_MPI_NATIVE = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
+_MPI_OPS: dict = {}
+
+
+def _mpi_op(name):
+    if not _MPI_OPS:
+        from mpi4py import MPI
+
+        _MPI_OPS.update(sum=MPI.SUM, max=MPI.MAX, min=MPI.MIN, prod=MPI.PROD, IN_PLACE=MPI.IN_PLACE)
+    return _MPI_OPS[name]
 
 
 class Communicator:
@@ -161,6 +170,22 @@ class Communicator:
             self._buffers[key] = buf
         return buf[:count]
 
+    def reusable_buffer(self, tag, backend, dtype, count: int):
+        """A 1-D buffer of ``count`` elements kept under ``tag`` and reused by later calls.
+
+        For callers that pack data into staging memory on every call (the
+        fusion buffers of ``allreduce_many``): the buffer grows to the largest
+        ``count`` asked for under ``(tag, backend, dtype)`` and a prefix view
+        is returned, so steady-state calls allocate nothing.  Two views of
+        one tag alias each other; use distinct tags for buffers alive at once.
+        """
+        key = ("reusable", tag, backend.name, np.dtype(dtype))
+        buf = self._buffers.get(key)
+        if buf is None or len(buf) < count:
+            buf = backend.empty(max(int(count), 1), dtype)
+            self._buffers[key] = buf
+        return buf[:count]
+
     def _transport(self, backend):
         t = self._transports.get(backend.name)
         if t is None:
@@ -272,20 +297,18 @@ class Communicator:
             and nbytes < self.small_bytes
             and not be.device
             and dims is None
-            and dtype_name(dtype) in _MPI_NATIVE
+            and dtype in _MPI_NATIVE
         )
         if call is not None:
             call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=None if use_mpi else chunk,
                        path="mpi" if use_mpi else "ring")
         if use_mpi:
             self.last_algorithm = "mpi"
-            from mpi4py import MPI
-
-            mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[redop]
+            mpi_op = _mpi_op(redop)
             if call is not None and call.deadline is not None:
                 call.mpi_allreduce(self.comm, src, dst, mpi_op, src is dst)
             elif src is dst:
-                self.comm.Allreduce(MPI.IN_PLACE, dst, mpi_op)
+                self.comm.Allreduce(_mpi_op("IN_PLACE"), dst, mpi_op)
             else:
                 self.comm.Allreduce(src, dst, mpi_op)
             if avg:
@@ -444,6 +467,12 @@ def _size(x):
 
 
 def _check_out(be, out, x, dtype):
+    if type(out) is np.ndarray and type(x) is np.ndarray:
+        if out.dtype != dtype:
+            raise TypeError(f"out has dtype {dtype_name(out.dtype)} but the input has {dtype_name(dtype)}")
+        if out.shape != x.shape:
+            raise ValueError(f"out has shape {out.shape} but the input has {x.shape}")
+        return
     ob = backend_for(out)
     if ob is not be:
         raise TypeError(f"out is a {ob.name} array but the input is a {be.name} array")

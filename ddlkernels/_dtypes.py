@@ -45,6 +45,12 @@ SUPPORTED_DTYPES = tuple(
 )
 
 
+_OP_NAMES = {name: name for name in OPS}
+
+
+_SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
+
+
 def dtype_name(dt) -> str:
     return "bfloat16" if BFLOAT16 is not None and np.dtype(dt) == BFLOAT16 else np.dtype(dt).name
 
@@ -52,6 +58,9 @@ def dtype_name(dt) -> str:
 def normalize_op(op) -> str:
     """Map ``op`` (a name, or ``MPI.SUM``/``MAX``/``MIN``/``PROD``) to one of ``OPS``."""
     if isinstance(op, str):
+        fast = _OP_NAMES.get(op)
+        if fast is not None:
+            return fast
         name = op.lower()
         if name in OPS:
             return name
@@ -67,6 +76,8 @@ def normalize_op(op) -> str:
 
 def check_dtype(dt) -> np.dtype:
     """Return ``np.dtype(dt)`` if ddlkernels can reduce it, else raise ``TypeError``."""
+    if dt in _SUPPORTED_SET:  # np.dtype hashes fast; this is every call's path
+        return dt
     try:
         dt = np.dtype(dt)
     except TypeError:

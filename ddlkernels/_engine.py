@@ -30,6 +30,8 @@ so no message of one phase can match a receive of another.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ._schedule import Schedule, chunk_ranges
 
 __all__ = ["execute"]
@@ -119,6 +121,11 @@ def execute(sched: Schedule, src, out, op: str, *, backend, transport, chunk: in
     this rank's shard.  ``deadline`` (a ``ddlkernels._wait.Deadline``, set
     when the call has a ``timeout=``) replaces every ``Wait()`` by polling.
     """
+    with np.errstate(all="ignore"):  # NaN/Inf/overflow propagate as in numpy, silently as in MPI
+        _execute(sched, src, out, op, backend, transport, chunk, slots, avg_p)
+
+
+def _execute(sched, src, out, op, backend, transport, chunk, slots, avg_p):
     rings = _phases(sched.steps)
     if not rings and src is not out:
         backend.copy(out, src)  # a single rank: nothing to reduce

@@ -112,6 +112,10 @@ def backend_for(x, name: str | None = None) -> Backend:
     """The backend for array ``x``: ``name`` if given, else the first that recognises ``x``."""
     if name is not None:
         return get_backend(name)
+    if type(x) is np.ndarray:  # the hot case, without walking the registry
+        be = _INSTANCES.get("numpy")
+        if be is not None:
+            return be
     for bname, (_, recognises) in _REGISTRY.items():
         if recognises(x):
             return get_backend(bname)

@@ -6,6 +6,8 @@ step allocates nothing (float16/bfloat16 "avg" aside, see ``reduce``).
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .._dtypes import BFLOAT16, acc_dtype
@@ -14,9 +16,27 @@ from . import Backend
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 
 
+# bfloat16 is reduced through float32 scratch in blocks of this many
+# elements: ml_dtypes' casts are vectorised but its arithmetic loops are not,
+# so widen-compute-narrow is ~2x faster than np.add on bfloat16, with the
+# same bits (one rounding to nearest even, as ml_dtypes' own add).  Blocks of
+# 64 Ki elements keep the two scratch arrays (512 KiB) in L2.
+_HALF_BLOCK = 1 << 16
+
+
 class NumpyBackend(Backend):
     name = "numpy"
     device = False
+
+    def __init__(self):
+        # Per-thread scratch: the asynchronous API may reduce on a helper thread.
+        self._tls = threading.local()
+
+    def _scratch32(self):
+        s = getattr(self._tls, "f32", None)
+        if s is None:
+            s = self._tls.f32 = (np.empty(_HALF_BLOCK, np.float32), np.empty(_HALF_BLOCK, np.float32))
+        return s
 
     def _as_numpy(self, x):
         if isinstance(x, np.ndarray):
@@ -67,6 +87,9 @@ class NumpyBackend(Backend):
         if b is None:
             a, b = dst, a
         ufunc = _UFUNC[op]
+        if dst.dtype == BFLOAT16:
+            self._reduce_bf16(ufunc, dst, a, b, None if avg_p is None else np.float32(1.0 / avg_p), op)
+            return
         if avg_p is None:
             ufunc(a, b, out=dst)
             return
@@ -87,3 +110,18 @@ class NumpyBackend(Backend):
             t += b
             t *= scale
             dst[...] = t
+
+    def _reduce_bf16(self, ufunc, dst, a, b, scale, op):
+        if scale is not None and op != "sum":
+            raise ValueError("avg_p is only defined for the sum")
+        ta, tb = self._scratch32()
+        n = dst.shape[0]
+        for s in range(0, n, _HALF_BLOCK):
+            e = min(s + _HALF_BLOCK, n)
+            x, y = ta[: e - s], tb[: e - s]
+            np.copyto(x, a[s:e], casting="unsafe")  # widening is exact
+            np.copyto(y, b[s:e], casting="unsafe")
+            ufunc(x, y, out=x)
+            if scale is not None:
+                np.multiply(x, scale, out=x)
+            np.copyto(dst[s:e], x, casting="unsafe")  # the one rounding
