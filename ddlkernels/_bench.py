@@ -1,24 +1,55 @@
-"""The benchmark harness behind ``python -m ddlkernels job`` and ``bench/``: nccl-tests in spirit.
+"""The benchmark harness behind ``python -m ddlkernels job``/``bench`` and ``bench/*.py``: nccl-tests in spirit.
 
-Each collective is a small record (``Collective``): how many bytes a call
-moves, the factor that turns algorithm bandwidth into bus bandwidth, how to
-make its input, how to run it once, and how to count wrong elements.  The
-harness sweeps sizes, runs every implementation at every size in the same
-process (so ratios are measured side by side), times iterations as the
-*slowest* rank sees them (a collective is done when its last rank is), and
-checks every iteration's result when asked.
+Each implementation of a collective is a small record (``Collective``, as
+nccl-tests' ``struct testColl``): the factor that turns algorithm bandwidth
+into bus bandwidth, how to make its input, how to run it once, how to count
+wrong elements, and which algorithm ran.  The harness sweeps sizes, runs every
+implementation at every size in the same process (so ratios are measured side
+by side, under the same load), times iterations as the *slowest* rank sees
+them (a collective is done when its last rank is), and checks every
+iteration's result when asked.
+
+Worked example (2 ranks, allreduce of N = 16 MiB float32, median t = 10 ms)::
+
+    algbw = N / t                 = 1.68 GB/s
+    busbw = algbw * 2 (p - 1) / p = 1.68 GB/s   (p = 2: factor 1)
+
+    link: one ring step, every rank Sendrecv's N/p = 8 MiB to rank r+1 while
+    receiving 8 MiB from rank r-1; median t_link = 4 ms
+    link bandwidth = (N / p) / t_link = 2.10 GB/s  -> ddlkernels / link = 0.80
+
+Why those definitions agree: a ring allreduce is 2 (p - 1) steps in each of
+which every rank sends N / p bytes to its neighbour, so busbw is exactly the
+rate at which one rank pushes bytes into its outgoing link, averaged over the
+whole collective.  The "Sendrecv link" line measures the same quantity for a
+single step with nothing else to do (no reduction, no Python between chunks):
+it is the practical ceiling of a ring on this machine and MPI library.
 
 Timing of one iteration: barrier, ``t0``, one call, ``t1``; the iteration's
 time is the maximum of ``t1 - t0`` over ranks (one small allreduce, outside
 the timed region).  Reported: min and median over iterations.
 
-busbw (nccl-tests, doc/PERFORMANCE.md): algbw = bytes / time; for allreduce
-busbw = algbw * 2 (p - 1) / p, comparable to a link's bandwidth whatever p is.
+busbw factors (nccl-tests, doc/PERFORMANCE.md), N = total bytes of the buffer:
+
+    allreduce        algbw = N / t      busbw = algbw * 2 (p - 1) / p
+    reduce_scatter   algbw = N / t      busbw = algbw * (p - 1) / p
+    allgather        algbw = N / t      busbw = algbw * (p - 1) / p
+    Sendrecv link    algbw = (N/p) / t  busbw = algbw
+
+For reduce_scatter and allgather N is rounded down to a multiple of p
+elements so that ``MPI_Reduce_scatter_block``/``MPI_Allgather`` (equal
+blocks) and ddlkernels (balanced shards) move the same bytes.
+
+Checks: inputs come from ``pattern`` (small integers that move with rank and
+element, so a misplaced chunk fails), expected results from ``expected``
+(exact in every dtype).  After each checked iteration the output is refilled
+with a sentinel, so an iteration that writes nothing is caught too.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -29,9 +60,47 @@ import numpy as np
 
 from ._dtypes import acc_dtype, check_dtype, dtype_name, normalize_op
 
-__all__ = ["Collective", "parse_size", "sweep_sizes", "run_sweep", "format_table", "ALLREDUCE_IMPLS"]
+__all__ = [
+    "Collective",
+    "COLLECTIVES",
+    "ALLREDUCE_IMPLS",
+    "TUNED_ALGORITHMS",
+    "parse_size",
+    "parse_dtype",
+    "sweep_sizes",
+    "pattern",
+    "expected",
+    "make_impls",
+    "run_sweep",
+    "format_table",
+    "dump_json",
+    "plot_rows",
+    "tuned_label",
+]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
+
+#: Value written into outputs after each check: outside pattern's [-8, 8] and
+#: exact in every dtype, so stale or unwritten elements count as wrong.
+SENTINEL = 99
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+
+#: Open MPI's coll/tuned algorithm numbers, as printed by
+#: ``ompi_info --param coll tuned --level 9`` (Open MPI 5.0.x); forcing one
+#: needs ``OMPI_MCA_coll_tuned_use_dynamic_rules=1`` and
+#: ``OMPI_MCA_coll_tuned_<collective>_algorithm=<number>`` in the environment
+#: *before* MPI_Init.  bench/test_tuned_table.py checks this table against the
+#: installed ompi_info.
+TUNED_ALGORITHMS = {
+    "allreduce": {"basic_linear": 1, "nonoverlapping": 2, "recursive_doubling": 3, "ring": 4,
+                  "segmented_ring": 5, "rabenseifner": 6},
+    "reduce_scatter_block": {"basic_linear": 1, "recursive_doubling": 2, "recursive_halving": 3, "butterfly": 4},
+    "allgather": {"linear": 1, "bruck": 2, "recursive_doubling": 3, "ring": 4, "neighbor": 5, "two_proc": 6,
+                  "sparbit": 7},
+}
+#: Which MPI collective (and tuned parameter) stands beside each of ours.
+_TUNED_PARAM = {"allreduce": "allreduce", "reduce_scatter": "reduce_scatter_block", "allgather": "allgather"}
 
 
 def parse_size(text) -> int:
@@ -40,6 +109,23 @@ def parse_size(text) -> int:
     if not m:
         raise ValueError(f"cannot parse size {text!r}; use e.g. 4K, 64M, 1G")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def format_size(n: int) -> str:
+    """Bytes -> the shortest exact "4K"/"64M"/"123" spelling (inverse of ``parse_size``)."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def parse_dtype(name) -> np.dtype:
+    """"float32", "bfloat16", ... -> a dtype ddlkernels reduces (TypeError otherwise)."""
+    if isinstance(name, str) and name.lower() in ("bfloat16", "bf16"):
+        import ml_dtypes
+
+        return check_dtype(np.dtype(ml_dtypes.bfloat16))
+    return check_dtype(np.dtype(name))
 
 
 def sweep_sizes(begin: int, end: int, factor: int) -> list[int]:
@@ -98,39 +184,83 @@ class Collective:
     name: str
     #: busbw = algbw * bus_factor(p)
     bus_factor: Callable[[int], float]
-    #: make(comm, count, dtype, op) -> state; run(state) -> None; wrong(state) -> int
+    #: make(comm, count, dtype, op, inplace) -> state; run(state) -> None; wrong(state) -> int
     make: Callable
     run: Callable
     wrong: Callable
     #: which algorithm ran, for the table ("ring", "mpi", ...); may read state
     path: Callable = field(default=lambda state: "")
+    #: bytes one call is charged for algbw, from the buffer's bytes N and p (default N)
+    algbw_bytes: Callable = field(default=lambda nbytes, p: nbytes)
+    #: why this implementation cannot run (dtype, op, inplace), or None; decided
+    #: locally and identically on every rank, so skipping never splits the ranks
+    unsupported: Callable = field(default=lambda dtype, op, inplace: None)
+
+
+# -- shared helpers -------------------------------------------------------------
 
 
 def _ar_factor(p):
     return 2.0 * (p - 1) / p if p > 1 else 1.0
 
 
+def _rs_factor(p):
+    return (p - 1) / p if p > 1 else 1.0
+
+
+def _mpi_op(op):
+    from mpi4py import MPI
+
+    return {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[op]
+
+
+def _mpi_unsupported(dtype, op, inplace):
+    """MPI has no avg (we scale after a sum, as a user would) and may lack a datatype (bfloat16)."""
+    from mpi4py import MPI
+    from mpi4py.util.dtlib import from_numpy_dtype
+
+    try:
+        dt = from_numpy_dtype(np.dtype(dtype))
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"no MPI datatype for {dtype_name(dtype)} ({exc})"
+    if dt == MPI.DATATYPE_NULL:
+        return f"no MPI datatype for {dtype_name(dtype)}"
+    return None
+
+
+def _scale(buf, p):
+    from ._comm import _scale_inplace
+
+    _scale_inplace(buf, p)
+
+
+def _count_wrong(got, want):
+    return int(np.count_nonzero(got != want))
+
+
+# -- allreduce --------------------------------------------------------------------
+
+
 def _make_ar(comm, count, dtype, op, inplace=False):
     p, r = comm.Get_size(), comm.Get_rank()
     x = pattern(count, r, p, dtype, op)
-    return {"comm": comm, "x": x, "pristine": x.copy(), "out": np.empty_like(x), "op": op,
+    out = np.empty_like(x)
+    out.fill(SENTINEL)
+    return {"comm": comm, "x": x, "pristine": x.copy(), "out": out, "op": op,
             "inplace": inplace, "expect": expected(count, p, dtype, op)}
 
 
 def _wrong_ar(st):
     got = st["x"] if st["inplace"] else st["out"]
-    n = int(np.count_nonzero(got != st["expect"]))
+    n = _count_wrong(got, st["expect"])
     if st["inplace"]:
         np.copyto(st["x"], st["pristine"])
+    else:
+        st["out"].fill(SENTINEL)
+    # The input of an out-of-place call must come back untouched.
+    if not st["inplace"]:
+        n += _count_wrong(st["x"], st["pristine"])
     return n
-
-
-def _ddl_make(comm, count, dtype, op, inplace=False, **kw):
-    from ._comm import as_communicator
-
-    st = _make_ar(comm, count, dtype, op, inplace)
-    st["dc"] = as_communicator(comm) if not kw else __import__("ddlkernels").Communicator(comm, **kw)
-    return st
 
 
 def _ddl_run(st):
@@ -140,10 +270,10 @@ def _ddl_run(st):
         st["dc"].allreduce(st["x"], st["op"], out=st["out"])
 
 
-def _mpi_run(st):
+def _mpi_ar_run(st):
     from mpi4py import MPI
 
-    op = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[st["op"]]
+    op = _mpi_op(st["op"])
     if st["inplace"]:
         st["comm"].Allreduce(MPI.IN_PLACE, st["x"], op)
         buf = st["x"]
@@ -151,16 +281,288 @@ def _mpi_run(st):
         st["comm"].Allreduce(st["x"], st["out"], op)
         buf = st["out"]
     if st["op"] == "avg":
-        from ._comm import _scale_inplace
-
-        _scale_inplace(buf, st["comm"].Get_size())
+        _scale(buf, st["comm"].Get_size())
 
 
+# -- reduce_scatter ----------------------------------------------------------------
+
+
+def _make_rs_common(comm, count, dtype, op):
+    p, r = comm.Get_size(), comm.Get_rank()
+    x = pattern(count, r, p, dtype, op)
+    return {"comm": comm, "x": x, "pristine": x.copy(), "op": op, "full": expected(count, p, dtype, op)}
+
+
+def _ddl_rs_run(st):
+    st["res"] = st["dc"].reduce_scatter(st["x"], st["op"])
+
+
+def _ddl_rs_wrong(st):
+    got = st.pop("res", None)
+    if got is None or len(got) != len(st["expect"]):
+        return len(st["expect"]) or 1
+    return _count_wrong(got, st["expect"]) + _count_wrong(st["x"], st["pristine"])
+
+
+def _mpi_rs_make(comm, count, dtype, op, inplace=False):
+    st = _make_rs_common(comm, count, dtype, op)
+    p, r = comm.Get_size(), comm.Get_rank()
+    block = count // p
+    st.update(block=block, inplace=inplace, expect=st["full"][r * block:(r + 1) * block])
+    st["out"] = np.full(block, SENTINEL, dtype=dtype)
+    return st
+
+
+def _mpi_rs_run(st):
+    from mpi4py import MPI
+
+    comm, op = st["comm"], _mpi_op(st["op"])
+    if st["inplace"]:
+        # MPI-3: with IN_PLACE the input is recvbuf and the block lands at its start.
+        comm.Reduce_scatter_block(MPI.IN_PLACE, st["x"], op)
+        res = st["x"][: st["block"]]
+    else:
+        comm.Reduce_scatter_block(st["x"], st["out"], op)
+        res = st["out"]
+    if st["op"] == "avg":
+        _scale(res, comm.Get_size())
+
+
+def _mpi_rs_wrong(st):
+    if st["inplace"]:
+        n = _count_wrong(st["x"][: st["block"]], st["expect"])
+        np.copyto(st["x"], st["pristine"])
+        return n
+    n = _count_wrong(st["out"], st["expect"]) + _count_wrong(st["x"], st["pristine"])
+    st["out"].fill(SENTINEL)
+    return n
+
+
+# -- allgather -----------------------------------------------------------------------
+
+
+def _gathered(comm, count, dtype, bounds):
+    """The allgather result: rank r's shard ``bounds[r]`` holds its own pattern values there."""
+    p = comm.Get_size()
+    full = np.empty(count, dtype=dtype)
+    for r, (lo, hi) in enumerate(bounds):
+        full[lo:hi] = pattern(hi, r, p, dtype)[lo:hi]
+    return full
+
+
+def _ddl_ag_run(st):
+    st["res"] = st["dc"].allgather(st["shard"])
+
+
+def _ddl_ag_wrong(st):
+    got = st.pop("res", None)
+    if got is None or len(got) != len(st["expect"]):
+        return len(st["expect"]) or 1
+    return _count_wrong(got, st["expect"]) + _count_wrong(st["shard"], st["pristine"])
+
+
+def _mpi_ag_make(comm, count, dtype, op, inplace=False):
+    p, r = comm.Get_size(), comm.Get_rank()
+    block = count // p
+    bounds = [(q * block, (q + 1) * block) for q in range(p)]
+    full = _gathered(comm, count, dtype, bounds)
+    lo, hi = bounds[r]
+    out = np.full(count, SENTINEL, dtype=dtype)
+    if inplace:
+        out[lo:hi] = full[lo:hi]
+    return {"comm": comm, "inplace": inplace, "shard": full[lo:hi].copy(), "pristine": full[lo:hi].copy(),
+            "out": out, "expect": full, "lo": lo, "hi": hi}
+
+
+def _mpi_ag_run(st):
+    from mpi4py import MPI
+
+    if st["inplace"]:
+        st["comm"].Allgather(MPI.IN_PLACE, st["out"])
+    else:
+        st["comm"].Allgather(st["shard"], st["out"])
+
+
+def _mpi_ag_wrong(st):
+    n = _count_wrong(st["out"], st["expect"]) + _count_wrong(st["shard"], st["pristine"])
+    st["out"].fill(SENTINEL)
+    if st["inplace"]:
+        st["out"][st["lo"]:st["hi"]] = st["shard"]
+    return n
+
+
+# -- the link: one ring step -----------------------------------------------------------
+
+
+def _link_make(comm, count, dtype, op, inplace=False):
+    """Every rank sends N/p elements to rank r+1 and receives N/p from rank r-1: one ring step."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    m = count // p if p > 1 else count
+    send = pattern(m, r, p, dtype)
+    recv = np.full(m, SENTINEL, dtype=dtype)
+    prev = (r - 1) % p
+    return {"comm": comm, "send": send, "recv": recv, "next": (r + 1) % p, "prev": prev,
+            "expect": pattern(m, prev, p, dtype)}
+
+
+def _link_run(st):
+    st["comm"].Sendrecv(st["send"], st["next"], 7, st["recv"], st["prev"], 7)
+
+
+def _link_wrong(st):
+    n = _count_wrong(st["recv"], st["expect"])
+    st["recv"].fill(SENTINEL)
+    return n
+
+
+def _link_bytes(nbytes, p):
+    return nbytes // p if p > 1 else nbytes
+
+
+# -- the registry ------------------------------------------------------------------------
+
+
+def tuned_label(kind: str, environ=None) -> str:
+    """"[tuned ring]" when Open MPI's algorithm for ``kind`` is forced through the environment, else ""."""
+    env = os.environ if environ is None else environ
+    if env.get("OMPI_MCA_coll_tuned_use_dynamic_rules", "").lower() not in ("1", "true", "yes", "t", "y",
+                                                                            "enabled"):
+        return ""
+    param = _TUNED_PARAM[kind]
+    raw = env.get(f"OMPI_MCA_coll_tuned_{param}_algorithm", "")
+    if raw in ("", "0", "ignore"):
+        return ""
+    names = {str(v): k for k, v in TUNED_ALGORITHMS[param].items()}
+    return f"[tuned {names.get(raw, raw)}]"
+
+
+_MPI_NAMES = {"allreduce": "MPI_Allreduce", "reduce_scatter": "MPI_Reduce_scatter_block",
+              "allgather": "MPI_Allgather"}
+
+
+class _DdlFactory:
+    """One ``Communicator`` per set of options, shared by every size of a sweep (creating one is collective)."""
+
+    def __init__(self):
+        self._cache = {}
+
+    def get(self, comm, options):
+        key = (id(comm), tuple(sorted(options.items())))
+        hit = self._cache.get(key)
+        if hit is None:
+            from ._comm import Communicator, as_communicator
+
+            # Default options: the communicator the module-level API would use.
+            hit = (Communicator(comm, **options), True) if options else (as_communicator(comm), False)
+            self._cache[key] = hit
+        return hit[0]
+
+    def free(self):
+        """Free the communicators made here (collective: call on every rank)."""
+        for dc, ours in self._cache.values():
+            if ours:
+                dc.free()
+        self._cache.clear()
+
+
+_DDL = _DdlFactory()
+
+
+def _ddl_label(options):
+    if not options:
+        return "ddlkernels"
+    parts = []
+    for k, v in sorted(options.items()):
+        short = {"chunk_bytes": "chunk", "small_bytes": "small", "window": "window"}.get(k, k)
+        parts.append(f"{short}={format_size(v) if k.endswith('bytes') else v}")
+    return f"ddlkernels[{','.join(parts)}]"
+
+
+def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},), mpi_label=None):
+    """The records of one collective: ddlkernels (one per option set), MPI's own, the Sendrecv link.
+
+    ``ddl_options``: dicts of ``Communicator`` keyword arguments (e.g.
+    ``{"chunk_bytes": 262144}``), one ddlkernels line each.  ``mpi_label``:
+    suffix of the MPI line's name (default: the forced tuned algorithm read
+    from the environment, see ``tuned_label``).
+    """
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}; expected one of {', '.join(COLLECTIVES)}")
+    label = tuned_label(kind) if mpi_label is None else mpi_label
+    out = []
+    if "ddlkernels" in which:
+        for opts in ddl_options:
+            opts = dict(opts)
+            if kind == "allreduce":
+
+                def make(comm, count, dtype, op, inplace=False, _o=opts):
+                    st = _make_ar(comm, count, dtype, op, inplace)
+                    st["dc"] = _DDL.get(comm, _o)
+                    return st
+
+                out.append(Collective(_ddl_label(opts), _ar_factor, make, _ddl_run, _wrong_ar,
+                                      path=lambda st: st["dc"].last_algorithm or ""))
+            elif kind == "reduce_scatter":
+
+                def make(comm, count, dtype, op, inplace=False, _o=opts):
+                    st = _make_rs_common(comm, count, dtype, op)
+                    st["dc"] = dc = _DDL.get(comm, _o)
+                    lo, hi = dc.shard_range(count)
+                    st["expect"] = st["full"][lo:hi]
+                    return st
+
+                out.append(Collective(_ddl_label(opts), _rs_factor, make, _ddl_rs_run, _ddl_rs_wrong,
+                                      path=lambda st: "ring",
+                                      unsupported=lambda d, o, inplace: "no in-place reduce_scatter API"
+                                      if inplace else None))
+            else:
+
+                def make(comm, count, dtype, op, inplace=False, _o=opts):
+                    dc = _DDL.get(comm, _o)
+                    bounds = [dc.shard_range(count, rank=q) for q in range(comm.Get_size())]
+                    full = _gathered(comm, count, dtype, bounds)
+                    lo, hi = bounds[comm.Get_rank()]
+                    return {"dc": dc, "shard": full[lo:hi].copy(), "pristine": full[lo:hi].copy(), "expect": full}
+
+                out.append(Collective(_ddl_label(opts), _rs_factor, make, _ddl_ag_run, _ddl_ag_wrong,
+                                      path=lambda st: "ring",
+                                      unsupported=lambda d, o, inplace: "no in-place allgather API"
+                                      if inplace else None))
+    if "mpi" in which:
+        name = _MPI_NAMES[kind] + label
+        if kind == "allreduce":
+            out.append(Collective(name, _ar_factor, _make_ar, _mpi_ar_run, _wrong_ar, unsupported=_mpi_unsupported))
+        elif kind == "reduce_scatter":
+            out.append(Collective(name, _rs_factor, _mpi_rs_make, _mpi_rs_run, _mpi_rs_wrong,
+                                  unsupported=_mpi_unsupported))
+        else:
+            out.append(Collective(name, _rs_factor, _mpi_ag_make, _mpi_ag_run, _mpi_ag_wrong,
+                                  unsupported=_mpi_unsupported))
+    if "link" in which:
+        # The link has no placement: the same line stands beside in-place runs.
+        out.append(Collective("Sendrecv link", lambda p: 1.0, _link_make, _link_run, _link_wrong,
+                              algbw_bytes=_link_bytes))
+    return out
+
+
+def _ddl_ar_make_default(comm, count, dtype, op, inplace=False):
+    st = _make_ar(comm, count, dtype, op, inplace)
+    st["dc"] = _DDL.get(comm, {})
+    return st
+
+
+#: The two lines of ``python -m ddlkernels job`` (kept as the job's stable interface).
 ALLREDUCE_IMPLS = {
-    "ddlkernels": Collective("ddlkernels", _ar_factor, _ddl_make, _ddl_run, _wrong_ar,
+    "ddlkernels": Collective("ddlkernels", _ar_factor, _ddl_ar_make_default, _ddl_run, _wrong_ar,
                              path=lambda st: st["dc"].last_algorithm or ""),
-    "MPI_Allreduce": Collective("MPI_Allreduce", _ar_factor, _make_ar, _mpi_run, _wrong_ar),
+    "MPI_Allreduce": Collective("MPI_Allreduce", _ar_factor, _make_ar, _mpi_ar_run, _wrong_ar,
+                                unsupported=_mpi_unsupported),
 }
+
+
+def _count_for(kind, count, p):
+    # Equal MPI blocks and balanced ddlkernels shards coincide when p divides the count.
+    return count if kind == "allreduce" else count - count % p
 
 
 def _time_one(comm, fn, state):
@@ -173,26 +575,53 @@ def _time_one(comm, fn, state):
     return comm.allreduce(dt, op=MPI.MAX)
 
 
+def _progress_bar(comm, total, progress):
+    if not progress or comm.Get_rank() != 0:
+        return None
+    if progress == "auto" and not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="sweep", unit="case", leave=False, file=sys.stderr, mininterval=0.5)
+
+
 def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup=5, check=True, inplace=False,
-              progress=True):
-    """Run every implementation at every size; return a list of row dicts (same on every rank)."""
-    dt = check_dtype(np.dtype(dtype) if dtype != "bfloat16" else __import__("ml_dtypes").bfloat16)
+              progress="auto", kind="allreduce", bar=None):
+    """Run every implementation at every size; return a list of row dicts (same on every rank).
+
+    Each row: ``bytes`` (of the buffer, N), ``count``, ``dtype``, ``op``,
+    ``ranks``, ``inplace``, ``collective`` and ``impls[name]`` with
+    ``time_us_min``/``time_us_median`` (slowest rank), ``algbw_GBps``/
+    ``busbw_GBps`` (from the median), ``busbw_GBps_max`` (from the min),
+    ``wrong`` (summed over ranks and iterations; None when unchecked),
+    ``path`` and, when it could not run, ``skipped`` with the reason.
+    ``progress``: True, False or "auto" (only on a terminal); rank 0 only.
+    """
+    from mpi4py import MPI
+
+    dt = parse_dtype(dtype) if isinstance(dtype, str) else check_dtype(np.dtype(dtype))
     op = normalize_op(op)
     p = comm.Get_size()
     rows = []
-    bar = None
-    if progress and comm.Get_rank() == 0 and sys.stderr.isatty():
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(sizes) * len(impls), desc="sweep", unit="case", leave=False)
-        except ImportError:
-            bar = None
+    own_bar = bar is None
+    if own_bar:
+        bar = _progress_bar(comm, len(sizes) * len(impls), progress)
     for nbytes in sizes:
-        count = nbytes // dt.itemsize
-        row = {"bytes": count * dt.itemsize, "count": count, "dtype": dtype_name(dt), "op": op, "ranks": p,
-               "inplace": inplace, "impls": {}}
+        count = _count_for(kind, nbytes // dt.itemsize, p)
+        row = {"collective": kind, "bytes": count * dt.itemsize, "count": count, "dtype": dtype_name(dt),
+               "op": op if kind != "allgather" else "-",
+               "ranks": p, "inplace": inplace, "impls": {}}
         for impl in impls:
+            if bar is not None:
+                bar.set_postfix_str(f"{kind} {format_size(row['bytes'])} {impl.name}", refresh=False)
+            why = impl.unsupported(dt, op, inplace)
+            if why:
+                row["impls"][impl.name] = {"skipped": why, "wrong": None}
+                if bar is not None:
+                    bar.update(1)
+                continue
             st = impl.make(comm, count, dt, op, inplace)
             wrong = 0
             for _ in range(warmup):
@@ -204,39 +633,52 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
                 times.append(_time_one(comm, impl.run, st))
                 if check:
                     wrong += impl.wrong(st)
-            from mpi4py import MPI
-
             wrong = comm.allreduce(wrong, op=MPI.SUM)
             tmin, tmed = min(times), float(np.median(times))
-            algbw = row["bytes"] / tmed / 1e9 if tmed > 0 else 0.0
+            nb = impl.algbw_bytes(row["bytes"], p)
+            algbw = nb / tmed / 1e9 if tmed > 0 else 0.0
             row["impls"][impl.name] = {
                 "time_us_min": tmin * 1e6,
                 "time_us_median": tmed * 1e6,
                 "algbw_GBps": algbw,
                 "busbw_GBps": algbw * impl.bus_factor(p),
+                "busbw_GBps_max": (nb / tmin / 1e9 if tmin > 0 else 0.0) * impl.bus_factor(p),
                 "wrong": int(wrong) if check else None,
                 "path": impl.path(st),
             }
+            del st
             if bar is not None:
                 bar.update(1)
         rows.append(row)
-    if bar is not None:
+    if own_bar and bar is not None:
         bar.close()
     return rows
 
 
-def format_table(rows, impls, ratio_of=None) -> str:
-    """nccl-tests-like text table; ``ratio_of=(a, b)`` adds a busbw(a)/busbw(b) column."""
+def _busbw(m, stat):
+    return m["busbw_GBps"] if stat == "median" else m.get("busbw_GBps_max", m["busbw_GBps"])
+
+
+def format_table(rows, impls, ratio_of=None, stat="median") -> str:
+    """nccl-tests-like text table.
+
+    ``ratio_of``: a pair ``(a, b)`` or a list of pairs; each adds a busbw(a) /
+    busbw(b) column.  ``stat``: "median" (default) or "min" time per
+    iteration (busbw then from the fastest iteration).
+    """
     names = [i.name if hasattr(i, "name") else i for i in impls]
+    pairs = [] if not ratio_of else ([ratio_of] if isinstance(ratio_of[0], str) else list(ratio_of))
     head1 = f"{'size(B)':>12} {'count':>11} {'type':>8} {'op':>5}"
     head2 = " " * len(head1)
     for n in names:
         head1 += f" | {n[:31]:^31}"
         head2 += f" | {'time(us)':>9} {'algbw':>6} {'busbw':>6} {'#wrong':>6}"
-    if ratio_of:
-        head1 += " | busbw"
-        head2 += " | ratio"
-    has_path = any(r["impls"][n]["path"] for r in rows for n in names)
+    widths = [max(9, len(_short(a)) + len(_short(b)) + 1) for a, b in pairs]
+    for (a, b), wd in zip(pairs, widths):
+        label = f"{_short(a)}/{_short(b)}"
+        head1 += f" | {label:>{wd}}"
+        head2 += f" | {'busbw':>{wd}}"
+    has_path = any(r["impls"].get(n, {}).get("path") for r in rows for n in names)
     if has_path:
         head1 += " | path"
         head2 += " |"
@@ -244,18 +686,97 @@ def format_table(rows, impls, ratio_of=None) -> str:
     for r in rows:
         line = f"{r['bytes']:>12} {r['count']:>11} {r['dtype']:>8} {r['op']:>5}"
         for n in names:
-            m = r["impls"][n]
+            m = r["impls"].get(n)
+            if m is None or "skipped" in m:
+                line += f" | {'skipped' if m else 'n/a':^31}"
+                continue
             w = "-" if m["wrong"] is None else str(m["wrong"])
-            line += f" | {m['time_us_median']:>9.1f} {m['algbw_GBps']:>6.2f} {m['busbw_GBps']:>6.2f} {w:>6}"
-        if ratio_of:
-            a, b = (r["impls"][x]["busbw_GBps"] for x in ratio_of)
-            line += f" | {a / b if b else float('nan'):>5.2f}"
+            t = m["time_us_median"] if stat == "median" else m["time_us_min"]
+            bus = _busbw(m, stat)
+            alg = bus / m["busbw_GBps"] * m["algbw_GBps"] if m["busbw_GBps"] else 0.0
+            line += f" | {t:>9.1f} {alg:>6.2f} {bus:>6.2f} {w:>6}"
+        for (a, b), wd in zip(pairs, widths):
+            ma, mb = r["impls"].get(a), r["impls"].get(b)
+            if not ma or not mb or "skipped" in ma or "skipped" in mb:
+                line += f" | {'-':>{wd}}"
+                continue
+            x, y = _busbw(ma, stat), _busbw(mb, stat)
+            line += f" | {x / y if y else float('nan'):>{wd}.2f}"
         if has_path:
-            line += " | " + ",".join(f"{r['impls'][n]['path']}" for n in names if r["impls"][n]["path"])
+            line += " | " + ",".join(f"{r['impls'][n]['path']}" for n in names
+                                     if r["impls"].get(n, {}).get("path"))
         lines.append(line)
+    skipped = {(n, r["impls"][n]["skipped"]) for r in rows for n in names
+               if "skipped" in r["impls"].get(n, {})}
+    for n, why in sorted(skipped):
+        lines.append(f"# {n} skipped: {why}")
     return "\n".join(lines)
+
+
+def _short(name):
+    """Column label: "ddl", "ddl[chunk=256K]", "MPI", "MPI[ring]", "link"."""
+    if name.startswith("ddlkernels"):
+        return "ddl" + name[len("ddlkernels"):]
+    if name.startswith("MPI_"):
+        rest = name.split("[", 1)
+        return "MPI" + ("[" + rest[1].replace("tuned ", "") if len(rest) > 1 else "")
+    return "link" if name == "Sendrecv link" else name
 
 
 def dump_json(path, meta, rows):
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+def plot_rows(path, rows, title="", stat="median"):
+    """PNG of busbw vs message size, one line per implementation, one panel per (collective, dtype, op, in place).
+
+    Every implementation of a panel was measured in the same run; the x axis is
+    the buffer's bytes N (log 2), the y axis busbw in GB/s (see the module
+    docstring for the Sendrecv link's definition).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict = {}
+    for r in rows:
+        key = (r.get("collective", "allreduce"), r["dtype"], r["op"], r["inplace"])
+        groups.setdefault(key, []).append(r)
+    n = len(groups)
+    cols = 1 if n == 1 else 2
+    nrows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(7.5 * cols, 4.8 * nrows), squeeze=False)
+    styles = {"Sendrecv link": dict(color="black", linestyle="--", marker="")}
+    for ax, (key, grp) in zip(axes.flat, groups.items()):
+        grp = sorted(grp, key=lambda r: r["bytes"])
+        names = []
+        for r in grp:
+            for name in r["impls"]:
+                if name not in names:
+                    names.append(name)
+        for name in names:
+            pts = [(r["bytes"], _busbw(r["impls"][name], stat)) for r in grp
+                   if name in r["impls"] and "skipped" not in r["impls"][name] and r["bytes"] > 0]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, label=name, **styles.get(name, dict(marker="o", markersize=3)))
+        coll, dt, op, inplace = key
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size N (bytes)")
+        ax.set_ylabel(f"busbw (GB/s, {stat} time)")
+        ax.set_title(f"{coll} {dt} {op} {'in place' if inplace else 'out of place'}", fontsize=10)
+        ticks = [r["bytes"] for r in grp if r["bytes"] > 0]
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([format_size(t) for t in ticks], rotation=45, fontsize=8)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,389 @@
+"""``python -m ddlkernels bench``: the nccl-tests-style sweep of bench/, on the command line.
+
+    mpirun -n 2 python -m ddlkernels bench -b 4K -e 64M -f 4 --json r.json --plot r.png
+    mpirun -n 4 python bench/allreduce.py -d float32,float16 -o sum,avg --place both
+    python -m ddlkernels bench --launch 2 --mpi-algorithm ring,rabenseifner --json r.json
+
+Every selected collective (allreduce, reduce_scatter, allgather) runs, at
+every size, dtype, op and placement, as three kinds of line measured in the
+same process one after the other: ddlkernels, MPI's own collective, and the
+"Sendrecv link" (one ring step; see ``ddlkernels._bench`` for the exact
+definition of its bandwidth).  A wrong element anywhere makes the run exit 1.
+
+Forcing Open MPI's tuned algorithms: the choice is read at MPI_Init, so it
+cannot change inside one MPI job.  Either put it in the environment of the
+command (the MPI line is then labelled with it)::
+
+    OMPI_MCA_coll_tuned_use_dynamic_rules=1 OMPI_MCA_coll_tuned_allreduce_algorithm=4 \\
+        mpirun -n 2 python -m ddlkernels bench --impls mpi
+
+or let ``--launch N --mpi-algorithm ring,rabenseifner`` run ``mpirun -n N``
+itself: once for the ordinary lines, once per forced algorithm (MPI line
+only), and merge everything into one table, JSON and plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["add_subcommands", "add_bench_arguments", "main"]
+
+_IMPLS = ("ddlkernels", "mpi", "link")
+
+
+def _csv(text):
+    return [t.strip() for t in str(text).split(",") if t.strip()]
+
+
+def add_bench_arguments(p, collective_default="allreduce"):
+    """The options of ``bench`` (also used by the thin scripts in bench/)."""
+    g = p.add_argument_group("what to run")
+    g.add_argument("-c", "--collective", default=collective_default,
+                   help="allreduce, reduce_scatter, allgather, comma list or 'all' (default %(default)s)")
+    g.add_argument("-d", "--dtype", default="float32",
+                   help="float32, float64, float16, bfloat16, int32, int64, comma list or 'all' (default %(default)s)")
+    g.add_argument("-o", "--op", default="sum", help="sum, avg, max, min, prod, comma list or 'all' (default %(default)s)")
+    g.add_argument("--place", choices=("out", "in", "both"), default="out",
+                   help="out of place (default), in place, or both")
+    g.add_argument("--inplace", dest="place", action="store_const", const="in", help="same as --place in")
+    g.add_argument("--impls", default=",".join(_IMPLS),
+                   help="lines to run: ddlkernels, mpi (MPI's own collective), link (Sendrecv of one ring step)")
+    g = p.add_argument_group("sizes and timing")
+    g.add_argument("-b", "--begin", default="4K", help="smallest buffer N in bytes (K/M/G suffixes; default %(default)s)")
+    g.add_argument("-e", "--end", default="64M", help="largest buffer (default %(default)s)")
+    g.add_argument("-f", "--factor", type=int, default=4, help="size multiplication factor (default %(default)s)")
+    g.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default %(default)s)")
+    g.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations per size (default %(default)s)")
+    g.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="time per iteration shown in the table and plot (JSON has both)")
+    g.add_argument("--check", dest="check", action="store_true", default=True,
+                   help="verify every iteration's result (default); a wrong element exits 1")
+    g.add_argument("--no-check", dest="check", action="store_false", help="do not verify results")
+    g = p.add_argument_group("ddlkernels options (Communicator keyword arguments)")
+    g.add_argument("--chunk-bytes", default=None,
+                   help="pipeline chunk; a comma list gives one ddlkernels line per value (e.g. 256K,1M,4M)")
+    g.add_argument("--small-bytes", default=None, help="below this size ddlkernels calls MPI's Allreduce (0: never)")
+    g.add_argument("--window", type=int, default=None, help="receive slots in flight per ring step")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", help="write meta and rows as JSON to this path (rank 0)")
+    g.add_argument("--plot", help="write a PNG of busbw vs size, one line per implementation (rank 0)")
+    g.add_argument("--progress", dest="progress", action="store_const", const=True, default="auto",
+                   help="progress bar on rank 0 even when stderr is not a terminal (default: only on a terminal)")
+    g.add_argument("--no-progress", dest="progress", action="store_const", const=False)
+    g.add_argument("--quiet", action="store_true", help="no table on stdout")
+    g = p.add_argument_group("Open MPI tuned algorithms (the MPI line)")
+    g.add_argument("--launch", type=int, metavar="N", default=None,
+                   help="run mpirun -n N from here (do not start this under mpirun then); needed by --mpi-algorithm")
+    g.add_argument("--mpi-algorithm", default="",
+                   help="also run MPI's collective with each of these coll/tuned algorithms forced, e.g. "
+                        "ring,rabenseifner (names or numbers, see `ompi_info --param coll tuned --level 9`)")
+    g.add_argument("--mpirun", default=None, help="mpirun for --launch (default: the one beside this python, "
+                                                  "else on PATH)")
+    g.add_argument("--mpirun-args", default="", help="extra mpirun arguments for --launch (one string)")
+    # Set by --launch for its sub-runs: the suffix of the MPI line's name.
+    g.add_argument("--label", default=None, help=argparse.SUPPRESS)
+
+
+def add_subcommands(subparsers):
+    p = subparsers.add_parser("bench", help="nccl-tests-style sweeps vs MPI and the Sendrecv link (under mpirun)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(p)
+    p.set_defaults(func=_run)
+
+
+def main(argv=None, collective="allreduce", prog=None):
+    """Entry point of the thin scripts in bench/ (``collective`` is their default ``-c``)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(ap, collective)
+    return _run(ap.parse_args(argv))
+
+
+# -- option parsing ---------------------------------------------------------------
+
+
+def _expand(args):
+    from ._bench import COLLECTIVES, parse_dtype, parse_size, sweep_sizes
+    from ._dtypes import OPS, SUPPORTED_DTYPES, dtype_name
+
+    colls = list(COLLECTIVES) if args.collective == "all" else _csv(args.collective)
+    for c in colls:
+        if c not in COLLECTIVES:
+            raise SystemExit(f"unknown collective {c!r}; expected {', '.join(COLLECTIVES)} or all")
+    names = [dtype_name(d) for d in SUPPORTED_DTYPES] if args.dtype == "all" else _csv(args.dtype)
+    dtypes = []
+    for n in names:
+        try:
+            dtypes.append(dtype_name(parse_dtype(n)))
+        except TypeError as exc:
+            raise SystemExit(f"--dtype {n}: {exc}") from None
+    ops = list(OPS) if args.op == "all" else _csv(args.op)
+    for o in ops:
+        if o not in OPS:
+            raise SystemExit(f"unknown op {o!r}; expected {', '.join(OPS)} or all")
+    places = {"out": [False], "in": [True], "both": [False, True]}[args.place]
+    impls = _csv(args.impls)
+    for i in impls:
+        if i not in _IMPLS:
+            raise SystemExit(f"--impls: unknown {i!r}; expected {', '.join(_IMPLS)}")
+    try:
+        sizes = sweep_sizes(parse_size(args.begin), parse_size(args.end), args.factor)
+    except ValueError as exc:
+        raise SystemExit(f"sizes: {exc}") from None
+    if args.iters < 1 or args.warmup < 0:
+        raise SystemExit("need --iters >= 1 and --warmup >= 0")
+    opts = []
+    chunks = [parse_size(c) for c in _csv(args.chunk_bytes)] if args.chunk_bytes else [None]
+    for ch in chunks:
+        o = {}
+        if ch is not None:
+            o["chunk_bytes"] = ch
+        if args.small_bytes is not None:
+            o["small_bytes"] = parse_size(args.small_bytes)
+        if args.window is not None:
+            o["window"] = args.window
+        opts.append(o)
+    return colls, dtypes, ops, places, impls, sizes, opts
+
+
+def _under_mpirun():
+    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK",
+                                         "MPI_LOCALNRANKS"))
+
+
+def _run(args):
+    if args.launch is not None:
+        return _launch(args)
+    if args.mpi_algorithm:
+        raise SystemExit("--mpi-algorithm needs --launch N (Open MPI reads the forced algorithm at MPI_Init): "
+                         "python -m ddlkernels bench --launch 2 --mpi-algorithm ring ..., or set "
+                         "OMPI_MCA_coll_tuned_use_dynamic_rules=1 OMPI_MCA_coll_tuned_allreduce_algorithm=4 "
+                         "in mpirun's environment")
+    return _measure(args)
+
+
+def _git_commit():
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+        if out.returncode == 0:
+            return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def _conditions():
+    import platform
+
+    env = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith(("OMPI_MCA_", "MPIR_CVAR_", "DDLKERNELS_", "PRTE_MCA_"))}
+    return {"host": platform.node(), "cpus": os.cpu_count(), "loadavg": list(os.getloadavg()),
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "env": env}
+
+
+def _measure(args):
+    from mpi4py import MPI
+
+    import numpy as np
+
+    import ddlkernels
+
+    from ._bench import _DDL, _progress_bar, make_impls, run_sweep
+
+    colls, dtypes, ops, places, which, sizes, opts = _expand(args)
+    comm = MPI.COMM_WORLD
+    rank, p = comm.Get_rank(), comm.Get_size()
+    start = _conditions()
+    cases = []
+    for kind in colls:
+        impls = make_impls(kind, which, opts, mpi_label=args.label)
+        # allgather has no operator: one case per dtype.
+        for dt in dtypes:
+            for op in (ops if kind != "allgather" else ops[:1]):
+                for inplace in places:
+                    cases.append((kind, impls, dt, op, inplace))
+    bar = _progress_bar(comm, sum(len(sizes) * len(c[1]) for c in cases), args.progress)
+    rows = []
+    try:
+        for kind, impls, dt, op, inplace in cases:
+            rows += run_sweep(comm, sizes, impls, dtype=dt, op=op, iters=args.iters, warmup=args.warmup,
+                              check=args.check, inplace=inplace, kind=kind, bar=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    _DDL.free()
+    wrong = sum(m.get("wrong") or 0 for r in rows for m in r["impls"].values())
+    meta = {
+        "argv": sys.argv,
+        "ranks": p,
+        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi4py": __import__("mpi4py").__version__,
+        "numpy": np.__version__,
+        "ddlkernels": ddlkernels.__version__,
+        "git": _git_commit(),
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "check": args.check,
+        "stat_in_table": args.stat,
+        "timing": "barrier, then one call; iteration time = max over ranks; min and median over iterations",
+        "busbw": "allreduce N/t*2(p-1)/p; reduce_scatter, allgather N/t*(p-1)/p; "
+                 "Sendrecv link (N/p)/t: every rank sends N/p bytes to rank r+1 while receiving N/p from r-1",
+        "start": start,
+        "end": _conditions(),
+        "wrong_total": wrong,
+    }
+    if rank == 0:
+        _report(args, meta, rows)
+    return 1 if wrong else 0
+
+
+def _groups(rows):
+    out: dict = {}
+    for r in rows:
+        out.setdefault((r["collective"], r["dtype"], r["op"], r["inplace"]), []).append(r)
+    return out
+
+
+def _names(grp):
+    names = []
+    for r in grp:
+        for n in r["impls"]:
+            if n not in names:
+                names.append(n)
+    # ddlkernels lines first, then MPI's, then the link
+    order = lambda n: (0 if n.startswith("ddlkernels") else 1 if n.startswith("MPI_") else 2, names.index(n))  # noqa: E731
+    return sorted(names, key=order)
+
+
+def _report(args, meta, rows):
+    from ._bench import dump_json, format_table, plot_rows
+
+    if not args.quiet:
+        st, en = meta["start"], meta["end"]
+        print(f"# ddlkernels bench: {meta['ranks']} ranks; {meta['mpi']}; {args.iters} iterations after "
+              f"{args.warmup} warmup; {meta['stat_in_table']} time of the slowest rank")
+        print(f"# busbw: {meta['busbw']}")
+        print(f"# load average at start {st['loadavg'][0]:.2f}, at end {en['loadavg'][0]:.2f} on {st['cpus']} cpus; "
+              f"path: which algorithm ddlkernels ran (ring, or mpi below its small-message threshold)")
+        for (kind, dt, op, inplace), grp in _groups(rows).items():
+            names = _names(grp)
+            ddl = [n for n in names if n.startswith("ddlkernels")]
+            others = [n for n in names if not n.startswith("ddlkernels")]
+            pairs = [(ddl[0], o) for o in others] if ddl else []
+            print(f"\n## {kind}, {dt}, op {op if kind != 'allgather' else '-'}, "
+                  f"{'in place' if inplace else 'out of place'}")
+            print(format_table(grp, names, ratio_of=pairs or None, stat=args.stat))
+        print(f"\n# #wrong total: {meta['wrong_total']}")
+        sys.stdout.flush()
+    if args.json:
+        dump_json(args.json, meta, rows)
+    if args.plot:
+        title = (f"{meta['ranks']} ranks, {meta['mpi'][:60]}, {meta['start']['date_utc']}, "
+                 f"load {meta['start']['loadavg'][0]:.1f} on {meta['start']['cpus']} cpus")
+        plot_rows(args.plot, rows, title=title, stat=args.stat)
+
+
+# -- --launch: mpirun from here, plus one run per forced tuned algorithm -----------------
+
+
+def _mpirun_path(args):
+    if args.mpirun:
+        return args.mpirun
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if os.path.exists(beside):
+        return beside
+    import shutil
+
+    found = shutil.which("mpirun") or shutil.which("mpiexec")
+    if not found:
+        raise SystemExit("--launch: no mpirun found; pass --mpirun PATH")
+    return found
+
+
+def _child_argv(args, *, impls=None, collective=None, label=None, json_path):
+    a = ["-c", collective or args.collective, "-d", args.dtype, "-o", args.op, "--place", args.place,
+         "--impls", impls or args.impls, "-b", str(args.begin), "-e", str(args.end), "-f", str(args.factor),
+         "-n", str(args.iters), "-w", str(args.warmup), "--stat", args.stat, "--json", json_path, "--quiet"]
+    a.append("--check" if args.check else "--no-check")
+    if args.chunk_bytes:
+        a += ["--chunk-bytes", args.chunk_bytes]
+    if args.small_bytes is not None:
+        a += ["--small-bytes", str(args.small_bytes)]
+    if args.window is not None:
+        a += ["--window", str(args.window)]
+    if args.progress is True:
+        a.append("--progress")
+    elif args.progress is False:
+        a.append("--no-progress")
+    if label is not None:
+        a += ["--label", label]
+    return a
+
+
+def _launch(args):
+    from ._bench import _TUNED_PARAM, COLLECTIVES, TUNED_ALGORITHMS
+
+    if _under_mpirun():
+        raise SystemExit("--launch starts mpirun itself: run it without mpirun")
+    if args.launch < 1:
+        raise SystemExit("--launch needs N >= 1")
+    colls = list(COLLECTIVES) if args.collective == "all" else _csv(args.collective)
+    mpirun = [_mpirun_path(args), "-n", str(args.launch), *shlex.split(args.mpirun_args)]
+    py = [sys.executable, "-m", "ddlkernels", "bench"]
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="ddlbench-") as tmp:
+        path = os.path.join(tmp, "base.json")
+        runs.append(({}, mpirun + py + _child_argv(args, json_path=path), path))
+        for alg in _csv(args.mpi_algorithm):
+            env, forced = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1"}, []
+            for kind in colls:
+                table = TUNED_ALGORITHMS[_TUNED_PARAM[kind]]
+                num = table.get(alg, int(alg) if alg.isdigit() and int(alg) in table.values() else None)
+                if num is None:
+                    print(f"# {alg}: not a tuned algorithm of {_TUNED_PARAM[kind]} ({', '.join(table)}); skipped",
+                          file=sys.stderr)
+                    continue
+                env[f"OMPI_MCA_coll_tuned_{_TUNED_PARAM[kind]}_algorithm"] = str(num)
+                forced.append(kind)
+            if not forced:
+                continue
+            path = os.path.join(tmp, f"tuned-{alg}.json")
+            runs.append((env, mpirun + py + _child_argv(args, impls="mpi", collective=",".join(forced),
+                                                        json_path=path), path))
+        merged_meta, merged = None, {}
+        status = 0
+        for env, cmd, path in runs:
+            shown = " ".join(f"{k}={v}" for k, v in env.items()) + (" " if env else "") + shlex.join(cmd)
+            print(f"# running: {shown}", file=sys.stderr, flush=True)
+            rc = subprocess.run(cmd, env={**os.environ, **env}).returncode
+            if not os.path.exists(path):
+                raise SystemExit(f"--launch: the run failed with exit code {rc} and wrote no results: {shown}")
+            status = status or (1 if rc else 0)
+            with open(path) as f:
+                data = json.load(f)
+            meta = data["meta"]
+            meta["command"] = shown
+            if merged_meta is None:
+                merged_meta = dict(meta, runs=[])
+            merged_meta["runs"].append(meta)
+            for r in data["rows"]:
+                key = (r["collective"], r["dtype"], r["op"], r["inplace"], r["bytes"])
+                if key in merged:
+                    merged[key]["impls"].update(r["impls"])
+                else:
+                    merged[key] = r
+    rows = list(merged.values())
+    merged_meta["wrong_total"] = sum(m.get("wrong") or 0 for r in rows for m in r["impls"].values())
+    merged_meta["end"] = merged_meta["runs"][-1]["end"]
+    _report(args, merged_meta, rows)
+    return 1 if (status or merged_meta["wrong_total"]) else 0
