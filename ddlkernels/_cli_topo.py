@@ -192,6 +192,6 @@ def add_subcommands(sub) -> None:
     p.add_argument("--out", default="calibrated-topology.json", help="file to write (rank 0)")
     p.add_argument("--rack-map", help="host -> rack map: JSON object or lines 'host rack'")
     p.add_argument("--structure", help="topology file whose placement replaces detection")
-    p.add_argument("--sizes", default="8,1K,16K,256K,1M,4M", help="ping-pong sizes")
+    p.add_argument("--sizes", default="8,1K,16K,256K,1M,4M,16M", help="ping-pong sizes")
     p.add_argument("--reps", type=int, default=20, help="round trips per size")
     p.set_defaults(func=_calibrate)

@@ -6,17 +6,18 @@ Worked example
 machine finds one level (all 4 ranks share memory) and measures, in order:
 
 1. latency and bandwidth of that level: ranks 0 and 1 ping-pong messages of
-   8 B .. 4 MiB while the others sleep (``Ibarrier`` + ``sleep`` polling, so
+   8 B .. 16 MiB while the others sleep (``Ibarrier`` + ``sleep`` polling, so
    idle ranks do not steal the cores); one-way time t(n) = RTT / 2, latency =
    t(8 B), bandwidth = 1 / slope of t over the sizes >= 256 KiB;
 2. what the level carries when everyone talks at once: every rank
-   ``Sendrecv``-s 4 MiB around a ring inside its group; if the groups move
+   ``Sendrecv``-s 64 MiB in 1 MiB chunks around a ring inside its group; if the groups move
    less than (members x bandwidth), the measured total becomes the level's
    ``capacity`` (on a node: the memory bus and the cores shared by the copies);
    on higher levels, the number of ``links`` leaving a group is how many
    single-message bandwidths the group's members reach together;
-3. the reduction rate: every rank at once sums 8 MiB float32 arrays with numpy
-   (the host backend's kernel), bytes of result per second per rank.
+3. the reduction rate: every rank at once computes ``out = src + slot`` over a
+   64 MiB float32 buffer in 1 MiB chunks with numpy, the engine's pattern,
+   bytes of result per second per rank.
 
 On a cluster, step 1 and 2 repeat for each level with a pair of ranks whose
 first common group is that level (same node, other node in the rack, other
@@ -35,7 +36,7 @@ from .topology import Level, Topology, detect, _replace
 
 __all__ = ["calibrate", "pingpong", "fit_alpha_beta"]
 
-DEFAULT_SIZES = (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20)
+DEFAULT_SIZES = (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
 def _idle_wait(comm):
@@ -90,22 +91,27 @@ def fit_alpha_beta(times: dict[int, float], min_bw_size: int = 256 << 10) -> tup
     return float(alpha), float(1.0 / slope)
 
 
-def _ring_exchange(comm, members: list[list[int]], nbytes: int, reps: int) -> float:
-    """Every rank in ``members`` (lists of rings) Sendrecv-s ``nbytes`` to its ring successor at once.
+def _ring_exchange(comm, members: list[list[int]], nbytes: int, reps: int, chunk: int = 1 << 20) -> float:
+    """Every rank in ``members`` (lists of rings) sends ``nbytes`` to its ring successor at once,
+    in ``chunk``-byte Sendrecv-s walking through the buffers as the engine's chunks do (so that
+    buffers larger than the caches cost what they cost the engine).
 
     Returns the median seconds of one exchange (slowest rank), on every rank.
     """
     r = comm.Get_rank()
     ring = next((m for m in members if r in m), None)
     sbuf = np.ones(nbytes, dtype=np.uint8)
-    rbuf = np.empty(nbytes, dtype=np.uint8)
+    rbuf = np.ones(nbytes, dtype=np.uint8)
     times = []
     for i in range(reps + 1):
         comm.Barrier()
         t0 = time.perf_counter()
         if ring is not None and len(ring) > 1:
             q = ring.index(r)
-            comm.Sendrecv(sbuf, ring[(q + 1) % len(ring)], 78, rbuf, ring[(q - 1) % len(ring)], 78)
+            nxt, prv = ring[(q + 1) % len(ring)], ring[(q - 1) % len(ring)]
+            for a in range(0, nbytes, chunk):
+                b = min(a + chunk, nbytes)
+                comm.Sendrecv(sbuf[a:b], nxt, 78, rbuf[a:b], prv, 78)
         dt = comm.allreduce(time.perf_counter() - t0, op=_max())
         if i:
             times.append(dt)
@@ -118,26 +124,36 @@ def _max():
     return MPI.MAX
 
 
-def _reduce_rate(comm, nbytes: int = 8 << 20, reps: int = 5) -> float:
-    """Bytes/s of float32 sum per rank with every rank reducing at once (mean over ranks)."""
-    n = nbytes // 4
-    a = np.arange(n, dtype=np.float32)
-    b = np.ones(n, dtype=np.float32)
-    np.add(a, b, out=a)
+def _reduce_rate(comm, nbytes: int = 64 << 20, chunk: int = 1 << 20, seconds: float = 0.3) -> float:
+    """Bytes/s of float32 sum per rank, every rank reducing at once, in the engine's pattern:
+    ``out[a:b] = src[a:b] + slot`` over ``chunk``-byte pieces of an ``nbytes`` buffer (mean over ranks)."""
+    n, c = nbytes // 4, chunk // 4
+    src = np.arange(n, dtype=np.float32)
+    out = np.empty_like(src)
+    slot = np.ones(c, dtype=np.float32)
     comm.Barrier()
     t0 = time.perf_counter()
-    for _ in range(reps):
-        np.add(a, b, out=a)
-    rate = reps * n * 4 / (time.perf_counter() - t0)
+    done = 0
+    while True:
+        for a in range(0, n, c):
+            b = min(a + c, n)
+            np.add(src[a:b], slot[: b - a], out=out[a:b])
+        done += n * 4
+        if time.perf_counter() - t0 >= seconds:
+            break
+    rate = done / (time.perf_counter() - t0)
     return float(np.mean(comm.allgather(rate)))
 
 
-def calibrate(comm, *, rack_map=None, structure: Topology | None = None, sizes=DEFAULT_SIZES, reps: int = 20, concurrent_bytes: int = 4 << 20) -> Topology:
+def calibrate(comm, *, rack_map=None, structure: Topology | None = None, sizes=DEFAULT_SIZES, reps: int = 20, concurrent_bytes: int = 64 << 20, reduce_bytes: int = 64 << 20) -> Topology:
     """Measure every level of the job's topology; collective over ``comm``. Returns the same Topology on every rank.
 
     ``rack_map``  -- host -> rack map for ``detect`` (path or dict).
     ``structure`` -- a topology whose placement replaces detection (its link values are ignored).
     ``sizes``     -- ping-pong message sizes in bytes; ``reps`` round trips per size.
+    ``concurrent_bytes``, ``reduce_bytes`` -- working sets of the concurrent
+    exchange and of the reduction test: larger than the caches by default,
+    since the engine streams gradients that are.
     """
     p = comm.Get_size()
     if structure is not None:
@@ -151,7 +167,7 @@ def calibrate(comm, *, rack_map=None, structure: Topology | None = None, sizes=D
     notes = [
         f"measured by python -m ddlkernels calibrate with {p} ranks on {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
         f"ping-pong sizes {list(sizes)} B, {reps} round trips each, median; latency = one-way time of the smallest size, bandwidth = 1/slope over sizes >= 256 KiB",
-        f"concurrent: every rank Sendrecv-s {concurrent_bytes} B around rings that cross the level at once",
+        f"concurrent: every rank Sendrecv-s {concurrent_bytes} B in 1 MiB chunks around rings that cross the level at once",
     ]
     for j, lv in enumerate(topo.levels, start=1):
         # A pair whose first common group is level j: rank 0 and the first rank
@@ -180,10 +196,12 @@ def calibrate(comm, *, rack_map=None, structure: Topology | None = None, sizes=D
                 capacity = total
         else:
             links = int(min(flows_per_port, max(1, round(flows_per_port * per_flow / beta))))
-        levels.append(Level(name=lv.name, fanout=lv.fanout, bandwidth=beta, latency=alpha, links=links, capacity=capacity,
+        # Host buffers inside a node move by the receiver's CPU (MPI's shared-memory
+        # single copy); between nodes a NIC's DMA engine moves them.
+        levels.append(Level(name=lv.name, fanout=lv.fanout, bandwidth=beta, latency=alpha, links=links, capacity=capacity, cpu_copy=(j == 1),
                             note=f"one-way times {{size: s}} = { {k: round(v, 9) for k, v in t.items()} }; concurrent rate per flow {per_flow:.3e} B/s with {flows_per_port} flow(s) per port"))
-    rrate = _reduce_rate(comm)
-    notes.append(f"reduce_rate: numpy float32 add of 8 MiB arrays, all {p} ranks at once, mean per rank")
+    rrate = _reduce_rate(comm, reduce_bytes)
+    notes.append(f"reduce_rate: numpy float32 out[a:b] = src[a:b] + slot over a {reduce_bytes} B buffer in 1 MiB chunks, all {p} ranks at once, mean per rank")
     return Topology(levels=tuple(levels), ranks=p, name="calibrated", reduce_rate=rrate, placement=topo.placement,
                     hostnames=topo.hostnames, notes=tuple(notes))
 

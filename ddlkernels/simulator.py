@@ -113,6 +113,7 @@ class _Network:
         self.res_index: dict[tuple, int] = {}
         self.flows_on: list[set] = []
         self.path_cache: dict[tuple[int, int], tuple] = {}
+        self.cpu_full: dict[int, float] = {}
         # flow state, indexed by flow id
         self.f_path: dict[int, tuple] = {}
         self.f_cap: dict[int, float] = {}
@@ -150,9 +151,26 @@ class _Network:
         top = levels[L - 1]
         if top.capacity is not None:
             res.append(self._res(("F", L, ids[L][a]), top.capacity))
+        if top.cpu_copy:
+            # The receiver's CPU performs the copy, one byte stream at a time
+            # at the level's bandwidth; paused while that rank reduces.
+            res.append(self.cpu(b, top.bandwidth))
         hit = (tuple(res), cap, top.latency, L)
         self.path_cache[key] = hit
         return hit
+
+    def cpu(self, rank: int, bandwidth: float | None = None) -> int:
+        i = self.res_index.get(("C", rank))
+        if i is None:
+            i = self._res(("C", rank), bandwidth)
+            self.cpu_full[i] = bandwidth
+        return i
+
+    def set_capacity(self, i: int, cap: float, now: float, push) -> None:
+        """Change a resource's capacity (0 pauses its flows) and re-rate the flows through it."""
+        self._update(list(self.flows_on[i]), now, push, settle_only=True)
+        self.cap[i] = cap
+        self._update(list(self.flows_on[i]), now, push)
 
     def _rate(self, f: int) -> float:
         r = self.f_cap[f]
@@ -163,17 +181,20 @@ class _Network:
                 r = share
         return r
 
-    def _update(self, flows, now, push):
+    def _update(self, flows, now, push, settle_only=False):
         for g in flows:
             rem = self.f_rem[g] - self.f_rate[g] * (now - self.f_last[g])
             self.f_rem[g] = rem if rem > 0 else 0.0
             self.f_last[g] = now
+            if settle_only:
+                continue
             rate = self._rate(g)
             if rate != self.f_rate[g] or g not in self.f_ver:
                 self.f_rate[g] = rate
                 v = self.f_ver.get(g, 0) + 1
                 self.f_ver[g] = v
-                push(now + self.f_rem[g] / rate, g, v)
+                if rate > 0:  # a paused flow gets its event when it is resumed
+                    push(now + self.f_rem[g] / rate, g, v)
 
     def start(self, f: int, path, cap: float, nbytes: float, now: float, push):
         self.f_path[f] = path
@@ -238,6 +259,11 @@ class _Sim:
 
     def __init__(self, topo, p, itemsize, rrate, eager_bytes, verify, count):
         self.net = _Network(topo)
+        self.cpu_copy = any(lv.cpu_copy for lv in topo.levels)
+        if self.cpu_copy:
+            bw = max(lv.bandwidth for lv in topo.levels if lv.cpu_copy)
+            for r in range(p):
+                self.net.cpu(r, bw)
         self.p = p
         self.itemsize = itemsize
         self.rrate = rrate
@@ -360,6 +386,9 @@ class _Sim:
                 self._check(m.src)
             else:
                 self.waiting[a] = None
+                if self.cpu_copy:
+                    i = self.net.cpu(a)
+                    self.net.set_capacity(i, self.net.cpu_full[i], self.now, self._push_flow)
                 self._advance(a)
 
     def _satisfied(self, r) -> bool:
@@ -399,6 +428,8 @@ class _Sim:
             if cond[0] == "compute":
                 self.waiting[r] = cond
                 self.push(self.now + cond[1], self.RESUME, r)
+                if self.cpu_copy:  # the CPU reduces: copies into this rank wait
+                    self.net.set_capacity(self.net.cpu(r), 0.0, self.now, self._push_flow)
                 return
             if cond[0] == "sends":
                 cond = ["sends", cond[1], 0]

@@ -27,7 +27,11 @@ the lower bound from it.
 
 An optional ``capacity`` (bytes/s) caps everything moving between members of
 one level-``i`` group at once: the memory bus of a node whose ranks talk
-through shared memory, measured by ``ddlkernels.calibrate``.
+through shared memory, measured by ``ddlkernels.calibrate``.  ``cpu_copy``
+says that a message at this level is copied by the receiving rank's CPU (host
+shared memory: MPI's single-copy read runs inside the receiver's MPI calls),
+so it makes no progress while that rank is busy reducing; links driven by
+DMA engines (NVLink, InfiniBand) leave it false.
 
 Placement
 ---------
@@ -74,7 +78,7 @@ class TopologyError(ValueError):
     """A topology description is invalid; the message names the offending field."""
 
 
-_LEVEL_KEYS = {"name", "fanout", "bandwidth", "latency", "links", "capacity", "note"}
+_LEVEL_KEYS = {"name", "fanout", "bandwidth", "latency", "links", "capacity", "cpu_copy", "note"}
 _TOP_KEYS = {"name", "description", "ranks", "reduce_rate", "levels", "placement", "hostnames", "notes", "source"}
 
 
@@ -99,6 +103,7 @@ class Level:
     ``latency``   -- seconds per message between two members of one group.
     ``links``     -- links leaving each member towards the group's switch.
     ``capacity``  -- optional bytes/s cap on all traffic inside one group.
+    ``cpu_copy``  -- messages are copied by the receiver's CPU (pause while it reduces).
     """
 
     name: str
@@ -107,6 +112,7 @@ class Level:
     latency: float
     links: int = 1
     capacity: float | None = None
+    cpu_copy: bool = False
     note: str = ""
 
     def check(self, where: str) -> "Level":
@@ -118,12 +124,16 @@ class Level:
             raise TopologyError(f"{where}.latency: must be a number of seconds >= 0, got {self.latency!r}")
         _positive(self.links, f"{where}.links", integer=True)
         _positive(self.capacity, f"{where}.capacity", allow_none=True)
+        if not isinstance(self.cpu_copy, bool):
+            raise TopologyError(f"{where}.cpu_copy: must be true or false, got {self.cpu_copy!r}")
         return self
 
     def to_dict(self) -> dict:
         d = {"name": self.name, "fanout": self.fanout, "bandwidth": self.bandwidth, "latency": self.latency, "links": self.links}
         if self.capacity is not None:
             d["capacity"] = self.capacity
+        if self.cpu_copy:
+            d["cpu_copy"] = True
         if self.note:
             d["note"] = self.note
         return d
@@ -290,6 +300,7 @@ class Topology:
                     latency=ld["latency"],
                     links=ld.get("links", 1),
                     capacity=ld.get("capacity"),
+                    cpu_copy=ld.get("cpu_copy", False),
                     note=ld.get("note", ""),
                 ).check(f"levels[{i}]")
             )
@@ -325,7 +336,7 @@ class Topology:
 
 
 def _replace(lv: Level, **kw) -> Level:
-    d = dict(name=lv.name, fanout=lv.fanout, bandwidth=lv.bandwidth, latency=lv.latency, links=lv.links, capacity=lv.capacity, note=lv.note)
+    d = dict(name=lv.name, fanout=lv.fanout, bandwidth=lv.bandwidth, latency=lv.latency, links=lv.links, capacity=lv.capacity, cpu_copy=lv.cpu_copy, note=lv.note)
     d.update(kw)
     return Level(**d)
 
