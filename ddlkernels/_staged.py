@@ -47,7 +47,8 @@ __all__ = ["StagedTransport"]
 
 
 class _StagedRecv:
-    """Request of a staged receive: ``Wait()`` lands the chunk in device memory (stream-ordered)."""
+    """Request of a staged receive: ``Wait()`` (or a ``Test()`` that returns True) lands
+    the chunk in device memory, stream-ordered; the engine's timeout polling uses ``Test``."""
 
     __slots__ = ("_t", "_req", "_slot", "_buf", "_nbytes", "_done")
 
@@ -63,7 +64,14 @@ class _StagedRecv:
         self._done = True
         return True
 
-    wait = Wait
+    def Test(self, status=None):
+        """Non-blocking: True once the chunk has been received and its H2D copy queued."""
+        if not self._done and self._req.Test(status):
+            self._t._land(self._slot, self._buf, self._nbytes)
+            self._done = True
+        return self._done
+
+    wait, test = Wait, Test
 
 
 class StagedTransport(Transport):

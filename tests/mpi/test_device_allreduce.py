@@ -1,0 +1,197 @@
+"""The device path end to end: allreduce of Numba device arrays, staged through pinned host memory.
+
+Without a GPU this runs in the Numba CUDA simulator: the module sets
+``NUMBA_ENABLE_CUDASIM=1`` before numba is first imported (no other module of
+tests/mpi imports numba).  With a GPU and numba already imported for real it
+runs on the device unchanged.  Every result must equal, bit for bit, the host
+(numpy) result of the same Communicator -- same ring, same chunks, so the
+same operations in the same order -- and be the same on every rank.
+
+MPI here is not CUDA-aware (PyPI's Open MPI), and the Communicator is told so
+explicitly: every chunk goes device -> pinned host -> MPI -> pinned host ->
+device through ``ddlkernels._staged.StagedTransport``.
+"""
+
+import os
+import sys
+
+if "numba" not in sys.modules:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from numba import config as _nb_config  # noqa: E402
+from numba import cuda  # noqa: E402
+
+import ddlkernels  # noqa: E402
+from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name  # noqa: E402
+from ddlkernels._staged import StagedTransport  # noqa: E402
+from ddlkernels.backends import backend_for, get_backend  # noqa: E402
+
+SIMULATED = bool(getattr(_nb_config, "ENABLE_CUDASIM", 0))
+if not SIMULATED and not cuda.is_available():
+    raise RuntimeError(
+        "numba was imported before this module could enable the CUDA simulator, and there is no GPU: "
+        "run tests/mpi/test_device_allreduce.py in a session that has not imported numba"
+    )
+
+COMM = MPI.COMM_WORLD
+P = COMM.Get_size()
+R = COMM.Get_rank()
+# 16-byte chunks: several chunks per block even for tiny arrays, so the
+# window of slots wraps and staging runs many times per phase.
+CHUNK = 16
+
+
+def data(n, dtype, salt=0):
+    """Unique per rank and element; small integers-over-16 so every float type holds them exactly."""
+    dt = np.dtype(dtype)
+    i = np.arange(n, dtype=np.int64)
+    key = i * P + R + 7919 * salt
+    if dt.kind == "i":
+        return (key * 2654435761 % 100003 - 50001).astype(dt)
+    return (((key * 37) % 251 - 125) / 16.0).astype(dt)
+
+
+def to_device(x):
+    # Numba device arrays cannot hold bfloat16 for kernels; the user's
+    # array may: the backend reduces its uint16 bits.
+    return cuda.to_device(x)
+
+
+@pytest.fixture(scope="module")
+def dcomm():
+    c = ddlkernels.Communicator(COMM, chunk_bytes=CHUNK, small_bytes=0, window=2, cuda_aware=False)
+    yield c
+    c.free()
+
+
+def same_everywhere(bits: np.ndarray):
+    allb = COMM.allgather(bits.tobytes())
+    return all(b == allb[0] for b in allb)
+
+
+SIZES = sorted({0, 1, max(P - 1, 0), P + 1, 13, 37})
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min", "prod"])
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=[dtype_name(d) for d in SUPPORTED_DTYPES])
+def test_device_equals_host_bitwise(dcomm, dtype, op):
+    for n in SIZES:
+        x = data(n, dtype, salt=n)
+        if op == "prod" and np.dtype(dtype).kind == "f":
+            x = (1.0 + np.abs(x.astype(np.float64)) / 64.0).astype(dtype)  # stay finite
+        d = to_device(x)
+        got = dcomm.allreduce(d, op)
+        host = dcomm.allreduce(x, op)
+        assert type(got) is type(d), "the result must be of the input's array type"
+        g = got.copy_to_host()
+        assert g.dtype == host.dtype and g.shape == (n,)
+        gb, hb = g.view(np.uint8), host.view(np.uint8)
+        assert np.array_equal(gb, hb), f"n={n}: device result differs from host at {np.flatnonzero(g != host)[:5]}"
+        assert same_everywhere(gb)
+        assert np.array_equal(d.copy_to_host().view(np.uint8), x.view(np.uint8)), "input modified"
+
+
+def test_the_device_path_is_staged(dcomm):
+    be = backend_for(to_device(np.zeros(1, np.float32)))
+    assert be.name == "numba" and be.device
+    assert isinstance(dcomm._transport(be), StagedTransport)
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (3, 1, 4)])
+def test_in_place_and_out_multidim(dcomm, shape):
+    n = int(np.prod(shape))
+    x = data(n, np.float32).reshape(shape)
+    host = dcomm.allreduce(x, "sum")
+    d = to_device(x)
+    r = dcomm.allreduce(d, "sum", out=d)
+    assert r is d
+    assert np.array_equal(d.copy_to_host(), host)
+    o = cuda.device_array(shape, np.float32)
+    d2 = to_device(x)
+    r = dcomm.allreduce(d2, "avg", out=o)
+    assert r is o
+    assert np.array_equal(o.copy_to_host(), dcomm.allreduce(x, "avg"))
+    assert np.array_equal(d2.copy_to_host(), x)
+
+
+def test_multi_dimensional_box(dcomm):
+    if P % 2:
+        dims = (P,)
+    else:
+        dims = (2, P // 2)
+    x = data(29, np.float64)
+    got = dcomm.allreduce(to_device(x), "sum", dims=dims)
+    assert np.array_equal(got.copy_to_host(), dcomm.allreduce(x, "sum", dims=dims))
+
+
+def test_pinned_slots_are_reused(dcomm):
+    x = to_device(data(41, np.float32))
+    dcomm.allreduce(x, "sum")
+    t = dcomm._transport(backend_for(x))
+    before = t.pinned_bytes
+    for _ in range(3):
+        dcomm.allreduce(x, "sum")
+    assert t.pinned_bytes == before, "the staging transport allocated pinned memory again"
+
+
+def test_cuda_aware_override_is_used(dcomm):
+    assert dcomm.cuda_aware() == (False, "set explicitly")
+
+
+# -- bad input on the device path: a clear error on every rank, before any communication --
+
+
+def test_non_contiguous_device_array(dcomm):
+    d = to_device(data(20, np.float32))
+    with pytest.raises(ValueError, match="C-contiguous device array"):
+        dcomm.allreduce(d[::2], "sum")
+    COMM.Barrier()
+
+
+def test_unsupported_dtype_on_device(dcomm):
+    for dt in (np.complex64, np.uint16, np.int8):
+        with pytest.raises(TypeError, match="unsupported dtype"):
+            dcomm.allreduce(cuda.to_device(np.zeros(4, dt)), "sum")
+    COMM.Barrier()
+
+
+def test_mixed_host_and_device(dcomm):
+    d = to_device(data(6, np.float32))
+    with pytest.raises(TypeError, match="out is a numpy array but the input is a numba array"):
+        dcomm.allreduce(d, "sum", out=np.empty(6, np.float32))
+    with pytest.raises(TypeError, match="out is a numba array but the input is a numpy array"):
+        dcomm.allreduce(data(6, np.float32), "sum", out=cuda.device_array(6, np.float32))
+    COMM.Barrier()
+
+
+def test_out_dtype_and_shape_on_device(dcomm):
+    d = to_device(data(6, np.float32))
+    with pytest.raises(TypeError, match="out has dtype float64"):
+        dcomm.allreduce(d, "sum", out=cuda.device_array(6, np.float64))
+    with pytest.raises(ValueError, match="out has shape"):
+        dcomm.allreduce(d, "sum", out=cuda.device_array(7, np.float32))
+    COMM.Barrier()
+
+
+# -- the backend's own kernels outside the engine (local, no communication) --
+
+
+def test_numba_pack_unpack_roundtrip():
+    be = get_backend("numba")
+    rng = np.random.default_rng(R)
+    hosts = [rng.standard_normal(n).astype(dt) for n, dt in ((3, np.float32), (0, np.float64), (7, np.float16), (5, np.int64))]
+    devs = [be.flat(cuda.to_device(h)) for h in hosts]
+    nbytes = sum(h.nbytes for h in hosts) + 64
+    buf = cuda.device_array(nbytes, np.uint8)
+    offs = be.pack(devs, buf)
+    assert all(o % 16 == 0 for o in offs)
+    b = buf.copy_to_host()
+    for h, o in zip(hosts, offs):
+        assert np.array_equal(b[o:o + h.nbytes], h.view(np.uint8))
+    outs = [cuda.device_array(h.shape[0], h.dtype) for h in hosts]
+    be.unpack(buf, outs, offs)
+    for h, o in zip(hosts, outs):
+        assert np.array_equal(o.copy_to_host().view(np.uint8), h.view(np.uint8))
