@@ -122,10 +122,10 @@ def execute(sched: Schedule, src, out, op: str, *, backend, transport, chunk: in
     when the call has a ``timeout=``) replaces every ``Wait()`` by polling.
     """
     with np.errstate(all="ignore"):  # NaN/Inf/overflow propagate as in numpy, silently as in MPI
-        _execute(sched, src, out, op, backend, transport, chunk, slots, avg_p)
+        _execute(sched, src, out, op, backend, transport, chunk, slots, avg_p, deadline)
 
 
-def _execute(sched, src, out, op, backend, transport, chunk, slots, avg_p):
+def _execute(sched, src, out, op, backend, transport, chunk, slots, avg_p, deadline):
     rings = _phases(sched.steps)
     if not rings and src is not out:
         backend.copy(out, src)  # a single rank: nothing to reduce
