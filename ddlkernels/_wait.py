@@ -160,3 +160,7 @@ class Deadline:
         """Wait for a nonblocking MPI collective (``what`` names it, e.g. "MPI_Iallreduce")."""
         if not self.poll(req):
             raise self.expired(what=f"complete {what} (a rank has not joined)")
+
+
+# Tracebacks print the public name users catch: ddlkernels.CollectiveTimeout.
+CollectiveTimeout.__module__ = "ddlkernels"
