@@ -10,6 +10,8 @@ attribute caching, created lazily on first use.
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import numpy as np
 
 from . import _config
@@ -17,6 +19,7 @@ from ._dtypes import acc_dtype, check_dtype, dtype_name, normalize_op
 from ._engine import execute
 from ._schedule import Plan, build_schedule, shard_bounds, validate_dims
 from ._transport import HostTransport
+from ._tuner import SizeTuner
 from ._validate import Call
 from ._wait import Deadline, _check_timeout
 from .backends import backend_for
@@ -46,7 +49,9 @@ class Communicator:
                  duplicated: collectives here never match the caller's messages.
     chunk_bytes  pipeline chunk size in bytes (default 1 MiB).
     small_bytes  messages of fewer bytes go to MPI's own ``Allreduce`` when the
-                 dtype is one MPI knows (default 64 KiB; 0 = always the ring).
+                 dtype is one MPI knows (0 = always the ring).  Default: chosen
+                 per size by measurement, identically on every rank
+                 (``ddlkernels._tuner``).
     window       receive slots in flight per ring step (default 4, >= 1).
     cuda_aware   ``True``/``False`` overrides detection of CUDA-aware MPI.
     validate     check before every collective that all ranks passed the same
@@ -72,7 +77,9 @@ class Communicator:
             raise TypeError(f"comm must be an mpi4py Intracomm, got {comm!r}")
         env = _config.defaults()
         self.chunk_bytes = _positive("chunk_bytes", env.chunk_bytes if chunk_bytes is None else chunk_bytes)
-        self.small_bytes = _nonneg("small_bytes", env.small_bytes if small_bytes is None else small_bytes)
+        small = env.small_bytes if small_bytes is None else small_bytes
+        self.small_bytes = None if small is None else _nonneg("small_bytes", small)
+        self._tuner = SizeTuner()
         self.window = _positive("window", env.window if window is None else window)
         self.cuda_aware_override = env.cuda_aware if cuda_aware is None else bool(cuda_aware)
         self.validate = env.validate if validate is None else bool(validate)
@@ -292,13 +299,22 @@ class Communicator:
         nbytes = count * dtype.itemsize
         avg = opname == "avg"
         redop = "sum" if avg else opname
-        use_mpi = (
-            self.size > 1
-            and nbytes < self.small_bytes
-            and not be.device
-            and dims is None
-            and dtype in _MPI_NATIVE
-        )
+        trial = False
+        use_mpi = self.size > 1 and not be.device and dims is None and dtype in _MPI_NATIVE
+        if use_mpi:
+            if self.small_bytes is None:
+                algo, trial = self._tuner.choose(nbytes)
+                use_mpi = algo == "mpi"
+            else:
+                use_mpi = nbytes < self.small_bytes
+        if trial:
+            t0 = perf_counter()
+            self._allreduce_path(use_mpi, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
+            self._tuner.record(self.comm, nbytes, "mpi" if use_mpi else "ring", perf_counter() - t0)
+        else:
+            self._allreduce_path(use_mpi, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
+
+    def _allreduce_path(self, use_mpi, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call):
         if call is not None:
             call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=None if use_mpi else chunk,
                        path="mpi" if use_mpi else "ring")

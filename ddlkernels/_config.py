@@ -7,7 +7,9 @@ The variables are documented in the README:
 =============================  =================================================
 ``DDLKERNELS_CHUNK_BYTES``     pipeline chunk size in bytes (default 1 MiB)
 ``DDLKERNELS_SMALL_BYTES``     messages below this many bytes go to MPI's own
-                               ``Allreduce`` (default 64 KiB; 0 disables)
+                               ``Allreduce``, larger ones to the ring (0 = always
+                               the ring; unset = chosen by measurement, see
+                               ``ddlkernels._tuner``)
 ``DDLKERNELS_CUDA_AWARE``      ``1``/``0`` overrides CUDA-aware MPI detection
 ``DDLKERNELS_VALIDATE``        ``1`` checks arguments agree across ranks
 =============================  =================================================
@@ -24,8 +26,9 @@ __all__ = ["Defaults", "defaults"]
 #: noise of each other for messages >= 4 MiB; smaller chunks pay per-message
 #: overhead, larger ones lose the overlap of transfer and reduction.
 CHUNK_BYTES = 1 << 20
-#: Below this size MPI's own allreduce (latency-optimal algorithms) wins.
-SMALL_BYTES = 64 << 10
+#: None: choose between MPI's own allreduce and the ring by measurement
+#: (ddlkernels._tuner); an int is a fixed threshold.
+SMALL_BYTES = None
 #: Receive slots in flight per ring step (double buffering = 2).
 WINDOW = 4
 

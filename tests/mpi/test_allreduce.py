@@ -160,3 +160,26 @@ def test_small_message_path_and_ring_agree():
         b = ring.allreduce(x, "avg")
         assert ring.last_algorithm == "ring"
     assert np.array_equal(a, b)
+
+
+def test_measured_choice_is_the_same_on_every_rank_and_always_correct():
+    """small_bytes=None: trials alternate MPI and ring, then one agreed choice per size bucket."""
+    from ddlkernels._tuner import MPI_BELOW, TRIALS
+
+    x = rank_data(MPI_BELOW // 8 * 4, RANK, P, np.float64)  # 4 x MPI_BELOW bytes: a tuned bucket
+    inputs = gather_inputs(x)
+    with ddlkernels.Communicator(COMM) as dc:
+        assert dc.small_bytes is None
+        seen = []
+        for _ in range(2 * TRIALS + 3):
+            y = dc.allreduce(x, "sum")
+            assert_close(y, inputs, "sum", np.float64)
+            seen.append(dc.last_algorithm)
+        if P > 1:
+            assert set(seen[: 2 * TRIALS]) == {"mpi", "ring"}, seen
+            assert len(set(seen[2 * TRIALS:])) == 1, seen
+        decided = COMM.allgather(seen)
+        assert all(d == decided[0] for d in decided), "every rank ran the same algorithm in every call"
+        tiny = dc.allreduce(rank_data(3, RANK, P, np.float64), "sum")
+        assert dc.last_algorithm == ("mpi" if P > 1 else "ring")
+        assert tiny.shape == (3,)
