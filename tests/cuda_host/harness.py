@@ -32,8 +32,9 @@ def gxx():
     return shutil.which("g++")
 
 
-def _compile(src: Path, out: Path):
-    cmd = [gxx(), *CXXFLAGS, f"-I{CUDA_INCLUDE}", str(src), "-o", str(out)]
+def _compile(src: Path, out: Path, opt: str = "-O1"):
+    flags = [f if f != "-O1" else opt for f in CXXFLAGS]
+    cmd = [gxx(), *flags, f"-I{CUDA_INCLUDE}", str(src), "-o", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"host harness build failed: {' '.join(cmd)}\n{res.stderr}")
@@ -74,7 +75,8 @@ class Harness:
         self._p.host_unpack(grid[0], grid[1], block, int(reverse), table.ctypes.data, table.shape[0], buf.ctypes.data)
 
 
-def build(workdir) -> Harness:
+def build(workdir, opt: str = "-O1") -> Harness:
+    """Compile both harness libraries into ``workdir`` (``opt``: g++ optimisation flag, e.g. "-O2" for bench/)."""
     workdir = Path(workdir)
-    return Harness(_compile(HERE / "host_reduce.cpp", workdir / "libhost_reduce.so"),
-                   _compile(HERE / "host_pack.cpp", workdir / "libhost_pack.so"))
+    return Harness(_compile(HERE / "host_reduce.cpp", workdir / "libhost_reduce.so", opt),
+                   _compile(HERE / "host_pack.cpp", workdir / "libhost_pack.so", opt))
