@@ -48,6 +48,7 @@ def pytest_addoption(parser):
     g.addoption("--bench-json-rank0-only", action="store_true", help="under MPI: no JSON from ranks > 0")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-benchmark reads --benchmark-json
 def pytest_configure(config):
     comm = _comm()
     if comm is None or comm.Get_rank() == 0:
@@ -60,10 +61,16 @@ def pytest_configure(config):
     sys.stdout = os.fdopen(1, "w", buffering=1)
     js = getattr(config.option, "benchmark_json", None)
     if js is not None:
-        # pytest-benchmark opened PATH for writing on every rank; rank 0 keeps it.
-        name = js.name
-        js.close()
-        config.option.benchmark_json = None if config.option.bench_json_rank0_only else open(f"{name}.rank{rank}", "wb")
+        # Every rank was given PATH; rank 0 keeps it.  (pytest-benchmark >= 5
+        # holds a path, older versions an open file.)
+        name = getattr(js, "name", None) if hasattr(js, "close") else None
+        if name is not None:
+            js.close()
+            js = name
+        per_rank = type(js)(f"{js}.rank{rank}") if not isinstance(js, str) else f"{js}.rank{rank}"
+        if name is not None and not config.option.bench_json_rank0_only:
+            per_rank = open(per_rank, "wb")
+        config.option.benchmark_json = None if config.option.bench_json_rank0_only else per_rank
 
 
 @pytest.fixture(autouse=True)

@@ -401,12 +401,14 @@ def _link_make(comm, count, dtype, op, inplace=False):
     send = pattern(m, r, p, dtype)
     recv = np.full(m, SENTINEL, dtype=dtype)
     prev = (r - 1) % p
+    # Bytes on the wire, as the engine sends them: MPI needs no datatype (bfloat16 has none).
     return {"comm": comm, "send": send, "recv": recv, "next": (r + 1) % p, "prev": prev,
-            "expect": pattern(m, prev, p, dtype)}
+            "wire": (send.view(np.uint8), recv.view(np.uint8)), "expect": pattern(m, prev, p, dtype)}
 
 
 def _link_run(st):
-    st["comm"].Sendrecv(st["send"], st["next"], 7, st["recv"], st["prev"], 7)
+    send, recv = st["wire"]
+    st["comm"].Sendrecv(send, st["next"], 7, recv, st["prev"], 7)
 
 
 def _link_wrong(st):

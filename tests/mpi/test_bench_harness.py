@@ -1,0 +1,102 @@
+"""The benchmark harness (ddlkernels._bench) counts wrong results, and every record it runs is right.
+
+Runs under any rank count.  A benchmark is only as good as its check: here
+every record (ddlkernels, MPI's own collective, the Sendrecv link) of every
+collective must report 0 wrong elements on edge sizes, and records that
+corrupt one element, write nothing, or modify their input must be caught,
+and make the command exit 1.
+"""
+
+import numpy as np
+import pytest
+
+from ddlkernels import _bench as B
+from ddlkernels._bench import COLLECTIVES, Collective, make_impls, run_sweep
+
+# 0 and 1 element, p-1 / p+1 elements and a prime, in float32 bytes.
+EDGE_BYTES = lambda p: sorted({0, 4, 4 * max(p - 1, 1), 4 * (p + 1), 4 * 97, 1 << 12})  # noqa: E731
+
+
+@pytest.mark.parametrize("kind", COLLECTIVES)
+@pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("int32", "max"), ("float64", "avg"), ("bfloat16", "sum"),
+                                      ("float16", "prod"), ("int64", "avg")])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_every_record_is_right(comm, kind, dtype, op, inplace):
+    impls = make_impls(kind, ddl_options=({}, {"chunk_bytes": 64, "small_bytes": 0}))
+    rows = run_sweep(comm, EDGE_BYTES(comm.Get_size()), impls, dtype=dtype, op=op, iters=2, warmup=1,
+                     inplace=inplace, kind=kind, progress=False)
+    ran = 0
+    for r in rows:
+        for name, m in r["impls"].items():
+            assert m["wrong"] in (0, None), (kind, dtype, op, inplace, r["bytes"], name, m)
+            ran += "skipped" not in m
+    assert ran > 0
+    if kind != "allreduce":  # equal MPI blocks: the buffer is rounded down to a multiple of p
+        assert all(r["count"] % comm.Get_size() == 0 for r in rows)
+
+
+def _broken(kind, how):
+    """The MPI record of ``kind`` with its run wrapped to break the result in one way."""
+    good = make_impls(kind, which=("mpi",))[0]
+    out_key = {"allreduce": "out", "reduce_scatter": "out", "allgather": "out"}[kind]
+
+    def run(st):
+        if how == "nothing":
+            return  # the output keeps the sentinel of the last check
+        good.run(st)
+        if how == "one":
+            if st[out_key].size and st["comm"].Get_rank() == 0:
+                st[out_key][-1] += 1
+        elif how == "input":
+            src = st["x"] if "x" in st else st["shard"]
+            if src.size and st["comm"].Get_rank() == 0:
+                src[0] += 1
+
+    return Collective(f"broken-{how}", good.bus_factor, good.make, run, good.wrong, unsupported=good.unsupported)
+
+
+@pytest.mark.parametrize("kind", COLLECTIVES)
+@pytest.mark.parametrize("how", ["nothing", "one", "input"])
+def test_wrong_results_are_counted(comm, kind, how):
+    p = comm.Get_size()
+    nbytes = 4 * 8 * p
+    rows = run_sweep(comm, [nbytes], [_broken(kind, how)], iters=3, warmup=2, kind=kind, progress=False)
+    wrong = rows[0]["impls"][f"broken-{how}"]["wrong"]
+    if how == "nothing":
+        per_rank = 8 if kind == "reduce_scatter" else 8 * p  # output elements of one rank
+        assert wrong == 5 * per_rank * p  # every element of every iteration on every rank
+    elif how == "one":
+        assert wrong == 5  # one element on rank 0, in each of 2 + 3 iterations
+    else:
+        assert wrong >= 5
+
+
+def test_link_counts_a_missing_message(comm):
+    link = make_impls("allreduce", which=("link",))[0]
+    silent = Collective("silent", link.bus_factor, link.make, lambda st: None, link.wrong,
+                        algbw_bytes=link.algbw_bytes)
+    rows = run_sweep(comm, [4 * 16 * comm.Get_size()], [silent], iters=2, warmup=0, progress=False)
+    assert rows[0]["impls"]["silent"]["wrong"] == 2 * 16 * comm.Get_size()
+
+
+def test_command_exits_1_on_a_wrong_result(comm, monkeypatch):
+    from ddlkernels import _cli_bench
+
+    monkeypatch.setattr(B, "make_impls", lambda kind, *a, **k: [_broken(kind, "one")])
+    args = ["-b", "1K", "-e", "1K", "-n", "2", "-w", "0", "--no-progress", "--quiet"]
+    assert _cli_bench.main(args) == 1
+    monkeypatch.undo()
+    assert _cli_bench.main(args) == 0
+
+
+def test_busbw_definitions(comm):
+    p = comm.Get_size()
+    n = 4 * 1024 * p
+    rows = run_sweep(comm, [n], make_impls("allreduce"), iters=2, warmup=0, progress=False)
+    for name, m in rows[0]["impls"].items():
+        t = m["time_us_median"] * 1e-6
+        if name == "Sendrecv link":
+            want = (n // p if p > 1 else n) / t / 1e9
+        else:
+            want = n / t / 1e9 * (2 * (p - 1) / p if p > 1 else 1)
+        assert m["busbw_GBps"] == pytest.approx(want, rel=1e-9)

@@ -1,0 +1,79 @@
+"""Pure parts of the benchmark harness: sizes, the tuned-algorithm table against ompi_info, tables, JSON, plots."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ddlkernels._bench import (TUNED_ALGORITHMS, dump_json, format_size, format_table, parse_size, plot_rows,
+                               sweep_sizes, tuned_label)
+
+
+def test_sizes():
+    assert parse_size("4K") == 4096 and parse_size("64M") == 64 << 20 and parse_size("123") == 123
+    for n in (0, 1, 1000, 4096, 3 << 20, 1 << 30):
+        assert parse_size(format_size(n)) == n
+    assert sweep_sizes(4096, 64 << 20, 4)[-1] == 64 << 20
+    with pytest.raises(ValueError):
+        parse_size("4 parsecs")
+
+
+def _ompi_info():
+    exe = os.path.join(os.path.dirname(sys.executable), "ompi_info")
+    return exe if os.path.exists(exe) else shutil.which("ompi_info")
+
+
+@pytest.mark.skipif(_ompi_info() is None, reason="ompi_info not found: the MPI in use is not Open MPI")
+@pytest.mark.parametrize("param", sorted(TUNED_ALGORITHMS))
+def test_tuned_numbers_match_ompi_info(param):
+    out = subprocess.run([_ompi_info(), "--param", "coll", "tuned", "--level", "9"], capture_output=True,
+                         text=True, timeout=60).stdout
+    block = out.split(f'"coll_tuned_{param}_algorithm"', 1)
+    assert len(block) == 2, f"ompi_info lists no coll_tuned_{param}_algorithm"
+    valid = re.search(r"Valid values: ([^\n]+)", block[1]).group(1)
+    listed = {name: int(num) for num, name in re.findall(r"(\d+)\|(\w+)", valid)}
+    for name, num in TUNED_ALGORITHMS[param].items():
+        assert listed.get(name) == num, (param, name, num, valid)
+
+
+def test_tuned_label():
+    env = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1", "OMPI_MCA_coll_tuned_allreduce_algorithm": "6"}
+    assert tuned_label("allreduce", env) == "[tuned rabenseifner]"
+    assert tuned_label("allgather", env) == ""
+    assert tuned_label("allreduce", {"OMPI_MCA_coll_tuned_allreduce_algorithm": "6"}) == ""  # not in force
+
+
+def _rows():
+    def m(t, bus, wrong=0, path=""):
+        return {"time_us_min": t, "time_us_median": t, "algbw_GBps": bus, "busbw_GBps": bus, "busbw_GBps_max": bus,
+                "wrong": wrong, "path": path}
+
+    return [{"collective": "allreduce", "bytes": b, "count": b // 4, "dtype": "float32", "op": "sum", "ranks": 2,
+             "inplace": False,
+             "impls": {"ddlkernels": m(10.0, 2.0 * i + 1, path="ring"), "MPI_Allreduce": m(20.0, 1.0),
+                       "Sendrecv link": m(5.0, 4.0),
+                       "MPI_Allreduce[tuned ring]": {"skipped": "no MPI datatype", "wrong": None}}}
+            for i, b in enumerate((4096, 65536))]
+
+
+def test_table_ratios_and_json(tmp_path):
+    rows = _rows()
+    text = format_table(rows, ["ddlkernels", "MPI_Allreduce", "Sendrecv link", "MPI_Allreduce[tuned ring]"],
+                        ratio_of=[("ddlkernels", "MPI_Allreduce"), ("ddlkernels", "Sendrecv link")])
+    lines = text.splitlines()
+    assert "ddl/MPI" in lines[0] and "ddl/link" in lines[0]
+    assert re.search(r"\|\s+1\.00 \|\s+0\.25 \| ring$", lines[2]), lines[2]
+    assert re.search(r"\|\s+3\.00 \|\s+0\.75 \| ring$", lines[3]), lines[3]
+    assert "skipped: no MPI datatype" in text
+    dump_json(tmp_path / "r.json", {"ranks": 2}, rows)
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == rows
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot_rows(tmp_path / "r.png", _rows(), title="test")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
