@@ -15,6 +15,8 @@ from ._abort import abort_on_exception
 from ._comm import Communicator, as_communicator
 from ._wait import CollectiveTimeout
 from ._dtypes import OPS, SUPPORTED_DTYPES
+from ._fusion import allreduce_many
+from ._async import Handle, allreduce_async, allreduce_many_async
 
 __version__ = "0.1.0"
 
@@ -22,6 +24,10 @@ __all__ = [
     "Communicator",
     "allreduce",
     "Allreduce",
+    "allreduce_many",
+    "allreduce_async",
+    "allreduce_many_async",
+    "Handle",
     "reduce_scatter",
     "allgather",
     "shard_range",

@@ -1,0 +1,365 @@
+"""Asynchronous reductions: start now, ``wait()`` later, so communication overlaps other work.
+
+Worked example, the default ``progress="thread"``, two fusion buffers::
+
+    calling thread                              progress thread (its own Communicator,
+                                                a duplicate of the user's communicator)
+    h = allreduce_many_async(grads)
+      local checks; pack b0, b1 into pool
+      buffers (the inputs may change after
+      this returns); enqueue the job   ------>  digest check (16-byte allreduce)
+    ... backward of the next layers ...         ring allreduce of b0, then of b1
+    h.wait()  <------------- event set -------  done (or the exception, re-raised by wait)
+      unpack b0, b1 into the outputs
+
+Why a thread: the ring engine is ordinary blocking code (``ddlkernels._engine``)
+that must keep posting receives, reducing chunks and forwarding them; only a
+thread of its own keeps it moving while the caller computes.  mpi4py
+initialises MPI with ``MPI_THREAD_MULTIPLE`` (its default), which makes MPI
+calls from two threads legal; the progress thread uses a communicator of its
+own, so its messages never match the caller's.  The GIL is released inside
+every blocking MPI call and inside numpy's reductions of large chunks, which is
+when the other thread runs.
+
+The alternative, ``progress="hooks"``, needs no thread: each fusion buffer is
+handed to MPI's nonblocking ``MPI_Iallreduce`` and progressed by ``poll()``
+calls (the torch optimizer polls from every gradient hook) and by ``wait()``.
+It uses MPI's own algorithm, not the ring, and only the dtypes MPI can add
+(float32, float64, int32, int64) on the host.  docs/fusion.md has the
+measurements behind the default.
+
+Handles are collective in order: every rank must start the same reductions in
+the same order (each engine runs them first in, first out).
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import weakref
+
+import numpy as np
+
+from ._comm import Communicator, _scale_inplace, as_communicator
+from ._dtypes import dtype_name, normalize_op
+from ._fusion import FusionJob, check_same_on_all_ranks
+from .backends import backend_for
+
+__all__ = ["Handle", "allreduce_async", "allreduce_many_async", "progress_engine", "PROGRESS_MODES"]
+
+PROGRESS_MODES = ("thread", "hooks")
+_MPI_ADDS = {"float32", "float64", "int32", "int64"}
+
+
+class _Pool:
+    """Reusable host/device buffers, by backend and dtype; a buffer is taken by one handle at a time."""
+
+    def __init__(self):
+        self._free: dict = {}
+        self._lock = threading.Lock()
+
+    def take(self, backend, dtype, count):
+        key = (backend.name, np.dtype(dtype))
+        with self._lock:
+            free = self._free.setdefault(key, [])
+            for i, b in enumerate(free):
+                if len(b) >= count:
+                    return free.pop(i)
+        return backend.empty(max(int(count), 1), dtype)
+
+    def give(self, backend, dtype, buf):
+        with self._lock:
+            self._free.setdefault((backend.name, np.dtype(dtype)), []).append(buf)
+
+
+class _Work:
+    """One unit of work for the progress thread: a function of the thread's Communicator."""
+
+    __slots__ = ("fn", "event", "error")
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.event = threading.Event()
+        self.error = None
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self):
+        self.event.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class ThreadEngine:
+    """Runs reductions on a background thread over its own duplicate of the communicator.
+
+    Creating one is collective over the communicator (it duplicates it).
+    """
+
+    kind = "thread"
+
+    def __init__(self, comm=None, *, chunk_bytes=None):
+        from mpi4py import MPI
+
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError(
+                "progress='thread' needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's default; set "
+                "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI), or use progress='hooks'"
+            )
+        base = comm.mpi_comm if isinstance(comm, Communicator) else comm
+        self.comm = Communicator(base, chunk_bytes=chunk_bytes)
+        self.size = self.comm.size
+        self.pool = _Pool()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="ddlkernels-progress", daemon=True)
+        self._thread.start()
+        self.closed = False
+
+    def _run(self):
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            try:
+                work.fn(self.comm)
+            except BaseException as exc:  # re-raised in the caller's thread by wait()
+                work.error = exc
+            finally:
+                work.event.set()
+
+    def submit(self, fn) -> _Work:
+        if self.closed:
+            raise RuntimeError("this progress engine was closed")
+        w = _Work(fn)
+        self._queue.put(w)
+        return w
+
+    def reduce_async(self, buf, opname: str, backend):
+        """Start ``allreduce(buf, opname, out=buf)``; returns an object with ``wait()`` and ``done()``."""
+        name = backend.name
+        return self.submit(lambda c: c.allreduce(buf, opname, out=buf, backend=name))
+
+    def poll(self) -> None:
+        """Nothing to do: the thread progresses on its own."""
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.comm.free()
+
+
+class _MPIRequestWork:
+    """A nonblocking ``MPI_Iallreduce`` of one host buffer, scaled for "avg" when it completes."""
+
+    __slots__ = ("req", "buf", "avg_p", "engine", "finished")
+
+    def __init__(self, req, buf, avg_p, engine):
+        self.req, self.buf, self.avg_p, self.engine, self.finished = req, buf, avg_p, engine, False
+
+    def done(self) -> bool:
+        return self.finished or bool(self.req.Test())
+
+    def wait(self):
+        if not self.finished:
+            self.req.Wait()
+            if self.avg_p:
+                _scale_inplace(self.buf, self.avg_p)
+            self.finished = True
+            self.engine._forget(self)
+
+
+class HooksEngine:
+    """Reductions as ``MPI_Iallreduce`` on a duplicate communicator, progressed by ``poll()`` and ``wait()``."""
+
+    kind = "hooks"
+
+    def __init__(self, comm=None, *, chunk_bytes=None):
+        base = comm.mpi_comm if isinstance(comm, Communicator) else comm
+        self.mpi = base.Dup()
+        self.size = self.mpi.Get_size()
+        self.pool = _Pool()
+        self._inflight: list = []
+        self.closed = False
+
+    @staticmethod
+    def check_buffer(backend, dtype) -> None:
+        """``TypeError`` unless MPI_Iallreduce can reduce host buffers of ``dtype`` (a local check)."""
+        if backend.device:
+            raise TypeError("progress='hooks' reduces host buffers only; use progress='thread' for device arrays")
+        name = dtype_name(dtype)
+        if name not in _MPI_ADDS:
+            raise TypeError(f"progress='hooks' uses MPI_Iallreduce, which cannot reduce {name}; use progress='thread'")
+
+    def reduce_async(self, buf, opname: str, backend):
+        from mpi4py import MPI
+
+        self.check_buffer(backend, buf.dtype)
+        avg = opname == "avg"
+        mpi_op = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[opname]
+        req = self.mpi.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
+        w = _MPIRequestWork(req, buf, self.size if avg and self.size > 1 else None, self)
+        self._inflight.append(w)
+        return w
+
+    def _forget(self, w):
+        try:
+            self._inflight.remove(w)
+        except ValueError:
+            pass
+
+    def poll(self) -> None:
+        """Let MPI move every outstanding reduction forward (``MPI_Testall``)."""
+        if self._inflight:
+            from mpi4py import MPI
+
+            MPI.Request.Testall([w.req for w in self._inflight if not w.finished])
+
+    def check_same(self, signature, what):
+        check_same_on_all_ranks(self.mpi, signature, what)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.mpi.Free()
+
+
+_ENGINES: "weakref.WeakKeyDictionary[Communicator, dict]" = weakref.WeakKeyDictionary()
+
+
+def progress_engine(comm=None, progress: str = "thread"):
+    """The progress engine of kind ``progress`` for ``comm``, created on first use (collective then).
+
+    ``comm``: mpi4py ``Intracomm`` or ``Communicator`` (default COMM_WORLD).
+    """
+    if progress not in PROGRESS_MODES:
+        raise ValueError(f"progress must be one of {', '.join(PROGRESS_MODES)}, got {progress!r}")
+    c = as_communicator(comm)
+    engines = _ENGINES.setdefault(c, {})
+    eng = engines.get(progress)
+    if eng is None or eng.closed:
+        eng = (ThreadEngine if progress == "thread" else HooksEngine)(c)
+        engines[progress] = eng
+    return eng
+
+
+@atexit.register
+def _close_engines():  # before mpi4py finalizes MPI (its atexit hook was registered first)
+    for engines in list(_ENGINES.values()):
+        for eng in engines.values():
+            eng.close()
+
+
+class Handle:
+    """A reduction in flight.  ``wait()`` blocks until it is done and returns the result(s).
+
+    ``done()`` tells without blocking.  Until ``wait()`` returns, the outputs
+    hold no defined value; the inputs may be reused as soon as the start call
+    returns, except a tensor larger than ``fusion_bytes``, which is reduced
+    straight from its memory and must stay untouched until ``wait()``.
+    """
+
+    def __init__(self, engine, job: FusionJob, single: bool):
+        self._engine = engine
+        self._job = job
+        self._single = single
+        self._bufs: list = []
+        self._works: list = []
+        self._result = None
+        self._error = None
+
+    def done(self) -> bool:
+        if self._result is not None:
+            return True
+        self._engine.poll()
+        return all(w.done() for w in self._works)
+
+    def wait(self):
+        """Block until every bucket is reduced; unpack; return the output (list for ``allreduce_many_async``)."""
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            job, eng = self._job, self._engine
+            try:
+                for w in self._works:
+                    w.wait()
+            except BaseException as exc:
+                self._error = exc
+                raise
+            finally:
+                for b, buf, base in self._bufs:
+                    if buf is not None:
+                        if self._error is None:
+                            job.unpack(b, buf)
+                        eng.pool.give(job.backend, b.dtype, base)
+            self._result = job.outs[0] if self._single else job.outs
+        return self._result
+
+
+def allreduce_many_async(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None, progress="thread") -> Handle:
+    """Start ``allreduce_many(tensors, op, ...)``; ``handle.wait()`` returns the list of outputs.
+
+    Arguments as for ``ddlkernels.allreduce_many``; ``progress`` is "thread"
+    (default: a background thread runs the ring) or "hooks" (MPI's
+    nonblocking allreduce, moved on by ``Handle.done()``/``wait()`` and by the
+    engine's ``poll()``).  Local errors are raised here, before any
+    communication; a mismatch between ranks is raised by ``wait()`` on every rank.
+    """
+    job = FusionJob(tensors, op, out=out, fusion_bytes=fusion_bytes, what="allreduce_many_async")
+    return _start(job, comm, progress, single=False)
+
+
+def allreduce_async(x, op="sum", *, comm=None, out=None, progress="thread") -> Handle:
+    """Start ``allreduce(x, op, out=out)``; ``handle.wait()`` returns the reduced array."""
+    backend_for(x)  # a clear TypeError for a non-array, before anything else
+    job = FusionJob([x], op, out=None if out is None else [out], fusion_bytes=None, what="allreduce_async")
+    return _start(job, comm, progress, single=True)
+
+
+def _start(job: FusionJob, comm, progress, single) -> Handle:
+    normalize_op(job.opname)
+    eng = progress_engine(comm, progress)
+    h = Handle(eng, job, single)
+    sig = job.signature()
+    if eng.kind == "hooks":
+        for b in job.buckets:  # every local check before the first message
+            eng.check_buffer(job.backend, b.dtype)
+        eng.check_same(sig, job.what)
+        for b in job.buckets:
+            b.direct = False  # MPI_Iallreduce works in the packed buffer
+            base = eng.pool.take(job.backend, b.dtype, b.count)
+            buf = base[: b.count]
+            job.pack(b, buf)
+            h._bufs.append((b, buf, base))
+            h._works.append(eng.reduce_async(buf, job.opname, job.backend))
+        return h
+    # Thread: pack now, in the caller's thread (a snapshot of the inputs),
+    # then the whole job (agreement check + every bucket) is one unit of work.
+    for b in job.buckets:
+        buf = base = None
+        # Only a tensor too large for a fusion buffer is reduced from its own
+        # memory; everything else is snapshotted, so inputs are free again now.
+        b.direct = b.direct and b.count * b.dtype.itemsize > job.fusion_bytes
+        if not b.direct:
+            base = eng.pool.take(job.backend, b.dtype, b.count)
+            buf = base[: b.count]
+            job.pack(b, buf)
+        h._bufs.append((b, buf, base))
+    bufs = list(h._bufs)
+
+    def run(c):
+        check_same_on_all_ranks(c.comm, sig, job.what)
+        for b, buf, _ in bufs:
+            if b.direct:
+                e = b.entries[0]
+                c.allreduce(job.tensors[e.index], job.opname, out=job.outs[e.index], backend=job.backend.name)
+            else:
+                c.allreduce(buf, job.opname, out=buf, backend=job.backend.name)
+
+    h._works.append(eng.submit(run))
+    return h

@@ -1,0 +1,357 @@
+"""Tensor fusion: many tensors reduced with one collective per fusion buffer.
+
+Worked example: four gradients, ``fusion_bytes=96``::
+
+    input   a: float32[3]   b: float16[5]   c: float32[20]   d: float32[2]
+    groups  float32: a, c, d      float16: b          (by dtype, in input order)
+    offsets every tensor starts on a 16-byte boundary of its buffer (host: gaps zeroed)
+    buckets float32 #0: a @0 [pad 1], c @4   24 elements = 96 B
+                        (adding d would make 26 elements = 104 B > 96 B, so d starts
+                        the next bucket; a tensor is never split)
+            float32 #1: d @0                  2 elements   (alone: reduced in place, no copy)
+            float16 #2: b @0                  5 elements   (alone)
+    per bucket: pack (copy each tensor into the buffer), one allreduce of the
+    buffer, unpack (copy each slice back to its output); results in input order.
+
+A bucket holding one contiguous tensor skips the copies: the tensor is reduced
+straight into its output, exactly as ``allreduce`` would.  The 16-byte
+alignment keeps the GPU pack kernel (kernels/pack.cu) on its 128-bit path; the
+host uses the same layout so that every rank computes the same buckets
+whatever its device.
+
+Equality with per-tensor ``allreduce``: integers, max and min give the same
+bits whatever the buffer layout.  A float sum over 3 or more ranks may differ
+in the last place, because the ring's order of additions for an element
+depends on where the element lies in the buffer; every rank still gets the
+same bits as every other rank.  When every partial sum is exact (the test
+data of tests/mpi/test_fusion.py) the results are bitwise equal.
+
+Every check that a rank can make alone (types, devices, ``out``) runs before
+any communication; one 16-byte allreduce then compares a digest of the tensor
+list across ranks, so different lists on different ranks raise on every rank
+instead of mismatching collectives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from ._comm import as_communicator, backend_input_numpy
+from ._dtypes import check_dtype, dtype_name, normalize_op
+from .backends import backend_for
+
+__all__ = ["allreduce_many", "FUSION_BYTES", "FusionJob", "check_same_on_all_ranks"]
+
+#: Default fusion buffer size in bytes: Horovod's default threshold (64 MiB).
+#: Buckets are reduced one after the other, so this is also the staging memory
+#: one ``allreduce_many`` call keeps per dtype.
+FUSION_BYTES = 64 << 20
+#: Byte alignment of every tensor inside a fusion buffer (see module docstring).
+ALIGN_BYTES = 16
+
+
+def device_label(x) -> str:
+    """Where ``x`` lives, as a string that is equal for tensors on the same device ("cpu", "cuda:1", "meta")."""
+    if isinstance(x, np.ndarray):
+        return "cpu"
+    if type(x).__module__.startswith("torch"):
+        dev = x.device
+        return "cpu" if dev.type == "cpu" else str(dev)
+    be = backend_for(x)
+    return "cpu" if not be.device else f"cuda:{be.device_id(x)}"
+
+
+class Entry:
+    """One tensor's place in a bucket: input index, element count, shape, element offset."""
+
+    __slots__ = ("index", "count", "shape", "offset")
+
+    def __init__(self, index, count, shape, offset):
+        self.index, self.count, self.shape, self.offset = index, count, shape, offset
+
+
+class Bucket:
+    """Tensors of one dtype reduced together; ``count`` elements including alignment padding."""
+
+    __slots__ = ("dtype", "entries", "count", "direct")
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.entries: list[Entry] = []
+        self.count = 0
+        #: True when the bucket is one contiguous tensor reduced without packing.
+        self.direct = False
+
+
+def plan_buckets(shapes_dtypes, fusion_bytes: int) -> list[Bucket]:
+    """Cut tensors ``[(shape, dtype), ...]`` into buckets of at most ``fusion_bytes`` (a larger tensor alone).
+
+    Pure function of its arguments, so every rank that passes the same list
+    gets the same buckets.  Tensors of one dtype keep their input order;
+    dtype groups come in order of first appearance; empty tensors go nowhere.
+    """
+    groups: dict = {}
+    for i, (shape, dt) in enumerate(shapes_dtypes):
+        count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+        if count:
+            groups.setdefault(dt, []).append((i, count, tuple(shape)))
+    buckets: list[Bucket] = []
+    for dt, items in groups.items():
+        align = max(1, ALIGN_BYTES // dt.itemsize)
+        cur = None
+        for i, count, shape in items:
+            padded = -(-count // align) * align
+            if cur is None or (cur.count + padded) * dt.itemsize > fusion_bytes:
+                cur = Bucket(dt)
+                buckets.append(cur)
+            cur.entries.append(Entry(i, count, shape, cur.count))
+            cur.count += padded
+    for b in buckets:
+        last = b.entries[-1]
+        b.count = last.offset + last.count  # no padding after the last tensor
+    return buckets
+
+
+class FusionJob:
+    """A checked ``allreduce_many`` call: tensors, outputs, buckets; pack and unpack.
+
+    Built in the calling thread; everything here is local (no communication).
+    ``allreduce_many`` and the asynchronous handles of ``ddlkernels._async``
+    both run one.
+    """
+
+    def __init__(self, tensors, op="sum", *, out=None, fusion_bytes=None, what="allreduce_many"):
+        if isinstance(tensors, (str, bytes)) or not hasattr(tensors, "__iter__"):
+            raise TypeError(f"{what}: tensors must be a list of arrays, got {type(tensors).__name__}")
+        tensors = list(tensors)
+        self.what = what
+        self.opname = normalize_op(op)
+        self.fusion_bytes = FUSION_BYTES if fusion_bytes is None else _positive("fusion_bytes", fusion_bytes)
+        self.tensors = tensors
+        self.backend = None
+        self.device = None
+        shapes_dtypes = []
+        for i, t in enumerate(tensors):
+            try:
+                dev = device_label(t)
+            except TypeError as exc:
+                raise TypeError(f"{what}: tensor {i}: {exc}") from None
+            if self.device is None:
+                self.device = dev
+            elif dev != self.device:
+                first = next(j for j, u in enumerate(tensors) if device_label(u) == self.device)
+                raise ValueError(
+                    f"{what}: all tensors of one call must be on one device, but tensor {first} is on "
+                    f"{self.device} and tensor {i} on {dev}; reduce each device's tensors in its own call"
+                )
+            try:
+                be = backend_for(t)
+                dt = check_dtype(be.dtype(t))
+            except TypeError as exc:
+                raise TypeError(f"{what}: tensor {i}: {exc}") from None
+            if self.backend is None:
+                self.backend = be
+            elif be is not self.backend and (be.device or self.backend.device):
+                raise TypeError(f"{what}: tensor {i} is a {be.name} array but tensor 0 a {self.backend.name} array")
+            shapes_dtypes.append((tuple(int(s) for s in t.shape), dt))
+        self.shapes_dtypes = shapes_dtypes
+        self.outs = self._outputs(out)
+        self.buckets = plan_buckets(shapes_dtypes, self.fusion_bytes)
+        for b in self.buckets:
+            if len(b.entries) == 1:
+                e = b.entries[0]
+                b.direct = self._flat_or_none(self.tensors[e.index]) is not None and (
+                    self._flat_or_none(self.outs[e.index]) is not None
+                )
+
+    # -- local checks ------------------------------------------------------------
+    def _outputs(self, out):
+        be = self.backend
+        if out is None:
+            return [
+                be.like(be.empty(_count(shape), dt), t) if be is not None else None
+                for t, (shape, dt) in zip(self.tensors, self.shapes_dtypes)
+            ]
+        if isinstance(out, (str, bytes)) or not hasattr(out, "__iter__"):
+            raise TypeError(f"{self.what}: out must be a list of arrays like tensors")
+        out = list(out)
+        if len(out) != len(self.tensors):
+            raise ValueError(f"{self.what}: out holds {len(out)} arrays but tensors holds {len(self.tensors)}")
+        for i, (o, t, (shape, dt)) in enumerate(zip(out, self.tensors, self.shapes_dtypes)):
+            if o is t:
+                continue
+            try:
+                odev = device_label(o)
+                odt = backend_for(o).dtype(o)
+            except TypeError as exc:
+                raise TypeError(f"{self.what}: out[{i}]: {exc}") from None
+            if odev != self.device:
+                raise ValueError(f"{self.what}: out[{i}] is on {odev} but the tensors on {self.device}")
+            if np.dtype(odt) != dt:
+                raise TypeError(f"{self.what}: out[{i}] has dtype {dtype_name(odt)} but tensor {i} has {dtype_name(dt)}")
+            if tuple(int(s) for s in o.shape) != shape:
+                raise ValueError(f"{self.what}: out[{i}] has shape {tuple(o.shape)} but tensor {i} has {shape}")
+            if _shares_memory(o, t):
+                raise ValueError(f"{self.what}: out[{i}] overlaps tensor {i}; pass the tensor itself for in place")
+        return out
+
+    def _flat_or_none(self, x):
+        try:
+            return self.backend.flat(x)
+        except ValueError:
+            if self.backend.device:
+                raise ValueError(
+                    f"{self.what}: device tensors must be C-contiguous; call .contiguous() (CuPy: .copy()) first"
+                ) from None
+            return None
+
+    # -- cross-rank agreement ------------------------------------------------------
+    def signature(self) -> list:
+        """What must be equal on every rank: the op, the fusion size and each tensor's dtype and shape."""
+        return [self.what, self.opname, self.fusion_bytes] + [(dtype_name(d), s) for s, d in self.shapes_dtypes]
+
+    # -- data movement (the caller's thread or the progress thread) ----------------
+    def pack(self, bucket: Bucket, buf) -> None:
+        """Copy the bucket's tensors into ``buf`` (``bucket.count`` elements) at their offsets; zero the gaps."""
+        be = self.backend
+        if be.device:
+            # The gaps are not zeroed on a device (the Backend interface has no
+            # fill): they are reduced along with the data and never unpacked.
+            flats = [be.flat(self.tensors[e.index]) for e in bucket.entries]
+            pack = getattr(be, "pack", None)
+            if callable(pack):  # one kernel launch for the whole bucket (kernels/pack.cu)
+                pack(flats, buf, [e.offset * bucket.dtype.itemsize for e in bucket.entries])
+            else:
+                for f, e in zip(flats, bucket.entries):
+                    be.copy(buf[e.offset : e.offset + e.count], f)
+            return
+        end = 0
+        for e in bucket.entries:
+            if e.offset > end:
+                buf[end : e.offset] = 0
+            np.copyto(buf[e.offset : e.offset + e.count].reshape(e.shape), backend_input_numpy(self.tensors[e.index]))
+            end = e.offset + e.count
+        if bucket.count > end:
+            buf[end : bucket.count] = 0
+
+    def unpack(self, bucket: Bucket, buf) -> None:
+        """Copy each tensor's reduced slice of ``buf`` to its output."""
+        be = self.backend
+        if be.device:
+            flats = [be.flat(self.outs[e.index]) for e in bucket.entries]
+            unpack = getattr(be, "unpack", None)
+            if callable(unpack):
+                unpack(buf, flats, [e.offset * bucket.dtype.itemsize for e in bucket.entries])
+            else:
+                for f, e in zip(flats, bucket.entries):
+                    be.copy(f, buf[e.offset : e.offset + e.count])
+            return
+        for e in bucket.entries:
+            np.copyto(backend_input_numpy(self.outs[e.index]), buf[e.offset : e.offset + e.count].reshape(e.shape))
+
+    def reduce_bucket(self, comm, bucket: Bucket, buf, chunk_bytes=None) -> None:
+        """Reduce one bucket over ``comm`` (a Communicator): directly, or packed in ``buf``."""
+        be = self.backend
+        if bucket.direct:
+            e = bucket.entries[0]
+            comm.allreduce(self.tensors[e.index], self.opname, out=self.outs[e.index], chunk_bytes=chunk_bytes,
+                           backend=be.name)
+            return
+        self.pack(bucket, buf)
+        comm.allreduce(buf, self.opname, out=buf, chunk_bytes=chunk_bytes, backend=be.name)
+        self.unpack(bucket, buf)
+
+
+def check_same_on_all_ranks(comm, signature, what: str) -> None:
+    """Raise ``ValueError`` on every rank unless every rank passed an equal ``signature`` (collective).
+
+    One 16-byte ``MPI_Allreduce`` of a digest; on a mismatch the signatures
+    themselves are gathered so the error can say which rank passed what.
+    ``comm`` is an mpi4py communicator.
+    """
+    from mpi4py import MPI
+
+    if comm.Get_size() == 1:
+        return
+    digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
+    h = int.from_bytes(digest, "little", signed=True) >> 1  # -h must not overflow
+    both = np.array([h, -h], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)
+    if both[0] == h and -both[1] == h:
+        return
+    sigs = comm.allgather(signature)
+    raise ValueError(f"{what}: ranks passed different arguments: {_describe_difference(sigs)}")
+
+
+def _describe_difference(sigs) -> str:
+    ref = sigs[0]
+    for r, s in enumerate(sigs):
+        if s == ref:
+            continue
+        if s[:3] != ref[:3]:
+            return f"rank 0 passed op/fusion_bytes {ref[1:3]}, rank {r} {s[1:3]}"
+        if len(s) != len(ref):
+            return f"rank 0 passed {len(ref) - 3} tensors, rank {r} {len(s) - 3}"
+        i = next(k for k in range(3, len(s)) if s[k] != ref[k])
+        return f"tensor {i - 3} is {_fmt(ref[i])} on rank 0 but {_fmt(s[i])} on rank {r}"
+    return "signatures differ"  # pragma: no cover - the digests differed, so some signature does
+
+
+def _fmt(item) -> str:
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+        return f"{item[0]}{list(item[1])}"
+    return repr(item)
+
+
+def allreduce_many(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None, chunk_bytes=None):
+    """Allreduce a list of arrays with one collective per fusion buffer; results in input order.
+
+    tensors       numpy arrays, CPU torch tensors, or device arrays of one GPU
+                  backend (CuPy, Numba, CUDA torch), all on one device; any mix
+                  of dtypes (each dtype gets its own buffers) and shapes.
+    op            "sum", "avg", "max", "min", "prod" or an ``MPI.Op``, as for ``allreduce``.
+    comm          mpi4py ``Intracomm`` or ``ddlkernels.Communicator`` (default COMM_WORLD).
+    out           list of outputs like ``tensors``; ``out=tensors`` reduces in place.
+                  Default: new arrays of each input's type, shape and device.
+    fusion_bytes  largest fusion buffer in bytes (default ``FUSION_BYTES`` = 64 MiB);
+                  a tensor larger than this is reduced on its own, without a copy.
+    chunk_bytes   pipeline chunk of the ring, as for ``allreduce``.
+
+    Collective: every rank must pass the same number of tensors with the same
+    dtypes and shapes, in the same order; a rank that does not makes every rank
+    raise ``ValueError``.  The pack buffers are kept by the Communicator and
+    reused by the next call.  Returns the list of outputs.
+    """
+    job = FusionJob(tensors, op, out=out, fusion_bytes=fusion_bytes)
+    c = as_communicator(comm)
+    if chunk_bytes is not None:
+        _positive("chunk_bytes", chunk_bytes)
+    check_same_on_all_ranks(c.comm, job.signature(), "allreduce_many")
+    for b in job.buckets:
+        buf = None if b.direct else c.reusable_buffer("fusion", job.backend, b.dtype, b.count)
+        job.reduce_bucket(c, b, buf, chunk_bytes)
+    return job.outs
+
+
+def _count(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _shares_memory(a, b) -> bool:
+    if isinstance(a, np.ndarray) or type(a).__module__.startswith("torch"):
+        try:
+            return bool(np.shares_memory(backend_input_numpy(a), backend_input_numpy(b)))
+        except (TypeError, ValueError, RuntimeError):
+            return False
+    return False
+
+
+def _positive(name, v):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
