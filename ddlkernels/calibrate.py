@@ -164,8 +164,9 @@ def calibrate(comm, *, rack_map=None, structure: Topology | None = None, sizes=D
         topo = detect(comm, rack_map=rack_map)
     ids = topo.group_ids()
     levels = []
+    stamp = comm.bcast(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), root=0)  # same file on every rank
     notes = [
-        f"measured by python -m ddlkernels calibrate with {p} ranks on {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
+        f"measured by python -m ddlkernels calibrate with {p} ranks on {stamp}",
         f"ping-pong sizes {list(sizes)} B, {reps} round trips each, median; latency = one-way time of the smallest size, bandwidth = 1/slope over sizes >= 256 KiB",
         f"concurrent: every rank Sendrecv-s {concurrent_bytes} B in 1 MiB chunks around rings that cross the level at once",
     ]

@@ -80,10 +80,10 @@ def factorizations(p: int, max_factors: int | None = None) -> list[tuple[int, ..
 class _Model:
     """Per-topology cache: group ids as arrays and the edge classes of every (stride, d)."""
 
-    def __init__(self, topo: Topology):
+    def __init__(self, topo: Topology, order=None):
         self.topo = topo
         self.p = topo.ranks
-        self.order = np.array(topo.topology_order(), dtype=np.int64)
+        self.order = np.array(topo.topology_order() if order is None else order, dtype=np.int64)
         self.gid = [np.asarray(g, dtype=np.int64) for g in topo.group_ids()]
         lv = topo.levels
         self.K = len(lv)
@@ -180,12 +180,17 @@ def _candidates(p: int, depth: int):
     return factorizations(p, max_factors=depth + 2)
 
 
-def model_time(topology: Topology, dims, nbytes: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, reduce_rate: float | None = None) -> float:
-    """Modeled seconds of an allreduce of ``nbytes`` bytes on box ``dims`` in topology order."""
+def model_time(topology: Topology, dims, nbytes: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, reduce_rate: float | None = None, order=None) -> float:
+    """Modeled seconds of an allreduce of ``nbytes`` bytes on box ``dims``.
+
+    ``order`` (``order[box index] = rank``) defaults to the topology order;
+    another order builds a fresh model (not cached: for studies, not for planning).
+    """
     dims = tuple(int(d) for d in dims)
     topo = _topology_for(topology, math.prod(dims))
     R = topo.reduce_rate if reduce_rate is None else reduce_rate
-    return _model(topo).time(dims, nbytes, chunk_bytes, R)
+    model = _model(topo) if order is None else _Model(topo, order)
+    return model.time(dims, nbytes, chunk_bytes, R)
 
 
 def lower_bound(topology: Topology, nbytes: int) -> float:
