@@ -195,3 +195,56 @@ def test_numba_pack_unpack_roundtrip():
     be.unpack(buf, outs, offs)
     for h, o in zip(hosts, outs):
         assert np.array_equal(o.copy_to_host().view(np.uint8), h.view(np.uint8))
+
+
+def test_numba_backend_rejects_bad_reduce_arguments():
+    be = get_backend("numba")
+    a = cuda.to_device(np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="lengths differ"):
+        be.reduce("sum", a, cuda.to_device(np.ones(3, np.float32)))
+    with pytest.raises(TypeError, match="dtypes differ"):
+        be.reduce("sum", a, cuda.to_device(np.ones(4, np.float64)))
+    with pytest.raises(ValueError, match="reduce op"):
+        be.reduce("avg", a, a)
+    with pytest.raises(ValueError, match="only defined for the sum"):
+        be.reduce("max", a, cuda.to_device(np.ones(4, np.float32)), avg_p=2)
+
+
+def test_numba_backend_handles_overlapping_operands():
+    """b overlapping dst breaks a kernel precondition: the backend copies b first, and the result is numpy's."""
+    be = get_backend("numba")
+    x = np.arange(10, dtype=np.float32)
+    d = cuda.to_device(x)
+    be.reduce("sum", d[0:8], d[0:8], d[2:10])
+    ref = x.copy()
+    ref[0:8] = x[0:8] + x[2:10]
+    assert np.array_equal(d.copy_to_host(), ref)
+
+
+def test_staged_transport_loopback_grows_and_reuses():
+    """Self-messages over COMM_SELF: chunks larger than a slot, an empty chunk, and slot reuse."""
+    be = get_backend("numba")
+    t = StagedTransport(MPI.COMM_SELF, be, 16, 2)
+    try:
+        assert t.pinned_bytes == 4 * 16  # 2 x window slots, allocated up front
+        for n in (0, 3, 40, 40):
+            src = cuda.to_device(np.arange(n, dtype=np.float64) + R)
+            dst = cuda.device_array(n, np.float64)
+            rr = t.irecv(dst, 0, 5)
+            sr = t.isend(src, 0, 5)
+            assert rr.Wait() and (rr.Test() is True)
+            sr.Wait()
+            be.synchronize()
+            assert np.array_equal(dst.copy_to_host(), np.arange(n, dtype=np.float64) + R)
+        assert t.slot_bytes == 40 * 8
+        grown = t.pinned_bytes
+        src = cuda.to_device(np.ones(40))
+        dst = cuda.device_array(40, np.float64)
+        rr, sr = t.irecv(dst, 0, 6), t.isend(src, 0, 6)
+        rr.Wait()
+        sr.Wait()
+        assert t.pinned_bytes == grown, "a slot was allocated although freed ones fit"
+    finally:
+        t.close()
+    with pytest.raises(TypeError, match="device backend"):
+        StagedTransport(MPI.COMM_SELF, get_backend("numpy"), 16, 2)

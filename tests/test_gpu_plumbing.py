@@ -1,0 +1,175 @@
+"""The GPU path's plumbing, in one process and without a GPU.
+
+* ``import ddlkernels`` (and routing a host array) imports no GPU library;
+* device arrays are recognised by duck typing: a type exporting
+  ``__cuda_array_interface__`` or a DLPack CUDA device goes to a device
+  backend, host arrays and CPU torch tensors to numpy;
+* CUDA-aware detection: the override wins, an MPI 4.1 ``mpi_memory_alloc_kinds``
+  containing "cuda" means aware, otherwise the vendor query decides;
+* the kernel sources are found in a checkout and inside a built wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ddlkernels._cuda_aware import cuda_aware, gpu_info
+from ddlkernels._kernel_sources import SOURCES, cuda_include_dirs, kernel_dir, read_source
+from ddlkernels.backends._detect import has_module, is_cupy_array, is_foreign_cuda_array, is_numba_array
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_import_needs_no_gpu_library():
+    # Compared with what the interpreter had before (site hooks of the CUDA
+    # wheels may import a bare "cuda" namespace at startup).
+    code = (
+        "import sys\n"
+        "before = set(sys.modules)\n"
+        "import numpy as np, ddlkernels\n"
+        "from ddlkernels.backends import backend_for, _REGISTRY\n"
+        "assert backend_for(np.zeros(3)).name == 'numpy'\n"
+        "assert list(_REGISTRY) == ['numpy', 'cupy', 'numba'], list(_REGISTRY)\n"
+        "new = set(sys.modules) - before\n"
+        "bad = sorted(m for m in new if m.split('.')[0] in ('numba', 'cupy', 'cupyx', 'torch', 'cuda'))\n"
+        "assert not bad, bad\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+class _CAIArray:
+    """A foreign CUDA array as a library other than CuPy/Numba would export it (no memory behind it:
+    only its type is inspected)."""
+
+    __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False), "version": 3}
+
+
+class _DLPackCuda:
+    def __dlpack_device__(self):
+        return (2, 0)  # kDLCUDA, device 0
+
+
+class _DLPackCPU:
+    def __dlpack_device__(self):
+        return (1, 0)  # kDLCPU
+
+
+def test_host_arrays_are_not_device_arrays():
+    torch = pytest.importorskip("torch")
+    for x in (np.zeros(3), torch.zeros(3), _DLPackCPU()):
+        assert not is_foreign_cuda_array(x)
+        assert not is_cupy_array(x) and not is_numba_array(x)
+
+
+@pytest.mark.parametrize("obj", [_CAIArray(), _DLPackCuda()], ids=["cuda_array_interface", "dlpack_cuda"])
+def test_foreign_cuda_arrays_route_to_a_device_backend(obj):
+    assert is_foreign_cuda_array(obj)
+    # CuPy if installed, else Numba: exactly one of the two claims it.
+    assert is_cupy_array(obj) == has_module("cupy")
+    assert is_numba_array(obj) == (not has_module("cupy"))
+
+
+def test_backend_for_foreign_cuda_array_names_the_device_backend():
+    from ddlkernels.backends import backend_for
+
+    be = backend_for(_CAIArray())
+    assert be.device and be.name in ("cupy", "numba")
+
+
+class _Info:
+    def __init__(self, kinds):
+        self.kinds = kinds
+
+    def Get(self, key):
+        return self.kinds if key == "mpi_memory_alloc_kinds" else None
+
+    def Free(self):
+        pass
+
+
+class _Comm:
+    def __init__(self, kinds):
+        self.kinds = kinds
+
+    def Get_info(self):
+        return _Info(self.kinds)
+
+
+def test_cuda_aware_override_wins():
+    assert cuda_aware(_Comm("cuda"), override=False) == (False, "set explicitly")
+    assert cuda_aware(_Comm(None), override=True) == (True, "set explicitly")
+
+
+def test_cuda_aware_from_mpi_memory_alloc_kinds():
+    aware, why = cuda_aware(_Comm("system,mpi,cuda:device"))
+    assert aware and "cuda:device" in why
+
+
+def test_cuda_aware_without_alloc_kinds_asks_the_vendor():
+    aware, why = cuda_aware(_Comm("system,mpi"))
+    assert isinstance(aware, bool)
+    assert "MPIX_" in why or "unknown" in why
+    if not aware:
+        assert "MPIX_Query_cuda_support() = 0" in why or "MPIX_GPU_query_support" in why or "assuming not" in why
+
+
+def test_cuda_aware_on_the_real_communicator_gives_a_reason():
+    from mpi4py import MPI
+
+    aware, why = cuda_aware(MPI.COMM_WORLD)
+    assert isinstance(aware, bool) and why
+
+
+def test_gpu_info_is_consistent():
+    info = gpu_info()
+    assert set(info) >= {"backends", "device", "cuda_aware", "cuda_aware_reason", "transport"}
+    assert set(info["backends"]) == {"cupy", "numba"}
+    assert info["transport"] == ("cuda-aware" if info["cuda_aware"] else "staged")
+    assert gpu_info(override=True)["transport"] == "cuda-aware"
+    assert gpu_info(override=False)["transport"] == "staged"
+
+
+def test_kernel_sources_in_the_checkout():
+    d = kernel_dir()
+    assert all((d / s).is_file() for s in SOURCES)
+    assert "DDL_REDUCE_KERNELS" in read_source("reduce.cu") and "ddl_pack" in read_source("pack.cu")
+    with pytest.raises(ValueError, match="unknown kernel source"):
+        read_source("other.cu")
+    assert any((Path(p) / "cuda_bf16.h").is_file() for p in cuda_include_dirs())
+
+
+def test_kernel_sources_in_a_wheel(tmp_path):
+    """Build a wheel from a copy of the checkout, install it elsewhere, and find the .cu files there."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for item in ("setup.py", "ddlkernels", "kernels", "README.md"):
+        p = ROOT / item
+        if p.is_dir():
+            shutil.copytree(p, src / item, ignore=shutil.ignore_patterns("__pycache__"))
+        elif p.exists():
+            shutil.copy(p, src / item)
+    wheels = tmp_path / "wheels"
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(wheels), str(src)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (whl,) = wheels.glob("ddlkernels-*.whl")
+    names = zipfile.ZipFile(whl).namelist()
+    assert {"ddlkernels/kernels/reduce.cu", "ddlkernels/kernels/pack.cu"} <= set(names)
+    site = tmp_path / "site"
+    with zipfile.ZipFile(whl) as z:
+        z.extractall(site)
+    code = "from ddlkernels._kernel_sources import kernel_dir, read_source; print(kernel_dir()); read_source('pack.cu')"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(site)), cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert Path(res.stdout.strip()) == site / "ddlkernels" / "kernels"
