@@ -2,9 +2,8 @@
 
 Worked example
 --------------
-Four ranks on two nodes of two (``powerai-ddl`` cut to 4 ranks is one node;
-think of a 2 x 2 cluster), flat ring ``Plan((4,))``, 8 MB of float32, chunks
-of 1 MB.  ``build_schedule`` gives every rank 3 reduce-scatter steps and 3
+Four ranks on two nodes of two ranks each, flat ring ``Plan((4,))``, 8 MB of
+float32, chunks of 1 MB.  ``build_schedule`` gives every rank 3 reduce-scatter steps and 3
 allgather steps of one 2 MB block each; the simulator cuts each block into two
 1 MB chunks, exactly as the engine does, and plays::
 
@@ -36,7 +35,17 @@ share each such resource equally (``links * bandwidth / n``), and one message
 never goes faster than ``min(bandwidth_j, j <= L)`` (it rides one link).
 Rates are recomputed whenever a message starts or ends.  The level-L latency
 is added to each message's arrival but does not hold the link (the next chunk
-may start while the previous is in flight, as on a real NIC).
+may start while the previous is in flight, as on a real NIC).  At a level
+marked ``cpu_copy`` (host shared memory) the receiving rank's CPU does the
+copy: the message also crosses that rank's CPU, which stops moving bytes while
+the rank reduces.
+
+Executor model: each rank runs a generator that follows ``_engine.execute``
+line by line -- per phase, post the first step's sends; per reduce-scatter
+step, ``window`` receive slots, wait / reduce / repost / forward per chunk;
+per allgather, every receive posted up front, forward each chunk as it lands;
+then wait for all sends before the next phase.  Messages above
+``eager_bytes`` move only once their receive is posted (MPI rendezvous).
 """
 
 from __future__ import annotations
