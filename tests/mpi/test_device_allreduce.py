@@ -248,3 +248,20 @@ def test_staged_transport_loopback_grows_and_reuses():
         t.close()
     with pytest.raises(TypeError, match="device backend"):
         StagedTransport(MPI.COMM_SELF, get_backend("numpy"), 16, 2)
+
+
+def test_reduce_scatter_and_allgather_on_device(dcomm):
+    x = data(31, np.float32, salt=3)
+    shard = dcomm.reduce_scatter(to_device(x), "sum")
+    host_shard = dcomm.reduce_scatter(x, "sum")
+    assert np.array_equal(shard.copy_to_host(), host_shard)
+    whole = dcomm.allgather(shard)
+    assert np.array_equal(whole.copy_to_host(), dcomm.allgather(host_shard))
+    assert np.array_equal(whole.copy_to_host(), dcomm.allreduce(x, "sum"))
+
+
+def test_timeout_polling_path_on_device(dcomm):
+    """With timeout= the engine polls requests with Test(): staged receives must land on Test too."""
+    x = data(37, np.float64, salt=5)
+    got = dcomm.allreduce(to_device(x), "sum", timeout=60)
+    assert np.array_equal(got.copy_to_host(), dcomm.allreduce(x, "sum"))
