@@ -82,6 +82,8 @@ class CupyBackend(DeviceBackend):
         return cupyx.empty_pinned((int(nbytes),), dtype=np.uint8)
 
     def d2h(self, host, dev, stream):
+        # Ordered on ``stream``; the staging transport syncs on an event of
+        # that stream right after, whatever CuPy's blocking default is.
         dev.get(stream=stream, out=host.view(dev.dtype))
 
     def h2d(self, dev, host, stream):
@@ -172,7 +174,10 @@ class CupyBackend(DeviceBackend):
                 raise ValueError(f"tensor of {n} bytes at offset {o} does not fit a {nbuf}-byte buffer")
         if tensors:
             table = np.array([[self._ptr(t), n, o] for t, n, o in zip(tensors, sizes, offsets)], dtype=np.uint64)
-            d_table = self._cp.asarray(table)
+            # A synchronous copy: the host table is a temporary, and an
+            # asynchronous H2D copy could read it after it is freed.
+            d_table = self._cp.empty(table.shape, dtype=np.uint64)
+            d_table.set(table)
             blocks = max(1, min(-(-max(sizes) // (_THREADS * 16)), 64))
             kern = self._module("pack.cu").get_function(name)
             kern((blocks, min(len(tensors), 65535)), (_THREADS,), (d_table, np.int32(len(tensors)), buf))
