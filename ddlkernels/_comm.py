@@ -300,7 +300,16 @@ class Communicator:
         avg = opname == "avg"
         redop = "sum" if avg else opname
         trial = False
-        use_mpi = self.size > 1 and not be.device and dims is None and dtype in _MPI_NATIVE
+        # MPI's MAX/MIN on floats drop a NaN depending on the order of operands
+        # (Open MPI computes a > b ? a : b); numpy's maximum/minimum, and so the
+        # ring, propagate it.  Sums and products propagate NaN/Inf either way.
+        use_mpi = (
+            self.size > 1
+            and not be.device
+            and dims is None
+            and dtype in _MPI_NATIVE
+            and (redop in ("sum", "prod") or dtype.kind in "iu")
+        )
         if use_mpi:
             if self.small_bytes is None:
                 algo, trial = self._tuner.choose(nbytes)
