@@ -102,3 +102,27 @@ def test_simulated_times_respect_the_lower_bound_and_the_model(name, p, nbytes):
         assert sim >= lb
         # The planner's formula is an approximation of the simulation, not a bound: it must stay close.
         assert model_time(topo, dims, nbytes) == pytest.approx(sim, rel=0.35)
+
+
+def _cli(*args):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "ddlkernels", *args], capture_output=True, text=True, cwd=root)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_cli_plan_and_simulate_json():
+    out = _cli("plan", "--topology", "powerai-ddl", "--bytes", "350MB", "--json")
+    assert out["dims"] and math.prod(out["dims"]) == 256
+    assert 0 < out["lower_bound_s"] <= out["time_s"]
+    assert out["alternatives"][0]["dims"] == out["dims"]
+    sim = _cli("simulate", "--topology", "powerai-ddl", "--ranks", "16", "--bytes", "1M", "--dims", "16", "--json")
+    assert sim["dims"] == [16] and sim["verified"] is True
+    assert 0 < sim["lower_bound_s"] <= sim["time_s"]
+    auto = _cli("simulate", "--topology", "powerai-ddl", "--ranks", "16", "--bytes", "1M", "--json")
+    assert math.prod(auto["dims"]) == 16 and auto["time_s"] <= sim["time_s"]
