@@ -214,42 +214,12 @@ class FusionJob:
 
     # -- data movement (the caller's thread or the progress thread) ----------------
     def pack(self, bucket: Bucket, buf) -> None:
-        """Copy the bucket's tensors into ``buf`` (``bucket.count`` elements) at their offsets; zero the gaps."""
-        be = self.backend
-        if be.device:
-            # The gaps are not zeroed on a device (the Backend interface has no
-            # fill): they are reduced along with the data and never unpacked.
-            flats = [be.flat(self.tensors[e.index]) for e in bucket.entries]
-            pack = getattr(be, "pack", None)
-            if callable(pack):  # one kernel launch for the whole bucket (kernels/pack.cu)
-                pack(flats, buf, [e.offset * bucket.dtype.itemsize for e in bucket.entries])
-            else:
-                for f, e in zip(flats, bucket.entries):
-                    be.copy(buf[e.offset : e.offset + e.count], f)
-            return
-        end = 0
-        for e in bucket.entries:
-            if e.offset > end:
-                buf[end : e.offset] = 0
-            np.copyto(buf[e.offset : e.offset + e.count].reshape(e.shape), backend_input_numpy(self.tensors[e.index]))
-            end = e.offset + e.count
-        if bucket.count > end:
-            buf[end : bucket.count] = 0
+        """Copy the bucket's tensors into ``buf`` (see ``pack_into``)."""
+        pack_into(self.backend, bucket, buf, self.tensors)
 
     def unpack(self, bucket: Bucket, buf) -> None:
-        """Copy each tensor's reduced slice of ``buf`` to its output."""
-        be = self.backend
-        if be.device:
-            flats = [be.flat(self.outs[e.index]) for e in bucket.entries]
-            unpack = getattr(be, "unpack", None)
-            if callable(unpack):
-                unpack(buf, flats, [e.offset * bucket.dtype.itemsize for e in bucket.entries])
-            else:
-                for f, e in zip(flats, bucket.entries):
-                    be.copy(f, buf[e.offset : e.offset + e.count])
-            return
-        for e in bucket.entries:
-            np.copyto(backend_input_numpy(self.outs[e.index]), buf[e.offset : e.offset + e.count].reshape(e.shape))
+        """Copy each tensor's reduced slice of ``buf`` to its output (see ``unpack_from``)."""
+        unpack_from(self.backend, bucket, buf, self.outs)
 
     def reduce_bucket(self, comm, bucket: Bucket, buf, chunk_bytes=None) -> None:
         """Reduce one bucket over ``comm`` (a Communicator): directly, or packed in ``buf``."""
@@ -262,6 +232,48 @@ class FusionJob:
         self.pack(bucket, buf)
         comm.allreduce(buf, self.opname, out=buf, chunk_bytes=chunk_bytes, backend=be.name)
         self.unpack(bucket, buf)
+
+
+def pack_into(be, bucket: Bucket, buf, tensors) -> None:
+    """Copy ``tensors[e.index]`` of each entry into ``buf`` (``bucket.count`` elements) at its offset.
+
+    Host: any strides, gaps zeroed.  Device: contiguous tensors, one launch of
+    the backend's pack kernel when it has one, else one copy per tensor.
+    """
+    if be.device:
+        # The gaps are not zeroed on a device (the Backend interface has no
+        # fill): they are reduced along with the data and never unpacked.
+        flats = [be.flat(tensors[e.index]) for e in bucket.entries]
+        pack = getattr(be, "pack", None)
+        if callable(pack):  # one kernel launch for the whole bucket (kernels/pack.cu)
+            pack(flats, buf, [e.offset * bucket.dtype.itemsize for e in bucket.entries])
+        else:
+            for f, e in zip(flats, bucket.entries):
+                be.copy(buf[e.offset : e.offset + e.count], f)
+        return
+    end = 0
+    for e in bucket.entries:
+        if e.offset > end:
+            buf[end : e.offset] = 0
+        np.copyto(buf[e.offset : e.offset + e.count].reshape(e.shape), backend_input_numpy(tensors[e.index]))
+        end = e.offset + e.count
+    if bucket.count > end:
+        buf[end : bucket.count] = 0
+
+
+def unpack_from(be, bucket: Bucket, buf, outs) -> None:
+    """Copy each entry's slice of ``buf`` into ``outs[e.index]`` (host: any strides; device: contiguous)."""
+    if be.device:
+        flats = [be.flat(outs[e.index]) for e in bucket.entries]
+        unpack = getattr(be, "unpack", None)
+        if callable(unpack):
+            unpack(buf, flats, [e.offset * bucket.dtype.itemsize for e in bucket.entries])
+        else:
+            for f, e in zip(flats, bucket.entries):
+                be.copy(f, buf[e.offset : e.offset + e.count])
+        return
+    for e in bucket.entries:
+        np.copyto(backend_input_numpy(outs[e.index]), buf[e.offset : e.offset + e.count].reshape(e.shape))
 
 
 def check_same_on_all_ranks(comm, signature, what: str) -> None:
@@ -291,7 +303,7 @@ def _describe_difference(sigs) -> str:
         if s == ref:
             continue
         if s[:3] != ref[:3]:
-            return f"rank 0 passed op/fusion_bytes {ref[1:3]}, rank {r} {s[1:3]}"
+            return f"rank 0 passed op and settings {ref[1:3]}, rank {r} {s[1:3]}"
         if len(s) != len(ref):
             return f"rank 0 passed {len(ref) - 3} tensors, rank {r} {len(s) - 3}"
         i = next(k for k in range(3, len(s)) if s[k] != ref[k])
