@@ -132,6 +132,10 @@ class Communicator:
                 plan = Plan(self._node_dims, self._node_order)
             else:
                 plan = Plan(validate_dims(dims, self.size), self._node_order)
+            if len(self._plans) >= 1024:
+                # Keyed by size when dims is None: a job of ever-new sizes
+                # (bench/soak.py) would otherwise grow the cache without end.
+                self._plans.clear()
             self._plans[key] = plan
         return plan
 
