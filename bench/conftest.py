@@ -56,9 +56,16 @@ def pytest_configure(config):
     rank = comm.Get_rank()
     logdir = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".mpi-logs")
     os.makedirs(logdir, exist_ok=True)
-    fd = os.open(os.path.join(logdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    sys.stdout = os.fdopen(1, "w", buffering=1)
+    log = open(os.path.join(logdir, f"rank{rank}.log"), "w", buffering=1)
+    # pytest's terminal writer holds a duplicate of the original stdout taken
+    # before any conftest runs, so redirecting fd 1 is not enough: point the
+    # writer itself at the log.
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        from _pytest.config import create_terminal_writer
+
+        tr._tw = create_terminal_writer(config, file=log)
+    sys.stdout = log
     js = getattr(config.option, "benchmark_json", None)
     if js is not None:
         # Every rank was given PATH; rank 0 keeps it.  (pytest-benchmark >= 5

@@ -778,7 +778,7 @@ def plot_rows(path, rows, title="", stat="median"):
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(title, fontsize=9, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

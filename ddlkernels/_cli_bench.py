@@ -60,7 +60,9 @@ def add_bench_arguments(p, collective_default="allreduce"):
     g.add_argument("-e", "--end", default="64M", help="largest buffer (default %(default)s)")
     g.add_argument("-f", "--factor", type=int, default=4, help="size multiplication factor (default %(default)s)")
     g.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default %(default)s)")
-    g.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations per size (default %(default)s)")
+    g.add_argument("-w", "--warmup", type=int, default=10,
+                   help="untimed iterations per size (default %(default)s: covers the 6 timed trials with which "
+                        "ddlkernels picks MPI's allreduce or the ring for a new size)")
     g.add_argument("--stat", choices=("median", "min"), default="median",
                    help="time per iteration shown in the table and plot (JSON has both)")
     g.add_argument("--check", dest="check", action="store_true", default=True,
@@ -288,8 +290,14 @@ def _report(args, meta, rows):
     if args.json:
         dump_json(args.json, meta, rows)
     if args.plot:
-        title = (f"{meta['ranks']} ranks, {meta['mpi'][:60]}, {meta['start']['date_utc']}, "
-                 f"load {meta['start']['loadavg'][0]:.1f} on {meta['start']['cpus']} cpus")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit(f"--plot {args.plot}: matplotlib is not installed (pip install matplotlib); "
+                             f"the table{' and JSON' if args.json else ''} are complete") from None
+        title = (f"{meta['ranks']} ranks, {meta['mpi'].split(',')[0][:40]}, {meta['start']['date_utc']}\n"
+                 f"load average {meta['start']['loadavg'][0]:.1f} on {meta['start']['cpus']} cpus; "
+                 f"{args.stat} of {args.iters} iterations, slowest rank")
         plot_rows(args.plot, rows, title=title, stat=args.stat)
 
 

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Produce bench/results/: every table, JSON and PNG that bench/README.md quotes, each .txt opening with
+# the exact command that made it.  Takes ~10 minutes on 2 cores.
+#   PYTHON=/path/to/venv/bin/python bash bench/run_results.sh            (Open MPI from that venv)
+#   MPICH_PYTHON=/tmp/venv-mpich/bin/python bash bench/run_results.sh   (also the MPICH line; see README)
+# ITERS/WARMUP override the iteration counts (default 30/10; warmup covers the size tuner's 6 trials).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$(command -v python)}
+MPIRUN=${MPIRUN:-$(dirname "$PY")/mpirun}
+OUT=${OUT:-bench/results}
+ITERS=${ITERS:-30}
+WARMUP=${WARMUP:-10}
+export OMPI_ALLOW_RUN_AS_ROOT=${OMPI_ALLOW_RUN_AS_ROOT:-1}
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=${OMPI_ALLOW_RUN_AS_ROOT_CONFIRM:-1}
+export PRTE_MCA_rmaps_default_mapping_policy=${PRTE_MCA_rmaps_default_mapping_policy:-:oversubscribe}
+export MPIEXEC_TIMEOUT=${MPIEXEC_TIMEOUT:-1200}
+mkdir -p "$OUT"
+status=0
+
+run() {  # run NAME CMD...: stdout (table) to $OUT/NAME.txt after a header with the command and conditions
+  local name=$1; shift
+  { echo "# command: $*"; echo "# date: $(date -u +%FT%TZ); load average: $(cut -d' ' -f1-3 /proc/loadavg); cpus: $(nproc)"
+    echo "# git: $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- ddlkernels || echo +dirty)"; } > "$OUT/$name.txt"
+  echo "== $name: $*" >&2
+  "$@" >> "$OUT/$name.txt" || { echo "!! $name exited $?" >&2; status=1; }
+  cat "$OUT/$name.txt"
+}
+
+SWEEP=(-b 4K -e 64M -f 2 -n "$ITERS" -w "$WARMUP" -d float32 -o sum --no-progress)
+for n in 2 4; do
+  run "allreduce_np${n}_float32" "$MPIRUN" -n $n "$PY" bench/allreduce.py "${SWEEP[@]}" \
+    --json "$OUT/allreduce_np${n}_float32.json" --plot "$OUT/allreduce_np${n}_float32.png"
+done
+# MPI's own algorithms forced, beside ours (one mpirun per algorithm, merged).
+run allreduce_np2_tuned "$PY" bench/allreduce.py --launch 2 --mpi-algorithm ring,rabenseifner,recursive_doubling \
+  -b 64K -e 64M -f 4 -n "$ITERS" -w "$WARMUP" --no-progress \
+  --json "$OUT/allreduce_np2_tuned.json" --plot "$OUT/allreduce_np2_tuned.png"
+run rs_ag_np2_float32 "$MPIRUN" -n 2 "$PY" bench/allreduce.py -c reduce_scatter,allgather -b 4K -e 64M -f 4 \
+  -n "$ITERS" -w "$WARMUP" --no-progress --json "$OUT/rs_ag_np2_float32.json" --plot "$OUT/rs_ag_np2_float32.png"
+# Kernels: one process, then both ranks at once (memory bandwidth shared, as inside the ring).
+run kernels_np1 "$PY" -m pytest bench/bench_reduce.py bench/bench_pack.py bench/bench_plan.py -q --color=no \
+  --bench-rounds 30 --benchmark-json "$OUT/kernels_np1.json"
+run kernels_np2 "$MPIRUN" -n 2 "$PY" -m mpi4py -m pytest bench/bench_reduce.py -q --color=no -k float32 \
+  --bench-rounds 30 --benchmark-json "$OUT/kernels_np2.json"
+if [ -n "${MPICH_PYTHON:-}" ]; then
+  run allreduce_np2_mpich "$(dirname "$MPICH_PYTHON")/mpirun" -n 2 "$MPICH_PYTHON" bench/allreduce.py "${SWEEP[@]}" \
+    --json "$OUT/allreduce_np2_mpich.json" --plot "$OUT/allreduce_np2_mpich.png"
+fi
+exit $status
