@@ -30,10 +30,15 @@ import time
 
 __all__ = ["CollectiveTimeout", "Deadline"]
 
-# Spins of Test() before the first sleep: a message that is on its way
-# arrives within microseconds, and sleeping would add scheduler latency.
-_SPINS = 200
-_MIN_SLEEP = 20e-6
+# Polling spins on Test() for up to _SPIN_SECONDS of one wait -- as MPI's
+# own Wait() does -- because a message that is on its way arrives within
+# that time and a sleep would add the scheduler's wake-up latency to every
+# chunk (measured: sleeping after 200 spins made 1 MiB allreduces 25x slower
+# on an oversubscribed node).  Only a wait that lasts longer, i.e. a peer
+# that is late, backs off to sleeps of _MIN_SLEEP doubling to _MAX_SLEEP.
+_SPIN_SECONDS = 0.05
+_CHECK_EVERY = 64
+_MIN_SLEEP = 50e-6
 _MAX_SLEEP = 1e-3
 
 
@@ -95,9 +100,15 @@ class Deadline:
             raise TypeError(
                 f"timeout= needs transport requests with Test(); {type(req).__name__} has none"
             )
-        for _ in range(_SPINS):
-            if test():
-                return True
+        if test():
+            return True
+        spin_until = min(time.monotonic() + _SPIN_SECONDS, self.expires)
+        while True:
+            for _ in range(_CHECK_EVERY):
+                if test():
+                    return True
+            if time.monotonic() >= spin_until:
+                break
         sleep = _MIN_SLEEP
         while True:
             if test():
