@@ -24,7 +24,9 @@ ODD = P - 1  # the rank that differs
 
 
 def mismatch(kind):
-    n, dtype, op, dims = 1000, np.float32, "sum", None
+    # The flat ring for all but the dims case, so that only the named field differs
+    # (with dims=None the library may pick MPI's allreduce for one op and the ring for another).
+    n, dtype, op, dims = 1000, np.float32, "sum", (P,) if kind != "dims" else None
     if RANK == ODD:
         if kind == "count":
             n = 1001

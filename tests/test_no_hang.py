@@ -37,7 +37,7 @@ def run_job(scenario, *, mpi4py_main=True, timeout=60):
 
 MISMATCH = {
     "count": "(count differ): ranks 0-2 passed count=1000; rank 3 passed count=1001",
-    "dtype": "(dtype differ): ranks 0-2 passed dtype=float32; rank 3 passed dtype=float64",
+    "dtype": "(dtype, chunk differ): ranks 0-2 passed dtype=float32, chunk=",
     "op": "(op differ): ranks 0-2 passed op=sum; rank 3 passed op=max",
     "dims": "(dims, chunk, path differ): ranks 0-2 passed dims=None",
 }
