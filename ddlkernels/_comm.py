@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _config
 from ._dtypes import acc_dtype, check_dtype, dtype_name, normalize_op
-from ._engine import execute
+from ._engine import ALIGN_PAD, execute
 from ._schedule import Plan, build_schedule, shard_bounds, validate_dims
 from ._transport import HostTransport
 from ._tuner import SizeTuner
@@ -169,7 +169,7 @@ class Communicator:
         key = ("slots", backend.name, dtype, chunk, self.window)
         slots = self._buffers.get(key)
         if slots is None:
-            slots = [backend.empty(chunk, dtype) for _ in range(self.window)]
+            slots = [backend.empty(chunk + ALIGN_PAD, dtype) for _ in range(self.window)]
             self._buffers[key] = slots
         return slots
 

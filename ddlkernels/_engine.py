@@ -34,7 +34,10 @@ import numpy as np
 
 from ._schedule import Schedule, chunk_ranges
 
-__all__ = ["execute"]
+__all__ = ["execute", "ALIGN_PAD"]
+
+#: Spare elements every receive slot needs beyond the chunk (see _reduce_scatter).
+ALIGN_PAD = 16
 
 
 def _phases(steps):
@@ -63,22 +66,29 @@ def _reduce_scatter(ring, src, out, op, backend, transport, chunk, slots, avg_p,
     # reduction kernels the typed ones.
     w_src, w_out, w_slots = backend.wire(src), backend.wire(out), [backend.wire(s) for s in slots]
     window = len(slots)
+    # A chunk is received at the same offset modulo 16 bytes as the place it
+    # is reduced into, so that a GPU kernel sees three equally aligned
+    # pointers and takes its 128-bit vector path (slots have ALIGN_PAD spare
+    # elements for this).
+    align = max(1, 16 // src.dtype.itemsize)
     sends = [isend(w_src[a:b], nxt, tag) for a, b in chunk_ranges(*ring[0].send, chunk)]
     last_step = len(ring) - 1
     for s, st in enumerate(ring):
         last = s == last_step
         scale = avg_p if last else None
         pieces = chunk_ranges(*st.recv, chunk)
-        reqs = [irecv(w_slots[k][: b - a], prv, tag) for k, (a, b) in enumerate(pieces[:window])]
+        reqs = [irecv(w_slots[k][a % align : a % align + b - a], prv, tag) for k, (a, b) in enumerate(pieces[:window])]
         for k, (a, b) in enumerate(pieces):
             if deadline is None:
                 reqs[k].Wait()
             else:  # timeout= set: poll, and name this step and chunk on expiry (ddlkernels._wait)
                 deadline.wait_recv(reqs[k], st, k, len(pieces), a, b)
-            reduce(op, out[a:b], src[a:b], slots[k % window][: b - a], avg_p=scale)
+            o = a % align
+            reduce(op, out[a:b], src[a:b], slots[k % window][o : o + b - a], avg_p=scale)
             if k + window < len(pieces):
                 a2, b2 = pieces[k + window]
-                reqs.append(irecv(w_slots[k % window][: b2 - a2], prv, tag))
+                o2 = a2 % align
+                reqs.append(irecv(w_slots[k % window][o2 : o2 + b2 - a2], prv, tag))
             if not last:
                 sends.append(isend(w_out[a:b], nxt, tag))
     if deadline is None:

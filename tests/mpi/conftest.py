@@ -7,9 +7,16 @@ exits non-zero at once (``MPIEXEC_TIMEOUT`` is the backstop for a hang that
 raises nothing).
 """
 
+import os
 import sys
 
 import pytest
+
+# Without a GPU, device tests run in the Numba CUDA simulator, which must be
+# switched on before numba is first imported by any test module; deciding
+# it here, before collection, keeps that independent of module order.
+if "numba" not in sys.modules and not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 
 @pytest.hookimpl(hookwrapper=True)
