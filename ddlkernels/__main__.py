@@ -36,17 +36,17 @@ def _info(args):
         f"MPI standard   {'.'.join(map(str, MPI.Get_version()))}; thread level {_thread_level(MPI.Query_thread())}",
         f"ranks          {dc.size}",
     ]
-    aware, why = dc.cuda_aware()
-    lines.append(f"CUDA-aware MPI {'yes' if aware else 'no'} ({why})")
     for name, status in available_backends().items():
         lines.append(f"backend        {name:6s} {status}")
     try:
         from ddlkernels._cuda_aware import gpu_info
 
-        for k, v in gpu_info(dc.comm, override=args.cuda_aware).items():
-            lines.append(f"gpu            {k}: {v}")
-    except ImportError as exc:  # the GPU helpers are optional at import time
-        lines.append(f"gpu            unavailable ({exc})")
+        g = gpu_info(dc.comm, override=args.cuda_aware)
+        lines.append(f"GPU device     {'yes' if g.get('device') else 'no'}" + (f" ({g['device_note']})" if g.get("device_note") else ""))
+        lines.append(f"CUDA-aware MPI {'yes' if g.get('cuda_aware') else 'no'} ({g.get('cuda_aware_reason', '')})")
+        lines.append(f"device path    {g.get('transport')}: {g.get('transport_note', '')}")
+    except ImportError as exc:  # pragma: no cover - the module ships with the package
+        lines.append(f"GPU            unavailable ({exc})")
     plan = dc.plan()
     nodes = len(set(dc._node_order)) and (dc.size // (plan.dims[0] if len(plan.dims) > 1 else dc.size))
     lines.append(f"topology       {nodes} node(s); default box {'x'.join(map(str, plan.dims))}")
