@@ -1,0 +1,103 @@
+"""Issue 5's targets, read from the committed results: each measured ratio and whether it holds.
+
+    python bench/targets.py bench/results/allreduce_np2_float32.json bench/results/allreduce_np4_float32.json \
+        --kernels bench/results/kernels_np1.json [--markdown]
+
+Every ratio is of two lines measured in the same run (busbw from the median
+iteration, the slowest rank's time).  Targets (from the issue):
+
+* 2 ranks, N >= 16 MiB: ddlkernels busbw >= 0.85 x the Sendrecv link;
+* 2 and 4 ranks: ddlkernels / MPI_Allreduce >= 1.5 at 4 MiB, >= 1.7 at 16 MiB,
+  >= 2.0 at 64 MiB, and >= 1.0 at every size;
+* host reduce >= 80 % of the STREAM-like copy (bytes read 2 + write 1 vs 1 + 1);
+* #wrong = 0 everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+MiB = 1 << 20
+VS_MPI = {4 * MiB: 1.5, 16 * MiB: 1.7, 64 * MiB: 2.0}
+
+
+def _bus(m):
+    return m["busbw_GBps"] if "busbw_GBps" in m else float("nan")
+
+
+def sweep_targets(path):
+    with open(path) as f:
+        data = json.load(f)
+    p = data["meta"]["ranks"]
+    rows = [r for r in data["rows"] if r.get("collective", "allreduce") == "allreduce" and r["bytes"] > 0]
+    out = []
+    wrong = sum(m.get("wrong") or 0 for r in data["rows"] for m in r["impls"].values())
+    out.append((f"{p} ranks: #wrong", f"{wrong}", "= 0", wrong == 0))
+    worst = None
+    for r in rows:
+        ddl, mpi = r["impls"].get("ddlkernels"), r["impls"].get("MPI_Allreduce")
+        if not ddl or not mpi or "skipped" in ddl or "skipped" in mpi:
+            continue
+        ratio = _bus(ddl) / _bus(mpi)
+        if worst is None or ratio < worst[0]:
+            worst = (ratio, r["bytes"], ddl.get("path", ""))
+        if r["bytes"] in VS_MPI:
+            need = VS_MPI[r["bytes"]]
+            out.append((f"{p} ranks, {r['bytes'] // MiB} MiB: ddlkernels / MPI_Allreduce", f"{ratio:.2f}",
+                        f">= {need}", ratio >= need))
+    if worst:
+        out.append((f"{p} ranks, every size: min ddlkernels / MPI_Allreduce",
+                    f"{worst[0]:.2f} (at {worst[1]} B, path {worst[2]})", ">= 1.0", worst[0] >= 1.0))
+    if p == 2:
+        for r in rows:
+            ddl, link = r["impls"].get("ddlkernels"), r["impls"].get("Sendrecv link")
+            if r["bytes"] >= 16 * MiB and ddl and link and "skipped" not in ddl:
+                ratio = _bus(ddl) / _bus(link)
+                out.append((f"2 ranks, {r['bytes'] // MiB} MiB: ddlkernels / Sendrecv link", f"{ratio:.2f}",
+                            ">= 0.85", ratio >= 0.85))
+    cond = data["meta"]["start"]
+    note = f"{path}: {p} ranks, {data['meta']['mpi'].split(',')[0]}, load average {cond['loadavg'][0]:.2f} " \
+           f"on {cond['cpus']} cpus at {cond['date_utc']}, {data['meta']['iters']} iterations"
+    return note, out
+
+
+def kernel_targets(path):
+    with open(path) as f:
+        data = json.load(f)
+    gb = {}
+    for b in data["benchmarks"]:
+        name, extra = b["name"], b.get("extra_info", {})
+        if "GBps_median" in extra and "float32" in name:
+            kind = name.split("[")[0].replace("bench_", "")
+            size = name.split("[")[1].split("-")[0]
+            gb[(kind, size)] = extra["GBps_median"]
+    out = []
+    for (kind, size), v in sorted(gb.items()):
+        if kind in ("backend_reduce", "backend_reduce_inplace") and ("stream_copy", size) in gb:
+            frac = v / gb[("stream_copy", size)]
+            out.append((f"{kind} {size}: / STREAM copy", f"{frac:.0%} ({v:.1f} vs {gb[('stream_copy', size)]:.1f} GB/s)",
+                        ">= 80%", frac >= 0.8))
+    return f"{path}: pytest-benchmark, median round", out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sweeps", nargs="*", help="JSON of bench/allreduce.py runs")
+    ap.add_argument("--kernels", action="append", default=[], help="pytest-benchmark JSON of bench_reduce.py")
+    ap.add_argument("--markdown", action="store_true")
+    a = ap.parse_args()
+    blocks = [sweep_targets(p) for p in a.sweeps] + [kernel_targets(p) for p in a.kernels]
+    for note, items in blocks:
+        if a.markdown:
+            print(f"\n{note}\n\n| target | measured | needed | holds |\n| --- | --- | --- | --- |")
+            for what, got, need, ok in items:
+                print(f"| {what} | {got} | {need} | {'yes' if ok else '**no**'} |")
+        else:
+            print(f"# {note}")
+            for what, got, need, ok in items:
+                print(f"  {'ok ' if ok else 'NO '} {what}: {got} (needs {need})")
+
+
+if __name__ == "__main__":
+    main()
