@@ -108,8 +108,14 @@ class ThreadEngine:
                 "progress='thread' needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's default; set "
                 "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI), or use progress='hooks'"
             )
-        base = comm.mpi_comm if isinstance(comm, Communicator) else comm
-        self.comm = Communicator(base, chunk_bytes=chunk_bytes)
+        if isinstance(comm, Communicator):
+            # The duplicate takes the caller's settings, so both make the same
+            # algorithm choices (a fixed small_bytes pins MPI vs ring).
+            self.comm = Communicator(comm.mpi_comm, chunk_bytes=chunk_bytes or comm.chunk_bytes,
+                                     small_bytes=comm.small_bytes, window=comm.window,
+                                     cuda_aware=comm.cuda_aware_override)
+        else:
+            self.comm = Communicator(comm, chunk_bytes=chunk_bytes)
         self.size = self.comm.size
         self.pool = _Pool()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()

@@ -23,7 +23,10 @@ gradients are ready waits for the ones before it), so all ranks issue their
 collectives in the same order whatever order the hooks fire in.  The layout
 (names, dtypes, shapes, settings) is compared across ranks once, when the
 optimizer is built.  ``overlap=False`` reduces the same buckets with the same
-algorithm after backward instead, so the parameters are bitwise equal either way.
+algorithm after backward instead (the progress thread's communicator takes
+the settings of ``comm``), so with a fixed ``small_bytes`` (see
+``ddlkernels._tuner``) the parameters are bitwise equal either way.  A
+one-rank job reduces nothing: the average over one rank is the gradient.
 
 Needs the optional extra: ``pip install ddlkernels[torch]``.
 """
@@ -156,12 +159,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._ddl_comm = as_communicator(comm)
         self._ddl_op = opname
         self._ddl_bpps = bpps
-        self._ddl_overlap = bool(overlap)
+        #: True: hooks start bucket reductions during backward; False: step() reduces
+        #: every bucket after backward.  May be changed between steps, on every rank alike.
+        self.ddl_overlap = bool(overlap)
         signature = ["DistributedOptimizer", opname, (fusion_bytes, bpps, bool(overlap), progress)] + [
             (f"{n} {dtype_name(d)}", tuple(p.shape)) for n, p, d in zip(self._ddl_names, self._ddl_params, dtypes)
         ]
         check_same_on_all_ranks(self._ddl_comm.comm, signature, "DistributedOptimizer")
-        self._ddl_engine = progress_engine(self._ddl_comm, progress) if overlap else None
+        # Created even with overlap=False (collectively, here), so that
+        # ``ddl_overlap`` can be switched between steps.
+        self._ddl_engine = progress_engine(self._ddl_comm, progress)
         self._ddl_backend = backend_for(self._ddl_params[0].detach()) if self._ddl_params else None
         self._ddl_bufs = [self._ddl_backend.empty(b.count, b.dtype) for b in self._ddl_buckets]
         if self._ddl_bufs and not self._ddl_backend.device:
@@ -197,10 +204,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._ddl_counts[i] = c
             if c == self._ddl_bpps:
                 self._ddl_ready[self._ddl_bucket_of[i]] += 1
-                if self._ddl_overlap:
+                if self.ddl_overlap:
                     self._ddl_start_ready()
-            if self._ddl_engine is not None:
-                self._ddl_engine.poll()
+                    self._ddl_engine.poll()
             self.ddl_timing["hook_s"] += time.perf_counter() - t0
 
         return hook
@@ -219,9 +225,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return grads
 
     def _ddl_start(self, k, grads):
+        if self._ddl_comm.size == 1:
+            return  # the average (or sum) over one rank is the gradient itself
         b, buf = self._ddl_buckets[k], self._ddl_bufs[k]
         pack_into(self._ddl_backend, b, buf, grads)
-        if self._ddl_engine is not None:
+        if self.ddl_overlap:
             self._ddl_works[k] = self._ddl_engine.reduce_async(buf, self._ddl_op, self._ddl_backend)
         else:
             self._ddl_comm.allreduce(buf, self._ddl_op, out=buf, backend=self._ddl_backend.name)
@@ -266,7 +274,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "pass on every rank: leave unused ones out of named_parameters and the optimizer, or set "
                     "requires_grad=False"
                 )
-            for k, b in enumerate(self._ddl_buckets):
+            for k, b in enumerate(self._ddl_buckets if comm.Get_size() > 1 else ()):
                 outs = {e.index: self._ddl_params[e.index].grad for e in b.entries}
                 unpack_from(self._ddl_backend, b, self._ddl_bufs[k], outs)
         finally:
