@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["ddlkernels", "ddlkernels.backends", "ddlkernels.kernels", "ddlkernels.presets"],
+    packages=["ddlkernels", "ddlkernels.backends", "ddlkernels.kernels", "ddlkernels.presets", "ddlkernels.examples"],
     # The CUDA C sources live in kernels/ at the top of the checkout and are
     # installed inside the package, so the loader finds them in a wheel too.
     package_dir={"ddlkernels.kernels": "kernels"},
@@ -21,7 +21,7 @@ setup(
         "test": ["pytest>=7", "pytest-benchmark", "hypothesis", "matplotlib", "tqdm", "psutil"],
         "bench": ["pytest-benchmark", "matplotlib", "tqdm"],
         "cuda12": ["cupy-cuda12x", "numba-cuda[cu12]"],
-        "torch": ["torch"],
+        "torch": ["torch", "scikit-learn"],  # scikit-learn: the digits data of ddlkernels.examples.train
     },
     entry_points={"console_scripts": ["ddlkernels=ddlkernels.__main__:main"]},
 )
