@@ -7,9 +7,11 @@ One job: calibrate the links (``ddlkernels.calibrate``), then time
 flat ring and, where p allows, a 2-D box; rank 0 then simulates the same
 schedules with the calibrated topology, the engine's chunk size and window,
 and writes the table (JSON + markdown) with the relative error
-(predicted - measured) / measured.  Measured = median over iterations of the
+(predicted - measured) / measured.  Measured = fastest over iterations of the
 slowest rank's time; calibrating in the same job keeps the machine's load
-comparable (the 2 cores are shared by every rank and by other jobs).
+comparable (the 2 cores are shared by every rank and by other jobs).  Both
+sides keep the fastest of their repetitions (other jobs only ever add time);
+the median is recorded beside it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--sizes", default="1,16,64", help="MiB")
-    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
 
@@ -57,12 +59,15 @@ def main():
                 times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
             want = sum((np.arange(count, dtype=np.float64) % 97) + r for r in range(p))
             ok = bool(np.array_equal(y, want.astype(np.float32)))
-            measured = float(np.median(times))
+            # The fastest run: other jobs on the shared cores only add time,
+            # and the calibration keeps the fastest measurements too.
+            measured = float(np.min(times))
             if rank == 0:
                 plan = Plan(dims, dc.plan(0, dims).order)
                 sim = simulate(topo, plan, count * 4, chunk_bytes=dc.chunk_bytes, window=dc.window, verify=False)
                 rows.append({
                     "ranks": p, "dims": list(dims), "bytes": count * 4, "measured_s": measured,
+                    "measured_median_s": float(np.median(times)),
                     "measured_all_s": times, "predicted_s": sim.time_s,
                     "error": (sim.time_s - measured) / measured, "result_correct": ok,
                 })
