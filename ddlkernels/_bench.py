@@ -421,6 +421,49 @@ def _link_bytes(nbytes, p):
     return nbytes // p if p > 1 else nbytes
 
 
+# -- a textbook Python ring: the baseline the engine's pipelining is measured against ------
+
+
+def _pyring_make(comm, count, dtype, op, inplace=False):
+    st = _make_ar(comm, count, dtype, op, inplace)
+    p = comm.Get_size()
+    bounds = [(count * i // p, count * (i + 1) // p) for i in range(p)]
+    st["bounds"] = bounds
+    st["tmp"] = np.empty(max(b - a for a, b in bounds) if count else 0, dtype=dtype)
+    return st
+
+
+_UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+
+
+def _pyring_run(st):
+    """Flat ring, one whole block per step: p-1 Sendrecv + reduce steps, then p-1 Sendrecv steps.
+
+    No pipelining (a step's reduction waits for its whole block), no chunking,
+    a temporary for each received block: what a few lines of mpi4py give.
+    """
+    comm, bounds = st["comm"], st["bounds"]
+    p, r = comm.Get_size(), comm.Get_rank()
+    out = st["x"] if st["inplace"] else st["out"]
+    if not st["inplace"]:
+        np.copyto(out, st["x"])
+    if p == 1:
+        return
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    wire, tmp, ufunc = out.view(np.uint8), st["tmp"], _UFUNCS[st["op"]]
+    isz = out.itemsize
+    for s in range(p - 1):  # reduce-scatter: rank r ends owning block r + 1
+        (sa, sb), (ra, rb) = bounds[(r - s) % p], bounds[(r - s - 1) % p]
+        t = tmp[: rb - ra]
+        comm.Sendrecv(wire[sa * isz:sb * isz], nxt, 11, t.view(np.uint8), prv, 11)
+        ufunc(out[ra:rb], t, out=out[ra:rb])
+    for s in range(p - 1):  # allgather
+        (sa, sb), (ra, rb) = bounds[(r + 1 - s) % p], bounds[(r - s) % p]
+        comm.Sendrecv(wire[sa * isz:sb * isz], nxt, 12, wire[ra * isz:rb * isz], prv, 12)
+    if st["op"] == "avg":
+        _scale(out, p)
+
+
 # -- the registry ------------------------------------------------------------------------
 
 
@@ -483,6 +526,9 @@ def _ddl_label(options):
 def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},), mpi_label=None):
     """The records of one collective: ddlkernels (one per option set), MPI's own, the Sendrecv link.
 
+    ``which`` may also name "pyring": for allreduce, a textbook Python ring
+    (whole-block ``Sendrecv`` steps, no pipelining) as a baseline.
+
     ``ddl_options``: dicts of ``Communicator`` keyword arguments (e.g.
     ``{"chunk_bytes": 262144}``), one ddlkernels line each.  ``mpi_label``:
     suffix of the MPI line's name (default: the forced tuned algorithm read
@@ -540,6 +586,9 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
         else:
             out.append(Collective(name, _rs_factor, _mpi_ag_make, _mpi_ag_run, _mpi_ag_wrong,
                                   unsupported=_mpi_unsupported))
+    if "pyring" in which and kind == "allreduce":
+        out.append(Collective("python ring", _ar_factor, _pyring_make, _pyring_run, _wrong_ar,
+                              path=lambda st: "sendrecv"))
     if "link" in which:
         # The link has no placement: the same line stands beside in-place runs.
         out.append(Collective("Sendrecv link", lambda p: 1.0, _link_make, _link_run, _link_wrong,
@@ -722,7 +771,7 @@ def _short(name):
     if name.startswith("MPI_"):
         rest = name.split("[", 1)
         return "MPI" + ("[" + rest[1].replace("tuned ", "") if len(rest) > 1 else "")
-    return "link" if name == "Sendrecv link" else name
+    return {"Sendrecv link": "link", "python ring": "pyring"}.get(name, name)
 
 
 def dump_json(path, meta, rows):

@@ -35,7 +35,8 @@ import time
 
 __all__ = ["add_subcommands", "add_bench_arguments", "main"]
 
-_IMPLS = ("ddlkernels", "mpi", "link")
+_IMPLS = ("ddlkernels", "mpi", "link", "pyring")
+_DEFAULT_IMPLS = ("ddlkernels", "mpi", "link")
 
 
 def _csv(text):
@@ -53,8 +54,10 @@ def add_bench_arguments(p, collective_default="allreduce"):
     g.add_argument("--place", choices=("out", "in", "both"), default="out",
                    help="out of place (default), in place, or both")
     g.add_argument("--inplace", dest="place", action="store_const", const="in", help="same as --place in")
-    g.add_argument("--impls", default=",".join(_IMPLS),
-                   help="lines to run: ddlkernels, mpi (MPI's own collective), link (Sendrecv of one ring step)")
+    g.add_argument("--impls", default=",".join(_DEFAULT_IMPLS),
+                   help="lines to run: ddlkernels, mpi (MPI's own collective), link (Sendrecv of one ring step), "
+                        "pyring (allreduce: a textbook Python ring of whole-block Sendrecv steps); "
+                        "default %(default)s")
     g = p.add_argument_group("sizes and timing")
     g.add_argument("-b", "--begin", default="4K", help="smallest buffer N in bytes (K/M/G suffixes; default %(default)s)")
     g.add_argument("-e", "--end", default="64M", help="largest buffer (default %(default)s)")
