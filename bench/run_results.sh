@@ -29,9 +29,13 @@ run() {  # run NAME CMD...: stdout (table) to $OUT/NAME.txt after a header with 
 
 SWEEP=(-b 4K -e 64M -f 2 -n "$ITERS" -w "$WARMUP" -d float32 -o sum --no-progress)
 for n in 2 4; do
-  run "allreduce_np${n}_float32" "$MPIRUN" -n $n "$PY" bench/allreduce.py "${SWEEP[@]}" \
+  run "allreduce_np${n}_float32" "$MPIRUN" -n $n "$PY" bench/allreduce.py "${SWEEP[@]}" --impls ddlkernels,mpi,link,pyring \
     --json "$OUT/allreduce_np${n}_float32.json" --plot "$OUT/allreduce_np${n}_float32.png"
 done
+# Pipeline chunk size (ring forced at every size), one line per chunk, against the link.
+run chunk_np2 "$MPIRUN" -n 2 "$PY" bench/allreduce.py -b 1M -e 64M -f 4 -n "$ITERS" -w 3 --no-progress \
+  --impls ddlkernels,link --small-bytes 0 --chunk-bytes 256K,1M,4M,16M \
+  --json "$OUT/chunk_np2.json" --plot "$OUT/chunk_np2.png"
 # MPI's own algorithms forced, beside ours (one mpirun per algorithm, merged).
 run allreduce_np2_tuned "$PY" bench/allreduce.py --launch 2 --mpi-algorithm ring,rabenseifner,recursive_doubling \
   -b 64K -e 64M -f 4 -n "$ITERS" -w "$WARMUP" --no-progress \

@@ -49,6 +49,13 @@ def sweep_targets(path):
     if worst:
         out.append((f"{p} ranks, every size: min ddlkernels / MPI_Allreduce",
                     f"{worst[0]:.2f} (at {worst[1]} B, path {worst[2]})", ">= 1.0", worst[0] >= 1.0))
+    for r in rows:  # context, not a target: the textbook ring of whole-block Sendrecv steps
+        ddl, ring = r["impls"].get("ddlkernels"), r["impls"].get("python ring")
+        if r["bytes"] in VS_MPI and ddl and ring and "skipped" not in ring:
+            mpi = r["impls"].get("MPI_Allreduce")
+            out.append((f"{p} ranks, {r['bytes'] // MiB} MiB: (context) python ring / MPI_Allreduce",
+                        f"{_bus(ring) / _bus(mpi):.2f}; ddlkernels / python ring {_bus(ddl) / _bus(ring):.2f}",
+                        "-", True))
     if p == 2:
         for r in rows:
             ddl, link = r["impls"].get("ddlkernels"), r["impls"].get("Sendrecv link")
