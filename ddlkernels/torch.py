@@ -180,6 +180,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._ddl_should_sync = True
         self.ddl_reset_timing()
 
+    def ddl_set_progress(self, progress: str) -> None:
+        """Switch the progress engine ("thread" or "hooks") between steps, on every rank alike.
+
+        Collective the first time a mode is used (its engine duplicates the
+        communicator).  Raises ``RuntimeError`` while reductions are in flight.
+        """
+        from ._async import progress_engine
+
+        if any(w is not None for w in self._ddl_works):
+            raise RuntimeError("ddl_set_progress() called while gradient reductions are in flight")
+        self._ddl_engine = progress_engine(self._ddl_comm, progress)
+
     def _ddl_reset_step(self):
         self._ddl_counts = [0] * len(self._ddl_params)
         self._ddl_ready = [0] * len(self._ddl_buckets)
