@@ -57,6 +57,31 @@ def level_orders(topo):
     return out
 
 
+def write_md(result, path):
+    """A markdown summary of a result JSON (written beside it)."""
+    lines = [
+        f"Exhaustive search on {result['topology']}, {result['ranks']} ranks, {result['bytes']} bytes "
+        f"({result['space']} shapes = factorizations x level orders; {result['simulated_near']} within "
+        f"{100 * result['prune']:.0f} % of the model's best simulated, plus {result['simulated_sample']} pruned ones at random).",
+        "",
+        f"- planner's choice: {'x'.join(map(str, result['planner']['dims']))} (topology order), simulated "
+        f"{result['planner']['simulated_s'] * 1e3:.2f} ms",
+        f"- best simulated: {'x'.join(map(str, result['best']['dims']))} in order {result['best']['order']}, "
+        f"{result['best']['simulated_s'] * 1e3:.2f} ms",
+        f"- planner vs best: {100 * result['planner_vs_best']:+.2f} %; planner vs lower bound "
+        f"({result['lower_bound_s'] * 1e3:.2f} ms): {100 * result['planner_vs_bound']:+.2f} %",
+        f"- model's largest error on the simulated shapes: {100 * result['model_error_max']:.1f} %; "
+        f"best of the pruned sample is {100 * (result['pruned_sample_min_vs_best'] or 0):.1f} % slower than the best",
+        "",
+        "| dims | order | simulated (ms) | model (ms) | pruned sample |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rows"]:
+        lines.append(f"| {'x'.join(map(str, r['dims']))} | {r['order']} | {r['simulated_s'] * 1e3:.2f} | {r['model_s'] * 1e3:.2f} | {'yes' if r['pruned'] else ''} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--topology", default="powerai-ddl")
@@ -65,7 +90,12 @@ def main():
     ap.add_argument("--prune", type=float, default=0.10, help="simulate every shape the model puts within this of its best")
     ap.add_argument("--sample", type=int, default=24, help="also simulate this many of the pruned shapes, at random")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--md-only", action="store_true", help="only rewrite the markdown summary of --out")
     args = ap.parse_args()
+    if args.md_only:
+        with open(args.out) as f:
+            write_md(json.load(f), args.out[:-5] + ".md")
+        return
     topo = load(args.topology)
     if args.ranks:
         topo = topo.subset(args.ranks)
@@ -106,6 +136,7 @@ def main():
         )
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    write_md(result, args.out[:-5] + ".md")
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
 
 

@@ -15,7 +15,11 @@ machine finds one level (all 4 ranks share memory) and measures, in order:
    ``capacity`` (on a node: the memory bus and the cores shared by the copies);
    on higher levels, the number of ``links`` leaving a group is how many
    single-message bandwidths the group's members reach together;
-3. the reduction rate: every rank at once computes ``out = src + slot`` over a
+3. whether the level's bytes move while the receiver computes: rank 1 posts
+   a 16 MiB receive, computes for three transfer times, then waits; a wait
+   that still takes most of a transfer means the receiver's CPU does the copy
+   (``cpu_copy``, host shared memory), a short one means a DMA engine did;
+4. the reduction rate: every rank at once computes ``out = src + slot`` over a
    64 MiB float32 buffer in 1 MiB chunks with numpy, the engine's pattern,
    bytes of result per second per rank.
 
@@ -121,6 +125,39 @@ def _ring_exchange(comm, members: list[list[int]], nbytes: int, reps: int, chunk
     return float(np.min(times))
 
 
+def _stalls_while_busy(comm, a: int, b: int, beta: float, nbytes: int = 16 << 20) -> tuple[bool, float]:
+    """Whether a message into rank ``b`` moves only while ``b`` is inside MPI (``cpu_copy``).
+
+    ``a`` sends ``nbytes``; ``b`` posts the receive, computes for three times
+    the transfer time, then waits.  If the bytes moved during the computation
+    the wait is short; if ``b``'s CPU does the copy (host shared memory) the
+    whole transfer is still ahead.  Returns (stalls, wait / transfer time).
+    """
+    r = comm.Get_rank()
+    transfer = nbytes / beta
+    ratio = 0.0
+    if r in (a, b):
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        ratios = []
+        for _ in range(3):
+            if r == a:
+                comm.Send(buf, b, 79)
+            else:
+                req = comm.Irecv(buf, a, 79)
+                x = np.ones(1 << 14, dtype=np.float32)
+                t_end = time.perf_counter() + 3 * transfer + 1e-3
+                while time.perf_counter() < t_end:
+                    np.multiply(x, 1.0, out=x)  # busy outside MPI, as a rank reducing a chunk
+                t0 = time.perf_counter()
+                req.Wait()
+                ratios.append((time.perf_counter() - t0) / transfer)
+        if r == b:
+            ratio = float(min(ratios))
+    _idle_wait(comm)
+    ratio = comm.bcast(ratio, root=b)
+    return ratio > 0.5, ratio
+
+
 def _max():
     from mpi4py import MPI
 
@@ -202,9 +239,11 @@ def calibrate(comm, *, rack_map=None, structure: Topology | None = None, sizes=D
                 capacity = total
         else:
             links = int(min(flows_per_port, max(1, round(flows_per_port * per_flow / beta))))
-        # Host buffers inside a node move by the receiver's CPU (MPI's shared-memory
-        # single copy); between nodes a NIC's DMA engine moves them.
-        levels.append(Level(name=lv.name, fanout=lv.fanout, bandwidth=beta, latency=alpha, links=links, capacity=capacity, cpu_copy=(j == 1),
+        # Measured, not assumed: do the bytes move while the receiver computes?
+        stalls, ratio = _stalls_while_busy(comm, a, b, beta)
+        notes.append(f"level {lv.name}: a 16 MiB message into a busy rank still needed {ratio:.2f} x its transfer time "
+                     f"once the rank waited -> cpu_copy {'true' if stalls else 'false'}")
+        levels.append(Level(name=lv.name, fanout=lv.fanout, bandwidth=beta, latency=alpha, links=links, capacity=capacity, cpu_copy=stalls,
                             note=f"one-way times {{size: s}} = { {k: round(v, 9) for k, v in t.items()} }; concurrent rate per flow {per_flow:.3e} B/s with {flows_per_port} flow(s) per port"))
     rrate = _reduce_rate(comm, reduce_bytes)
     notes.append(f"reduce_rate: numpy float32 out[a:b] = src[a:b] + slot over a {reduce_bytes} B buffer in 1 MiB chunks, all {p} ranks at once, mean per rank")
