@@ -299,7 +299,7 @@ class Handle:
                 raise
             finally:
                 for b, buf, base in self._bufs:
-                    if buf is not None:
+                    if base is not None:  # a pool buffer (not the outputs' own): copy back, return it
                         if self._error is None:
                             job.unpack(b, buf)
                         eng.pool.give(job.backend, b.dtype, base)
@@ -338,8 +338,11 @@ def _start(job: FusionJob, comm, progress, single) -> Handle:
         eng.check_same(sig, job.what)
         for b in job.buckets:
             b.direct = False  # MPI_Iallreduce works in the packed buffer
-            base = eng.pool.take(job.backend, b.dtype, b.count)
-            buf = base[: b.count]
+            if b.home is not None:  # the outputs' own buffer: nothing to copy back
+                base, buf = None, b.home
+            else:
+                base = eng.pool.take(job.backend, b.dtype, b.count)
+                buf = base[: b.count]
             job.pack(b, buf)
             h._bufs.append((b, buf, base))
             h._works.append(eng.reduce_async(buf, job.opname, job.backend))
@@ -351,7 +354,10 @@ def _start(job: FusionJob, comm, progress, single) -> Handle:
         # Only a tensor too large for a fusion buffer is reduced from its own
         # memory; everything else is snapshotted, so inputs are free again now.
         b.direct = b.direct and b.count * b.dtype.itemsize > job.fusion_bytes
-        if not b.direct:
+        if b.home is not None:
+            buf = b.home
+            job.pack(b, buf)
+        elif not b.direct:
             base = eng.pool.take(job.backend, b.dtype, b.count)
             buf = base[: b.count]
             job.pack(b, buf)

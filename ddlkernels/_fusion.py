@@ -75,7 +75,7 @@ class Entry:
 class Bucket:
     """Tensors of one dtype reduced together; ``count`` elements including alignment padding."""
 
-    __slots__ = ("dtype", "entries", "count", "direct")
+    __slots__ = ("dtype", "entries", "count", "direct", "home")
 
     def __init__(self, dtype):
         self.dtype = dtype
@@ -83,6 +83,9 @@ class Bucket:
         self.count = 0
         #: True when the bucket is one contiguous tensor reduced without packing.
         self.direct = False
+        #: For new outputs (``out=None``): the fresh buffer the outputs are views
+        #: of, reduced in place, so nothing is copied back.
+        self.home = None
 
 
 def plan_buckets(shapes_dtypes, fusion_bytes: int) -> list[Bucket]:
@@ -157,8 +160,8 @@ class FusionJob:
                 raise TypeError(f"{what}: tensor {i} is a {be.name} array but tensor 0 a {self.backend.name} array")
             shapes_dtypes.append((tuple(int(s) for s in t.shape), dt))
         self.shapes_dtypes = shapes_dtypes
-        self.outs = self._outputs(out)
         self.buckets = plan_buckets(shapes_dtypes, self.fusion_bytes)
+        self.outs = self._outputs(out)
         for b in self.buckets:
             if len(b.entries) == 1:
                 e = b.entries[0]
@@ -170,9 +173,20 @@ class FusionJob:
     def _outputs(self, out):
         be = self.backend
         if out is None:
+            # Tensors packed together get their results as views of one new
+            # buffer per bucket: packing copies into it, the reduction runs in
+            # place, and no copy back is needed.
+            # (Host only for now: the device path keeps pack -> reduce ->
+            # unpack kernels, which tests/mpi/test_device_allreduce.py checks.)
+            outs = [None] * len(self.tensors)
+            for b in self.buckets:
+                if len(b.entries) > 1 and not be.device:
+                    b.home = be.empty(b.count, b.dtype)
+                    for e in b.entries:
+                        outs[e.index] = be.like(b.home[e.offset : e.offset + e.count], self.tensors[e.index])
             return [
-                be.like(be.empty(_count(shape), dt), t) if be is not None else None
-                for t, (shape, dt) in zip(self.tensors, self.shapes_dtypes)
+                o if o is not None else be.like(be.empty(_count(shape), dt), t)
+                for o, t, (shape, dt) in zip(outs, self.tensors, self.shapes_dtypes)
             ]
         if isinstance(out, (str, bytes)) or not hasattr(out, "__iter__"):
             raise TypeError(f"{self.what}: out must be a list of arrays like tensors")
@@ -229,9 +243,12 @@ class FusionJob:
             comm.allreduce(self.tensors[e.index], self.opname, out=self.outs[e.index], chunk_bytes=chunk_bytes,
                            backend=be.name)
             return
+        if bucket.home is not None:
+            buf = bucket.home
         self.pack(bucket, buf)
         comm.allreduce(buf, self.opname, out=buf, chunk_bytes=chunk_bytes, backend=be.name)
-        self.unpack(bucket, buf)
+        if bucket.home is None:
+            self.unpack(bucket, buf)
 
 
 def pack_into(be, bucket: Bucket, buf, tensors) -> None:
@@ -326,23 +343,29 @@ def allreduce_many(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None,
     op            "sum", "avg", "max", "min", "prod" or an ``MPI.Op``, as for ``allreduce``.
     comm          mpi4py ``Intracomm`` or ``ddlkernels.Communicator`` (default COMM_WORLD).
     out           list of outputs like ``tensors``; ``out=tensors`` reduces in place.
-                  Default: new arrays of each input's type, shape and device.
+                  Default: new arrays of each input's type, shape and device (the
+                  results of tensors packed together are views of one new buffer).
     fusion_bytes  largest fusion buffer in bytes (default ``FUSION_BYTES`` = 64 MiB);
                   a tensor larger than this is reduced on its own, without a copy.
     chunk_bytes   pipeline chunk of the ring, as for ``allreduce``.
 
     Collective: every rank must pass the same number of tensors with the same
     dtypes and shapes, in the same order; a rank that does not makes every rank
-    raise ``ValueError``.  The pack buffers are kept by the Communicator and
-    reused by the next call.  Returns the list of outputs.
+    raise ``ValueError``.  With ``out`` given, the pack buffers are kept by the
+    Communicator and reused by the next call.  Returns the list of outputs.
     """
     job = FusionJob(tensors, op, out=out, fusion_bytes=fusion_bytes)
     c = as_communicator(comm)
     if chunk_bytes is not None:
         _positive("chunk_bytes", chunk_bytes)
     check_same_on_all_ranks(c.comm, job.signature(), "allreduce_many")
+    need: dict = {}  # largest packed bucket per dtype: the reusable buffer is sized once
     for b in job.buckets:
-        buf = None if b.direct else c.reusable_buffer("fusion", job.backend, b.dtype, b.count)
+        if not b.direct and b.home is None:
+            need[b.dtype] = max(need.get(b.dtype, 0), b.count)
+    bufs = {dt: c.reusable_buffer("fusion", job.backend, dt, n) for dt, n in need.items()}
+    for b in job.buckets:
+        buf = None if b.direct or b.home is not None else bufs[b.dtype][: b.count]
         job.reduce_bucket(c, b, buf, chunk_bytes)
     return job.outs
 

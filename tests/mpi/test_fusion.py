@@ -118,17 +118,26 @@ def test_one_collective_per_bucket_and_pack_buffer_reused():
     orig = c.allreduce
 
     def counting(x, *a, **k):
-        calls.append(x.shape[0])
+        calls.append(x)
         return orig(x, *a, **k)
 
     c.allreduce = counting
-    ddlkernels.allreduce_many(xs, comm=c, fusion_bytes=64)
+    got = ddlkernels.allreduce_many(xs, comm=c, fusion_bytes=64)
     # Buckets of 16 float32 at most: [x0 @0, pad, x1 @4] = 9, x2 alone (no copy), [x3 @0, pad, x4 @4] = 13.
-    assert calls == [9, 20, 13]
-    first = c.reusable_buffer("fusion", get_backend("numpy"), np.float32, 1)
-    ddlkernels.allreduce_many(xs, comm=c, fusion_bytes=64)
-    again = c.reusable_buffer("fusion", get_backend("numpy"), np.float32, 1)
-    assert np.shares_memory(first, again), "the pack buffer was not reused"
+    assert [a.shape[0] for a in calls] == [9, 20, 13]
+    assert calls[1] is xs[2]
+    # New outputs of a packed bucket are views of the buffer that was reduced: no copy back.
+    assert np.shares_memory(got[0], calls[0]) and np.shares_memory(got[4], calls[2])
+    # In place, the packing goes through the Communicator's reusable buffer, the same one every call.
+    ys = [x.copy() for x in xs]
+    calls.clear()
+    ddlkernels.allreduce_many(ys, comm=c, out=ys, fusion_bytes=64)
+    assert_bitwise(ys, got, "in place vs new outputs")
+    kept = c.reusable_buffer("fusion", get_backend("numpy"), np.float32, 1)
+    assert np.shares_memory(calls[0], kept) and np.shares_memory(calls[2], kept)
+    calls.clear()
+    ddlkernels.allreduce_many(ys, comm=c, out=ys, fusion_bytes=64)
+    assert np.shares_memory(calls[0], kept), "the pack buffer was not reused"
     c.free()
 
 
