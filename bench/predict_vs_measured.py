@@ -2,7 +2,9 @@
 
     MPIEXEC_TIMEOUT=300 mpirun -n 4 python bench/predict_vs_measured.py --out bench/results
 
-One job: calibrate the links (``ddlkernels.calibrate``), then time
+One job: for each size, calibrate the links at that working set
+(``ddlkernels.calibrate``: on one machine the links are memory copies, and
+1 MiB lives in the caches while 64 MiB does not), then time
 ``ddlkernels.allreduce`` (float32, in place; the result is checked once out
 of place) at 1, 16 and 64 MiB for the
 flat ring and, where p allows, a 2-D box; rank 0 then simulates the same
@@ -30,7 +32,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--sizes", default="1,16,64", help="MiB")
-    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--iters", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
 
@@ -42,12 +44,17 @@ def main():
 
     comm = MPI.COMM_WORLD
     p, rank = comm.Get_size(), comm.Get_rank()
-    topo = calibrate(comm)
     dc = ddlkernels.Communicator(comm)
+    topos = {}
     shapes = [(p,)] + [f for f in factorizations(p, max_factors=2) if len(f) == 2][:1]
     rows = []
     for mib in [int(s) for s in args.sizes.split(",")]:
         count = (mib << 20) // 4
+        # Calibrate at this working set: on one machine the "links" are memory
+        # copies, and a 1 MiB buffer lives in the caches while 64 MiB does not.
+        nb = mib << 20
+        sizes = tuple(s for s in (8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20) if s <= max(nb, 1 << 20))
+        topo = topos[mib] = calibrate(comm, sizes=sizes, reps=40, concurrent_bytes=nb, reduce_bytes=nb)
         x = (np.arange(count, dtype=np.float32) % 97) + rank
         for dims in shapes:
             y = dc.allreduce(x, dims=dims)
@@ -81,15 +88,18 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         base = os.path.join(args.out, f"predict_vs_measured-p{p}")
         with open(base + ".json", "w") as f:
-            json.dump({"topology": topo.to_dict(), "chunk_bytes": dc.chunk_bytes, "window": dc.window, "rows": rows}, f, indent=2)
+            json.dump({"topology_by_mib": {k: t.to_dict() for k, t in topos.items()}, "chunk_bytes": dc.chunk_bytes,
+                       "window": dc.window, "load_average": open("/proc/loadavg").read().split()[:3], "rows": rows}, f, indent=2)
         lines = [f"| ranks | dims | size | measured (ms) | predicted (ms) | error |", "| --- | --- | --- | --- | --- | --- |"]
         for r in rows:
             lines.append(f"| {r['ranks']} | {'x'.join(map(str, r['dims']))} | {r['bytes'] >> 20} MiB | {r['measured_s'] * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} | {100 * r['error']:+.1f} % |")
         with open(base + ".md", "w") as f:
             f.write("\n".join(lines) + "\n")
         print("\n".join(lines))
-        lv = topo.levels[0]
-        print(f"calibrated: latency {lv.latency * 1e6:.2f} us, bandwidth {lv.bandwidth:.3e} B/s, capacity {lv.capacity}, reduce {topo.reduce_rate:.3e} B/s")
+        for mib, topo in topos.items():
+            lv = topo.levels[0]
+            print(f"calibrated at {mib} MiB: latency {lv.latency * 1e6:.2f} us, bandwidth {lv.bandwidth:.3e} B/s, "
+                  f"capacity {lv.capacity}, cpu_copy {lv.cpu_copy}, reduce {topo.reduce_rate:.3e} B/s")
     dc.free()
 
 
