@@ -91,7 +91,7 @@ def _plan(args):
         return
     print(f"topology   {topo.name}: {topo.ranks} ranks, levels " + " x ".join(f"{lv.name}({lv.fanout})" for lv in topo.levels))
     print(f"message    {nbytes} bytes")
-    print(f"choice     dims {'x'.join(map(str, plan.dims))} (rank order: {info['order']}), predicted {_fmt_t(info['time_s'])}"
+    print(f"choice     dims {'x'.join(map(str, plan.dims))} (ring order: {info['order']}), predicted {_fmt_t(info['time_s'])}"
           + (f", simulated {_fmt_t(info['simulated_s'])}" if "simulated_s" in info else ""))
     print(f"bound      {_fmt_t(info['lower_bound_s'])}  (alpha-beta lower bound, docs/planner.md)")
     print(f"flat ring  {_fmt_t(info['flat_time_s'])}" + (f"   2-level {'x'.join(map(str, two_level))}: {_fmt_t(info['two_level_time_s'])}" if two_level else ""))

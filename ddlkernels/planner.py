@@ -269,7 +269,9 @@ def choose_plan(topology: Topology, p: int, nbytes: int, *, chunk_bytes: int = D
     plan = Plan(best, order)
     info = {
         "dims": list(best),
-        "order": "topology" if plan.order is not None else "identity",
+        # Rings always follow the topology order; for presets and jobs whose
+        # ranks are numbered inside out that order is the identity.
+        "order": "topology (identity)" if plan.order is None else "topology",
         "time_s": best_t,
         "lower_bound_s": lower_bound(topo, nbytes),
         "candidates": len(scored),
