@@ -113,7 +113,8 @@ class ThreadEngine:
             # algorithm choices (a fixed small_bytes pins MPI vs ring).
             self.comm = Communicator(comm.mpi_comm, chunk_bytes=chunk_bytes or comm.chunk_bytes,
                                      small_bytes=comm.small_bytes, window=comm.window,
-                                     cuda_aware=comm.cuda_aware_override)
+                                     cuda_aware=comm.cuda_aware_override, validate=comm.validate,
+                                     timeout=comm.timeout)
         else:
             self.comm = Communicator(comm, chunk_bytes=chunk_bytes)
         self.size = self.comm.size
