@@ -47,9 +47,11 @@ def _info(args):
         lines.append(f"device path    {g.get('transport')}: {g.get('transport_note', '')}")
     except ImportError as exc:  # pragma: no cover - the module ships with the package
         lines.append(f"GPU            unavailable ({exc})")
-    plan = dc.plan()
-    nodes = len(set(dc._node_order)) and (dc.size // (plan.dims[0] if len(plan.dims) > 1 else dc.size))
-    lines.append(f"topology       {nodes} node(s); default box {'x'.join(map(str, plan.dims))}")
+    topo = dc.topology
+    levels = ", ".join(f"{lv.name} x{lv.fanout}" for lv in topo.levels)
+    lines.append(f"topology       {topo.ranks} ranks: {levels}")
+    for nbytes in (64 << 10, 1 << 20, 64 << 20):
+        lines.append(f"planned box    {nbytes >> 10:>6} KiB: {'x'.join(map(str, dc.plan(nbytes).dims))}")
     if comm.Get_rank() == 0:
         print("\n".join(lines))
     dc.free()

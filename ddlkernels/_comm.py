@@ -29,6 +29,7 @@ __all__ = ["Communicator", "as_communicator"]
 # MPI datatypes MPI's own allreduce can take for the small-message path.
 _MPI_NATIVE = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
 _MPI_OPS: dict = {}
+_SHARD_PLAN_BYTES = 1 << 30
 
 
 def _mpi_op(name):
@@ -66,7 +67,7 @@ class Communicator:
     """
 
     def __init__(self, comm=None, *, chunk_bytes=None, small_bytes=None, window=None, cuda_aware=None,
-                 validate=None, timeout=None):
+                 validate=None, timeout=None, topology=None, rack_map=None):
         from mpi4py import MPI
 
         if comm is None:
@@ -90,7 +91,14 @@ class Communicator:
         self.comm = comm.Dup()
         self.size = self.comm.Get_size()
         self.rank = self.comm.Get_rank()
-        self._node_order, self._node_dims = _detect_nodes(self.comm)
+        from .topology import detect
+
+        # The running job's topology: nodes from shared memory, racks from the
+        # optional rack map, link parameters from a calibrated topology file
+        # (``python -m ddlkernels calibrate``) or the documented defaults.
+        params = env.topology if topology is None else topology
+        self.topology = detect(self.comm, rack_map=env.rack_map if rack_map is None else rack_map, params=params)
+        self._order = self.topology.topology_order()
         self._plans: dict = {}
         self._schedules: dict = {}
         self._buffers: dict = {}
@@ -119,25 +127,37 @@ class Communicator:
     def plan(self, nbytes: int = 0, dims=None) -> Plan:
         """The box and rank order a collective of ``nbytes`` bytes uses.
 
-        ``dims=None`` lets the library choose: ranks-per-node x nodes from
-        ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` (dimensions of size 1
-        dropped), the flat ring when nodes hold different numbers of ranks.
-        Ring order follows the nodes: box index = local rank + ranks-per-node
-        x node index.
+        ``dims=None`` lets the planner choose (``ddlkernels.planner``): every
+        factorization of the communicator into a box is costed on
+        ``self.topology`` for this size and the fastest is taken, so small
+        messages get shapes with few ring steps (latency) and large ones
+        shapes whose deepest rings cross the fewest slow links (bandwidth).
+        Explicit ``dims`` are used as given.  Either way the ring order
+        follows the topology: ranks of one node are neighbours.
         """
-        key = (None if dims is None else tuple(dims), nbytes if dims is None else None)
+        if dims is not None:
+            key = tuple(dims)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = Plan(validate_dims(dims, self.size), self._order)
+            return plan
+        from .planner import _bucket, choose_plan
+
+        key = _bucket(nbytes)
         plan = self._plans.get(key)
         if plan is None:
-            if dims is None:
-                plan = Plan(self._node_dims, self._node_order)
-            else:
-                plan = Plan(validate_dims(dims, self.size), self._node_order)
-            if len(self._plans) >= 1024:
-                # Keyed by size when dims is None: a job of ever-new sizes
-                # (bench/soak.py) would otherwise grow the cache without end.
-                self._plans.clear()
-            self._plans[key] = plan
+            plan = self._plans[key] = choose_plan(self.topology, self.size, nbytes, chunk_bytes=self.chunk_bytes)[0]
         return plan
+
+    def _shard_plan(self, dims):
+        """The box of reduce_scatter / allgather: fixed per communicator, so shards depend on ``count`` only.
+
+        With ``dims=None`` it is the planner's choice for bandwidth-bound
+        messages (1 GiB): the two halves are used on large buffers (sharded
+        optimizers), and a box that changed with the dtype's size would make
+        ``shard_range(count)`` ambiguous.
+        """
+        return self.plan(0, dims) if dims is not None else self.plan(_SHARD_PLAN_BYTES)
 
     def shard_range(self, count: int, dims=None, rank: int | None = None) -> tuple[int, int]:
         """``(start, stop)``: the elements ``reduce_scatter`` leaves on ``rank`` (default: this rank).
@@ -147,12 +167,9 @@ class Communicator:
         plan's box, so ranges of different ranks differ by at most
         ``len(dims)`` elements and, for the flat ring, rank r owns block r.
         """
-        plan = self.plan(0, dims) if dims is not None else self._plan_for(count, None, 0)
+        plan = self._shard_plan(dims)
         r = self.rank if rank is None else rank
         return shard_bounds(count, plan.dims, plan.index_of(r))
-
-    def _plan_for(self, count, dims, itemsize):
-        return self.plan(count * itemsize, dims)
 
     def _schedule(self, count, plan, kind):
         key = (count, plan, kind)
@@ -344,7 +361,7 @@ class Communicator:
                 _scale_inplace(dst, self.size)
             return
         self.last_algorithm = "ring"
-        plan = self._plan_for(count, dims, dtype.itemsize)
+        plan = self.plan(count * dtype.itemsize, dims)
         sched = self._schedule(count, plan, "ar")
         execute(
             sched,
@@ -409,7 +426,7 @@ class Communicator:
         opname, be, dtype, chunk = self._prepare(x, op, chunk_bytes, dims, backend)
         src, _ = self._flat_input(be, x)
         count = src.shape[0]
-        plan = self._plan_for(count, dims, dtype.itemsize)
+        plan = self._shard_plan(dims)
         sched = self._schedule(count, plan, "rs")
         if call is not None:
             call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=chunk, path="ring")
@@ -457,7 +474,7 @@ class Communicator:
             call.agree(count=None, dtype=dtype, op=None, dims=dims, chunk=chunk, path="ring")
             call.mpi_allgather(self.comm, np.array([src.shape[0]], dtype=np.int64), lengths)
         count = int(lengths.sum())
-        plan = self._plan_for(count, dims, dtype.itemsize)
+        plan = self._shard_plan(dims)
         expect = [shard_bounds(count, plan.dims, plan.index_of(r)) for r in range(self.size)]
         bad = [r for r in range(self.size) if expect[r][1] - expect[r][0] != lengths[r]]
         if bad:
@@ -524,30 +541,6 @@ def _nonneg(name, v):
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
         raise ValueError(f"{name} must be an int >= 0, got {v!r}")
     return int(v)
-
-
-def _detect_nodes(comm):
-    """(order, dims): ranks grouped by shared-memory node, and the box ranks-per-node x nodes."""
-    from mpi4py import MPI
-
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        node_id = local.allreduce(comm.Get_rank(), op=MPI.MIN)
-        lrank = local.Get_rank()
-    finally:
-        local.Free()
-    table = comm.allgather((node_id, lrank))
-    order = tuple(sorted(range(comm.Get_size()), key=lambda r: table[r]))
-    counts: dict = {}
-    for nid, _ in table:
-        counts[nid] = counts.get(nid, 0) + 1
-    sizes = set(counts.values())
-    if len(sizes) == 1:
-        rpn = sizes.pop()
-        dims = tuple(d for d in (rpn, len(counts)) if d > 1) or (1,)
-    else:
-        dims = (comm.Get_size(),)
-    return order, dims
 
 
 _KEYVAL = None

@@ -12,6 +12,10 @@ The variables are documented in the README:
                                ``ddlkernels._tuner``)
 ``DDLKERNELS_CUDA_AWARE``      ``1``/``0`` overrides CUDA-aware MPI detection
 ``DDLKERNELS_VALIDATE``        ``1`` checks arguments agree across ranks
+``DDLKERNELS_TOPOLOGY``        link parameters for the planner: a topology file
+                               written by ``python -m ddlkernels calibrate``, or
+                               a preset name
+``DDLKERNELS_RACK_MAP``        a file mapping host names to racks
 =============================  =================================================
 """
 
@@ -66,6 +70,8 @@ class Defaults:
         self.cuda_aware = _tristate_env("DDLKERNELS_CUDA_AWARE")
         self.validate = bool(_tristate_env("DDLKERNELS_VALIDATE"))
         self.window = WINDOW
+        self.topology = os.environ.get("DDLKERNELS_TOPOLOGY") or None
+        self.rack_map = os.environ.get("DDLKERNELS_RACK_MAP") or None
 
 
 def defaults() -> Defaults:
