@@ -29,7 +29,10 @@ It uses MPI's own algorithm, not the ring, and only the dtypes MPI can add
 measurements behind the default.
 
 Handles are collective in order: every rank must start the same reductions in
-the same order (each engine runs them first in, first out).
+the same order (each engine runs them first in, first out).  A rank that never
+starts its part leaves the others' ``wait()`` blocked, as any collective would;
+a ``Communicator`` with ``timeout=`` turns that into ``CollectiveTimeout``
+raised by ``wait()`` (the progress thread's communicator inherits it).
 """
 
 from __future__ import annotations
@@ -366,7 +369,7 @@ def _start(job: FusionJob, comm, progress, single) -> Handle:
     bufs = list(h._bufs)
 
     def run(c):
-        check_same_on_all_ranks(c.comm, sig, job.what)
+        check_same_on_all_ranks(c, sig, job.what)
         for b, buf, _ in bufs:
             if b.direct:
                 e = b.entries[0]

@@ -298,19 +298,26 @@ def check_same_on_all_ranks(comm, signature, what: str) -> None:
 
     One 16-byte ``MPI_Allreduce`` of a digest; on a mismatch the signatures
     themselves are gathered so the error can say which rank passed what.
-    ``comm`` is an mpi4py communicator.
+    ``comm`` is an mpi4py communicator, or a ``Communicator`` (then the
+    digest goes through its ``allreduce``, so its ``timeout`` applies).
     """
     from mpi4py import MPI
 
-    if comm.Get_size() == 1:
+    from ._comm import Communicator
+
+    mpi = comm.comm if isinstance(comm, Communicator) else comm
+    if mpi.Get_size() == 1:
         return
     digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
     h = int.from_bytes(digest, "little", signed=True) >> 1  # -h must not overflow
     both = np.array([h, -h], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)
+    if isinstance(comm, Communicator):
+        comm.allreduce(both, "min", out=both)
+    else:
+        mpi.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)
     if both[0] == h and -both[1] == h:
         return
-    sigs = comm.allgather(signature)
+    sigs = mpi.allgather(signature)
     raise ValueError(f"{what}: ranks passed different arguments: {_describe_difference(sigs)}")
 
 

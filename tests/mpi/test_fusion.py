@@ -209,3 +209,18 @@ def test_hooks_progress_refuses_half_types_locally():
     with pytest.raises(ValueError, match="progress must be one of thread, hooks"):
         ddlkernels.allreduce_many_async([np.zeros(3)], progress="poll")
     COMM.Barrier()
+
+
+def test_handle_started_on_one_rank_only_times_out_instead_of_hanging():
+    if P == 1:
+        pytest.skip("needs 2 or more ranks to disagree")
+    c = ddlkernels.Communicator(COMM, timeout=1.0)
+    x = exact_data(1000, RANK, np.float32)
+    ddlkernels.allreduce_async(x, comm=c).wait()  # every rank: creates the progress thread (collective)
+    if RANK == 0:
+        h = ddlkernels.allreduce_many_async([x, x[:10]], comm=c)
+        with pytest.raises(ddlkernels.CollectiveTimeout):
+            h.wait()
+        with pytest.raises(ddlkernels.CollectiveTimeout):
+            h.wait()  # the same error again, not a hang
+    COMM.Barrier()
