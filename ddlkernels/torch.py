@@ -13,7 +13,7 @@ Worked example of one step, a 3-layer MLP, fusion buckets in reverse layer
 order (backward produces the last layer's gradients first)::
 
     backward:  fc3.bias fc3.weight | fc2.bias fc2.weight | fc1.bias fc1.weight
-    buckets:   #0 = [fc3.*] ready -> packed, reduction starts (progress thread)
+    buckets:   #0 = [fc3.*] ready -> packed, reduction starts
                #1 = [fc2.*] ready -> packed, starts while fc1's gradients are computed
                #2 = [fc1.*] ready -> packed, starts
     step():    wait #0 #1 #2, copy the averages back into .grad, optimizer update
@@ -69,7 +69,7 @@ def DistributedOptimizer(
     backward_passes_per_step: int = 1,
     comm=None,
     overlap: bool = True,
-    progress: str = "thread",
+    progress: str = "auto",
 ):
     """Wrap ``optimizer`` so that ``step()`` applies gradients reduced over every rank.
 
@@ -85,7 +85,9 @@ def DistributedOptimizer(
     comm                      mpi4py ``Intracomm`` or ``ddlkernels.Communicator``.
     overlap                   True: gradient hooks start each bucket's reduction during
                               backward.  False: all buckets are reduced in ``step()``.
-    progress                  "thread" or "hooks" (see ``ddlkernels._async``).
+    progress                  "hooks", "thread" or "auto" (default: "hooks" when every bucket
+                              is a host float32/float64/int32/int64 buffer, else "thread";
+                              see ``ddlkernels._async`` and the measurements in docs/fusion.md).
 
     Collective (all ranks must build it with the same model).  Raises
     ``ValueError`` on every rank when the ranks' parameter lists differ.
@@ -112,8 +114,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"DistributedOptimizer reduces gradients with 'avg' or 'sum', got {op!r}")
         if isinstance(bpps, bool) or not isinstance(bpps, int) or bpps < 1:
             raise ValueError(f"backward_passes_per_step must be a positive int, got {bpps!r}")
-        if progress not in PROGRESS_MODES:
-            raise ValueError(f"progress must be one of {', '.join(PROGRESS_MODES)}, got {progress!r}")
+        if progress not in PROGRESS_MODES + ("auto",):
+            raise ValueError(f"progress must be one of {', '.join(PROGRESS_MODES)}, auto; got {progress!r}")
         fusion_bytes = OPTIMIZER_FUSION_BYTES if fusion_bytes is None else int(fusion_bytes)
         if fusion_bytes < 1:
             raise ValueError(f"fusion_bytes must be a positive int, got {fusion_bytes!r}")
@@ -162,6 +164,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         #: True: hooks start bucket reductions during backward; False: step() reduces
         #: every bucket after backward.  May be changed between steps, on every rank alike.
         self.ddl_overlap = bool(overlap)
+        if progress == "auto":
+            # Measured (docs/fusion.md): polled MPI_Iallreduce exposed less
+            # communication than the progress thread in the training example;
+            # the thread is the driver that handles every dtype and device.
+            host = not self._ddl_params or self._ddl_params[0].device.type == "cpu"
+            mpi_adds = all(dtype_name(d) in ("float32", "float64", "int32", "int64") for d in dtypes)
+            progress = "hooks" if host and mpi_adds else "thread"
+        self.ddl_progress = progress
         signature = ["DistributedOptimizer", opname, (fusion_bytes, bpps, bool(overlap), progress)] + [
             (f"{n} {dtype_name(d)}", tuple(p.shape)) for n, p, d in zip(self._ddl_names, self._ddl_params, dtypes)
         ]
@@ -191,6 +201,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if any(w is not None for w in self._ddl_works):
             raise RuntimeError("ddl_set_progress() called while gradient reductions are in flight")
         self._ddl_engine = progress_engine(self._ddl_comm, progress)
+        self.ddl_progress = progress
 
     def _ddl_reset_step(self):
         self._ddl_counts = [0] * len(self._ddl_params)

@@ -63,7 +63,7 @@ def parse_args(argv=None):
     ap.add_argument("--overlap", choices=["on", "off", "both"], default="on",
                     help="start reductions from gradient hooks during backward (on), after it (off), or "
                          "alternate step by step in one run, so both are timed under the same conditions (both)")
-    ap.add_argument("--progress", choices=["thread", "hooks", "both"], default="thread",
+    ap.add_argument("--progress", choices=["auto", "thread", "hooks", "both"], default="auto",
                     help="who moves overlapped reductions forward: a background thread, MPI_Iallreduce polled from "
                          "the gradient hooks, or both (alternated step by step with --overlap)")
     ap.add_argument("--solo-iters", type=int, default=200, help="iterations of the one-rank baseline (0: skip)")
@@ -135,10 +135,12 @@ def train(torch, args, comm, data, mode: str):
     base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     opt = ddt.DistributedOptimizer(base, model.named_parameters(), fusion_bytes=args.fusion_bytes, comm=comm,
                                    overlap=mode != "off", progress="thread" if args.progress == "both" else args.progress)
+    if args.progress == "auto" and rank == 0:
+        print(f"  (progress auto -> {opt.ddl_progress})", flush=True)
     # The configurations timed in this run, used in turn step by step so that
     # every one meets the same machine load; the training itself is the same
     # computation in each (same buckets, same averages).
-    configs = [("on", pr) for pr in (["thread", "hooks"] if args.progress == "both" else [args.progress])]
+    configs = [("on", pr) for pr in (["thread", "hooks"] if args.progress == "both" else [opt.ddl_progress])]
     if mode == "off":
         configs = [("off", None)]
     elif mode == "both":

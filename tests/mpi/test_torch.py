@@ -97,8 +97,10 @@ def test_overlap_on_and_off_give_the_same_bits():
     runs = []
     for overlap in (True, False):
         model = mlp(seed=2)
+        # The thread runs the same Communicator code as overlap=False; MPI_Iallreduce
+        # ("hooks") may add in another order than MPI_Allreduce.
         opt = ddt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model.named_parameters(),
-                                       fusion_bytes=500, overlap=overlap)
+                                       fusion_bytes=500, overlap=overlap, progress="thread")
         train(model, opt, 3)
         runs.append(params_bytes(model))
     assert np.array_equal(runs[0], runs[1])
@@ -222,3 +224,20 @@ def test_missing_torch_names_the_extra(monkeypatch):
         importlib.import_module("ddlkernels.torch")
     monkeypatch.undo()
     assert importlib.import_module("ddlkernels.torch") is not None
+
+
+def test_progress_auto_hooks_for_float32_thread_for_bfloat16():
+    model = mlp(seed=8)
+    opt = ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    assert opt.ddl_progress == "hooks"
+    model = mlp(seed=8).to(torch.bfloat16)
+    opt = ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   fusion_bytes=300)
+    assert opt.ddl_progress == "thread"  # MPI_Iallreduce cannot add bfloat16
+    for s in range(2):
+        opt.zero_grad()
+        x, y = rank_batch(s, RANK)
+        torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)), y).backward()
+        opt.step()
+        raw = np.concatenate([p.detach().view(torch.int16).numpy().reshape(-1).view(np.uint8) for p in model.parameters()])
+        assert_same_on_all_ranks(COMM, raw, f"bfloat16 step {s}")
