@@ -9,7 +9,8 @@ The two alternate round by round (ABBA order, so drift in machine load hits
 both alike); each round is timed between barriers on the slowest rank, and
 the results of (a) and (b) are compared bitwise every round (the data are
 exact, so any correct reduction gives the same bits).  Reported: median
-seconds of each and the ratio (b)/(a).
+seconds of each and the ratio (b)/(a).  ``--max-bytes 65536`` shrinks the set to
+10 B .. 64 KB, where latency rather than bandwidth decides.
 
 Part 2, progress: the gradients of the digits MLP of
 ``ddlkernels.examples.train`` (85,002 float32 in 3 buckets of <= 128 KiB)
@@ -40,8 +41,8 @@ import ddlkernels  # noqa: E402
 from ddlkernels._async import progress_engine  # noqa: E402
 
 
-def sizes_10B_to_4MB(count, itemsize=4):
-    nbytes = np.geomspace(10, 4e6, count)
+def sizes_10B_to_4MB(count, itemsize=4, max_bytes=4e6):
+    nbytes = np.geomspace(10, max_bytes, count)
     order = np.random.default_rng(7).permutation(count)
     return [max(1, int(b) // itemsize) for b in nbytes[order]]
 
@@ -61,7 +62,7 @@ def timed(comm, fn):
 
 def part_fusion(comm, args):
     rank = comm.Get_rank()
-    sizes = sizes_10B_to_4MB(args.count)
+    sizes = sizes_10B_to_4MB(args.count, max_bytes=args.max_bytes)
     xs = [exact(n, rank, k) for k, n in enumerate(sizes)]
     fused = lambda: ddlkernels.allreduce_many(xs, "sum")  # noqa: E731
     separate = lambda: [ddlkernels.allreduce(x, "sum") for x in xs]  # noqa: E731
@@ -153,6 +154,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--count", type=int, default=200)
+    ap.add_argument("--max-bytes", type=float, default=4e6,
+                    help="largest tensor of part 1 (default 4 MB; e.g. 65536 for a latency-bound set)")
     ap.add_argument("--compute-ms", type=float, default=5.0)
     ap.add_argument("--skip", choices=["fusion", "progress"])
     ap.add_argument("--json")

@@ -35,6 +35,7 @@ instead of mismatching collectives.
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 
@@ -97,7 +98,7 @@ def plan_buckets(shapes_dtypes, fusion_bytes: int) -> list[Bucket]:
     """
     groups: dict = {}
     for i, (shape, dt) in enumerate(shapes_dtypes):
-        count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+        count = math.prod(shape)
         if count:
             groups.setdefault(dt, []).append((i, count, tuple(shape)))
     buckets: list[Bucket] = []
@@ -136,7 +137,20 @@ class FusionJob:
         self.backend = None
         self.device = None
         shapes_dtypes = []
+        checked: dict = {}  # dtype -> checked dtype: one check per dtype, not per tensor
         for i, t in enumerate(tensors):
+            if type(t) is np.ndarray and self.device in (None, "cpu"):
+                # The common case, without walking the backend registry.
+                if self.backend is None:
+                    self.device, self.backend = "cpu", backend_for(t)
+                dt = checked.get(t.dtype)
+                if dt is None:
+                    try:
+                        dt = checked[t.dtype] = check_dtype(t.dtype)
+                    except TypeError as exc:
+                        raise TypeError(f"{what}: tensor {i}: {exc}") from None
+                shapes_dtypes.append((t.shape, dt))
+                continue
             try:
                 dev = device_label(t)
             except TypeError as exc:
