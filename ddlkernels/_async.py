@@ -302,11 +302,13 @@ class Handle:
                 self._error = exc
                 raise
             finally:
-                for b, buf, base in self._bufs:
-                    if base is not None:  # a pool buffer (not the outputs' own): copy back, return it
-                        if self._error is None:
+                # After an error another bucket's transfer may still be using
+                # its buffer: those buffers are dropped, not returned to the pool.
+                if self._error is None:
+                    for b, buf, base in self._bufs:
+                        if base is not None:  # a pool buffer (not the outputs' own): copy back, return it
                             job.unpack(b, buf)
-                        eng.pool.give(job.backend, b.dtype, base)
+                            eng.pool.give(job.backend, b.dtype, base)
             self._result = job.outs[0] if self._single else job.outs
         return self._result
 
