@@ -639,7 +639,7 @@ def _progress_bar(comm, total, progress):
 
 
 def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup=5, check=True, inplace=False,
-              progress="auto", kind="allreduce", bar=None):
+              progress="auto", kind="allreduce", bar=None, interleave=True):
     """Run every implementation at every size; return a list of row dicts (same on every rank).
 
     Each row: ``bytes`` (of the buffer, N), ``count``, ``dtype``, ``op``,
@@ -649,6 +649,10 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
     ``wrong`` (summed over ranks and iterations; None when unchecked),
     ``path`` and, when it could not run, ``skipped`` with the reason.
     ``progress``: True, False or "auto" (only on a terminal); rank 0 only.
+    ``interleave``: time iteration i of every implementation before iteration
+    i + 1 of any (default), so that load from other processes, which comes
+    and goes, falls on every line alike; False runs each line's iterations
+    back to back.  Warmup runs before the timed iterations, per line.
     """
     from mpi4py import MPI
 
@@ -662,28 +666,42 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
     for nbytes in sizes:
         count = _count_for(kind, nbytes // dt.itemsize, p)
         row = {"collective": kind, "bytes": count * dt.itemsize, "count": count, "dtype": dtype_name(dt),
-               "op": op if kind != "allgather" else "-",
-               "ranks": p, "inplace": inplace, "impls": {}}
+               "op": op if kind != "allgather" else "-", "ranks": p, "inplace": inplace, "impls": {}}
+        active = []  # [impl, state, wrong, times]
         for impl in impls:
-            if bar is not None:
-                bar.set_postfix_str(f"{kind} {format_size(row['bytes'])} {impl.name}", refresh=False)
             why = impl.unsupported(dt, op, inplace)
             if why:
                 row["impls"][impl.name] = {"skipped": why, "wrong": None}
                 if bar is not None:
                     bar.update(1)
                 continue
-            st = impl.make(comm, count, dt, op, inplace)
-            wrong = 0
+            active.append([impl, impl.make(comm, count, dt, op, inplace), 0, []])
+        for a in active:
+            impl, st = a[0], a[1]
+            if bar is not None:
+                bar.set_postfix_str(f"{kind} {format_size(row['bytes'])} {impl.name}", refresh=False)
             for _ in range(warmup):
                 impl.run(st)
                 if check:
-                    wrong += impl.wrong(st)
-            times = []
+                    a[2] += impl.wrong(st)
+
+        def timed(a):
+            impl, st = a[0], a[1]
+            a[3].append(_time_one(comm, impl.run, st))
+            if check:
+                a[2] += impl.wrong(st)
+
+        if interleave:
+            # One iteration of each implementation in turn: a burst of load from
+            # other processes then slows every line alike instead of one.
             for _ in range(iters):
-                times.append(_time_one(comm, impl.run, st))
-                if check:
-                    wrong += impl.wrong(st)
+                for a in active:
+                    timed(a)
+        else:
+            for a in active:
+                for _ in range(iters):
+                    timed(a)
+        for impl, st, wrong, times in active:
             wrong = comm.allreduce(wrong, op=MPI.SUM)
             tmin, tmed = min(times), float(np.median(times))
             nb = impl.algbw_bytes(row["bytes"], p)
@@ -697,9 +715,11 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
                 "wrong": int(wrong) if check else None,
                 "path": impl.path(st),
             }
-            del st
             if bar is not None:
                 bar.update(1)
+        # Keep the table's column order: the order of ``impls``.
+        row["impls"] = {i.name: row["impls"][i.name] for i in impls if i.name in row["impls"]}
+        del active
         rows.append(row)
     if own_bar and bar is not None:
         bar.close()

@@ -66,6 +66,9 @@ def add_bench_arguments(p, collective_default="allreduce"):
     g.add_argument("-w", "--warmup", type=int, default=10,
                    help="untimed iterations per size (default %(default)s: covers the 6 timed trials with which "
                         "ddlkernels picks MPI's allreduce or the ring for a new size)")
+    g.add_argument("--no-interleave", dest="interleave", action="store_false", default=True,
+                   help="run each line's iterations back to back (default: iteration i of every line in turn, "
+                        "so bursts of load from other processes fall on all lines alike)")
     g.add_argument("--stat", choices=("median", "min"), default="median",
                    help="time per iteration shown in the table and plot (JSON has both)")
     g.add_argument("--check", dest="check", action="store_true", default=True,
@@ -222,7 +225,7 @@ def _measure(args):
     try:
         for kind, impls, dt, op, inplace in cases:
             rows += run_sweep(comm, sizes, impls, dtype=dt, op=op, iters=args.iters, warmup=args.warmup,
-                              check=args.check, inplace=inplace, kind=kind, bar=bar)
+                              check=args.check, inplace=inplace, kind=kind, bar=bar, interleave=args.interleave)
     finally:
         if bar is not None:
             bar.close()
@@ -241,6 +244,7 @@ def _measure(args):
         "check": args.check,
         "stat_in_table": args.stat,
         "timing": "barrier, then one call; iteration time = max over ranks; min and median over iterations",
+        "interleave": args.interleave,
         "busbw": "allreduce N/t*2(p-1)/p; reduce_scatter, allgather N/t*(p-1)/p; "
                  "Sendrecv link (N/p)/t: every rank sends N/p bytes to rank r+1 while receiving N/p from r-1",
         "start": start,
@@ -326,6 +330,8 @@ def _child_argv(args, *, impls=None, collective=None, label=None, json_path):
          "--impls", impls or args.impls, "-b", str(args.begin), "-e", str(args.end), "-f", str(args.factor),
          "-n", str(args.iters), "-w", str(args.warmup), "--stat", args.stat, "--json", json_path, "--quiet"]
     a.append("--check" if args.check else "--no-check")
+    if not args.interleave:
+        a.append("--no-interleave")
     if args.chunk_bytes:
         a += ["--chunk-bytes", args.chunk_bytes]
     if args.small_bytes is not None:
