@@ -234,7 +234,7 @@ def _measure(args):
     meta = {
         "argv": sys.argv,
         "ranks": p,
-        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi": MPI.Get_library_version().replace("\0", "").splitlines()[0].strip(),
         "mpi4py": __import__("mpi4py").__version__,
         "numpy": np.__version__,
         "ddlkernels": ddlkernels.__version__,
