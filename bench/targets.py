@@ -69,6 +69,30 @@ def sweep_targets(path):
     return note, out
 
 
+def sweep_table(path):
+    """Markdown: busbw of every line per size, and ddlkernels' ratios to MPI_Allreduce and the link."""
+    with open(path) as f:
+        data = json.load(f)
+    rows = [r for r in data["rows"] if r.get("collective", "allreduce") == "allreduce"]
+    names = [n for n in ("ddlkernels", "MPI_Allreduce", "python ring", "Sendrecv link") if n in rows[0]["impls"]]
+    lines = ["| N | " + " | ".join(f"{n} busbw" for n in names) + " | ddl / MPI | ddl / link | path |",
+             "| ---: " * (len(names) + 3) + "| --- |"]
+    for r in rows:
+        m = r["impls"]
+        b = {n: _bus(m[n]) for n in names}
+        lines.append(f"| {_size(r['bytes'])} | " + " | ".join(f"{b[n]:.2f}" for n in names)
+                     + f" | {b['ddlkernels'] / b['MPI_Allreduce']:.2f} | {b['ddlkernels'] / b['Sendrecv link']:.2f}"
+                     + f" | {m['ddlkernels'].get('path', '')} |")
+    return "\n".join(lines)
+
+
+def _size(n):
+    for unit, scale in (("M", MiB), ("K", 1 << 10)):
+        if n % scale == 0:
+            return f"{n // scale} {unit}iB"
+    return f"{n} B"
+
+
 def kernel_targets(path):
     with open(path) as f:
         data = json.load(f)
@@ -93,7 +117,11 @@ def main():
     ap.add_argument("sweeps", nargs="*", help="JSON of bench/allreduce.py runs")
     ap.add_argument("--kernels", action="append", default=[], help="pytest-benchmark JSON of bench_reduce.py")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--tables", action="store_true", help="also print each sweep's busbw table (markdown)")
     a = ap.parse_args()
+    if a.tables:
+        for p in a.sweeps:
+            print(f"\n{p}\n\n{sweep_table(p)}")
     blocks = [sweep_targets(p) for p in a.sweeps] + [kernel_targets(p) for p in a.kernels]
     for note, items in blocks:
         if a.markdown:
