@@ -74,7 +74,8 @@ def sweep_table(path):
     with open(path) as f:
         data = json.load(f)
     rows = [r for r in data["rows"] if r.get("collective", "allreduce") == "allreduce"]
-    names = [n for n in ("ddlkernels", "MPI_Allreduce", "python ring", "Sendrecv link") if n in rows[0]["impls"]]
+    names = [n for n in ("ddlkernels", "MPI_Allreduce", "python ring", "Sendrecv link", "chunked link")
+             if n in rows[0]["impls"]]
     lines = ["| N | " + " | ".join(f"{n} busbw" for n in names) + " | ddl / MPI | ddl / link | path |",
              "| ---: " * (len(names) + 3) + "| --- |"]
     for r in rows:

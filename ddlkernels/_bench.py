@@ -417,6 +417,28 @@ def _link_wrong(st):
     return n
 
 
+#: Piece size of the chunked link: the engine's default pipeline chunk.
+LINK_CHUNK_BYTES = 1 << 20
+
+
+def _linkc_make(comm, count, dtype, op, inplace=False):
+    st = _link_make(comm, count, dtype, op, inplace)
+    n = st["wire"][0].shape[0]
+    st["pieces"] = [(a, min(a + LINK_CHUNK_BYTES, n)) for a in range(0, n, LINK_CHUNK_BYTES)]
+    return st
+
+
+def _linkc_run(st):
+    """The same ring step as a train of 1 MiB Irecv/Isend pairs, all in flight at once."""
+    from mpi4py import MPI
+
+    send, recv = st["wire"]
+    comm, nxt, prv = st["comm"], st["next"], st["prev"]
+    reqs = [comm.Irecv(recv[a:b], prv, 8) for a, b in st["pieces"]]
+    reqs += [comm.Isend(send[a:b], nxt, 8) for a, b in st["pieces"]]
+    MPI.Request.Waitall(reqs)
+
+
 def _link_bytes(nbytes, p):
     return nbytes // p if p > 1 else nbytes
 
@@ -527,7 +549,9 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
     """The records of one collective: ddlkernels (one per option set), MPI's own, the Sendrecv link.
 
     ``which`` may also name "pyring": for allreduce, a textbook Python ring
-    (whole-block ``Sendrecv`` steps, no pipelining) as a baseline.
+    (whole-block ``Sendrecv`` steps, no pipelining) as a baseline; and
+    "linkchunk": the link's ring step moved as 1 MiB Isend/Irecv pieces, all
+    posted at once (the step as a chunked pipeline would see it).
 
     ``ddl_options``: dicts of ``Communicator`` keyword arguments (e.g.
     ``{"chunk_bytes": 262144}``), one ddlkernels line each.  ``mpi_label``:
@@ -589,6 +613,9 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
     if "pyring" in which and kind == "allreduce":
         out.append(Collective("python ring", _ar_factor, _pyring_make, _pyring_run, _wrong_ar,
                               path=lambda st: "sendrecv"))
+    if "linkchunk" in which:
+        out.append(Collective("chunked link", lambda p: 1.0, _linkc_make, _linkc_run, _link_wrong,
+                              algbw_bytes=_link_bytes))
     if "link" in which:
         # The link has no placement: the same line stands beside in-place runs.
         out.append(Collective("Sendrecv link", lambda p: 1.0, _link_make, _link_run, _link_wrong,
@@ -791,7 +818,7 @@ def _short(name):
     if name.startswith("MPI_"):
         rest = name.split("[", 1)
         return "MPI" + ("[" + rest[1].replace("tuned ", "") if len(rest) > 1 else "")
-    return {"Sendrecv link": "link", "python ring": "pyring"}.get(name, name)
+    return {"Sendrecv link": "link", "python ring": "pyring", "chunked link": "clink"}.get(name, name)
 
 
 def dump_json(path, meta, rows):

@@ -35,7 +35,7 @@ import time
 
 __all__ = ["add_subcommands", "add_bench_arguments", "main"]
 
-_IMPLS = ("ddlkernels", "mpi", "link", "pyring")
+_IMPLS = ("ddlkernels", "mpi", "link", "pyring", "linkchunk")
 _DEFAULT_IMPLS = ("ddlkernels", "mpi", "link")
 
 
@@ -56,7 +56,8 @@ def add_bench_arguments(p, collective_default="allreduce"):
     g.add_argument("--inplace", dest="place", action="store_const", const="in", help="same as --place in")
     g.add_argument("--impls", default=",".join(_DEFAULT_IMPLS),
                    help="lines to run: ddlkernels, mpi (MPI's own collective), link (Sendrecv of one ring step), "
-                        "pyring (allreduce: a textbook Python ring of whole-block Sendrecv steps); "
+                        "pyring (allreduce: a textbook Python ring of whole-block Sendrecv steps), "
+                        "linkchunk (the link's step as 1 MiB Isend/Irecv pieces); "
                         "default %(default)s")
     g = p.add_argument_group("sizes and timing")
     g.add_argument("-b", "--begin", default="4K", help="smallest buffer N in bytes (K/M/G suffixes; default %(default)s)")

@@ -22,7 +22,7 @@ EDGE_BYTES = lambda p: sorted({0, 4, 4 * max(p - 1, 1), 4 * (p + 1), 4 * 97, 1 <
                                       ("float16", "prod"), ("int64", "avg")])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_every_record_is_right(comm, kind, dtype, op, inplace):
-    impls = make_impls(kind, which=("ddlkernels", "mpi", "link", "pyring"),
+    impls = make_impls(kind, which=("ddlkernels", "mpi", "link", "pyring", "linkchunk"),
                        ddl_options=({}, {"chunk_bytes": 64, "small_bytes": 0}))
     rows = run_sweep(comm, EDGE_BYTES(comm.Get_size()), impls, dtype=dtype, op=op, iters=2, warmup=1,
                      inplace=inplace, kind=kind, progress=False)
