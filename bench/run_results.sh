@@ -2,10 +2,15 @@
 # Produce bench/results/: every table, JSON and PNG that bench/README.md quotes, each .txt opening with
 # the exact command that made it.  Takes ~10 minutes on 2 cores.
 #   PYTHON=/path/to/venv/bin/python bash bench/run_results.sh            (Open MPI from that venv)
-#   MPICH_PYTHON=/tmp/venv-mpich/bin/python bash bench/run_results.sh   (also the MPICH line; see README)
+#   bash bench/run_results.sh --mpich                                   (also MPICH: bench/setup_mpich.sh)
+#   MPICH_PYTHON=/path/to/venv-mpich/bin/python bash bench/run_results.sh
 # ITERS/WARMUP override the iteration counts (default 30/10; warmup covers the size tuner's 6 trials).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--mpich" ]; then
+  bash bench/setup_mpich.sh /tmp/venv-mpich || exit 1
+  MPICH_PYTHON=${MPICH_PYTHON:-/tmp/venv-mpich/bin/python}
+fi
 PY=${PYTHON:-$(command -v python)}
 MPIRUN=${MPIRUN:-$(dirname "$PY")/mpirun}
 OUT=${OUT:-bench/results}
