@@ -224,3 +224,19 @@ def test_handle_started_on_one_rank_only_times_out_instead_of_hanging():
         with pytest.raises(ddlkernels.CollectiveTimeout):
             h.wait()  # the same error again, not a hang
     COMM.Barrier()
+
+
+def test_new_outputs_are_never_overwritten_while_alive_and_their_memory_is_reused_after():
+    xs = [exact_data(n, RANK, np.float32, salt=n) for n in (3, 5, 20, 2, 9)]
+    first = ddlkernels.allreduce_many(xs, fusion_bytes=64)
+    keep = [f.copy() for f in first]
+    ys = [x * 2 for x in xs]
+    for _ in range(3):  # later calls with other data must not touch live results
+        second = ddlkernels.allreduce_many(ys, fusion_bytes=64)
+    assert_bitwise(first, keep, "results of an earlier call changed")
+    assert not any(np.shares_memory(a, b) for a in first for b in second)
+    address = first[0].__array_interface__["data"][0]  # an int: holds no reference to the buffer
+    del first, keep
+    third = ddlkernels.allreduce_many(ys, fusion_bytes=64)
+    assert third[0].__array_interface__["data"][0] == address, "a free result buffer was not reused"
+    assert_bitwise(third, second, "reused buffer")
