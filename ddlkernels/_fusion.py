@@ -198,7 +198,9 @@ class FusionJob:
                 if len(b.entries) > 1 and not be.device:
                     b.home = _home_buffer(be, b.dtype, b.count)
                     for e in b.entries:
-                        outs[e.index] = be.like(b.home[e.offset : e.offset + e.count], self.tensors[e.index])
+                        t = self.tensors[e.index]
+                        view = b.home[e.offset : e.offset + e.count]
+                        outs[e.index] = view.reshape(e.shape) if type(t) is np.ndarray else be.like(view, t)
             return [
                 o if o is not None else be.like(be.empty(_count(shape), dt), t)
                 for o, t, (shape, dt) in zip(outs, self.tensors, self.shapes_dtypes)
@@ -239,7 +241,8 @@ class FusionJob:
     # -- cross-rank agreement ------------------------------------------------------
     def signature(self) -> list:
         """What must be equal on every rank: the op, the fusion size and each tensor's dtype and shape."""
-        return [self.what, self.opname, self.fusion_bytes] + [(dtype_name(d), s) for s, d in self.shapes_dtypes]
+        names = {d: dtype_name(d) for d in {d for _, d in self.shapes_dtypes}}  # one lookup per dtype
+        return [self.what, self.opname, self.fusion_bytes] + [(names[d], s) for s, d in self.shapes_dtypes]
 
     # -- data movement (the caller's thread or the progress thread) ----------------
     def pack(self, bucket: Bucket, buf) -> None:
@@ -285,10 +288,15 @@ def pack_into(be, bucket: Bucket, buf, tensors) -> None:
         return
     end = 0
     for e in bucket.entries:
-        if e.offset > end:
-            buf[end : e.offset] = 0
-        np.copyto(buf[e.offset : e.offset + e.count].reshape(e.shape), backend_input_numpy(tensors[e.index]))
-        end = e.offset + e.count
+        o = e.offset
+        if o > end:
+            buf[end:o] = 0
+        t = tensors[e.index]
+        if type(t) is np.ndarray and t.flags.c_contiguous:  # the common case, ~2x less per-tensor overhead
+            buf[o : o + e.count] = t.ravel()
+        else:
+            np.copyto(buf[o : o + e.count].reshape(e.shape), backend_input_numpy(t))
+        end = o + e.count
     if bucket.count > end:
         buf[end : bucket.count] = 0
 
@@ -305,7 +313,11 @@ def unpack_from(be, bucket: Bucket, buf, outs) -> None:
                 be.copy(f, buf[e.offset : e.offset + e.count])
         return
     for e in bucket.entries:
-        np.copyto(backend_input_numpy(outs[e.index]), buf[e.offset : e.offset + e.count].reshape(e.shape))
+        o = outs[e.index]
+        if type(o) is np.ndarray and o.flags.c_contiguous:
+            o.ravel()[...] = buf[e.offset : e.offset + e.count]  # ravel of a contiguous array is a view
+        else:
+            np.copyto(backend_input_numpy(o), buf[e.offset : e.offset + e.count].reshape(e.shape))
 
 
 def check_same_on_all_ranks(comm, signature, what: str) -> None:
