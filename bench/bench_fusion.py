@@ -103,11 +103,14 @@ def part_progress(comm, args):
     grads = [exact(int(np.prod(s)), rank, k).reshape(s) for k, s in enumerate(shapes)]
     fb = 128 << 10
     a = np.random.default_rng(rank).standard_normal((96, 96)).astype(np.float32)
-    one = time.perf_counter()
-    for _ in range(20):
+    for _ in range(50):  # warm up BLAS before calibrating
         a @ a
-    per_mm = (time.perf_counter() - one) / 20
-    n_mm = max(1, int(args.compute_ms * 1e-3 / per_mm))
+    one = time.perf_counter()
+    for _ in range(200):
+        a @ a
+    per_mm = (time.perf_counter() - one) / 200
+    # The same amount of work on every rank: the calibration of the slowest.
+    n_mm = comm.allreduce(max(1, int(args.compute_ms * 1e-3 / per_mm)), op=MPI.MIN)
     eng = {m: progress_engine(None, m) for m in ("thread", "hooks")}
 
     def compute(poll=None):
