@@ -19,7 +19,7 @@ from ._dtypes import acc_dtype, check_dtype, dtype_name, normalize_op
 from ._engine import ALIGN_PAD, execute
 from ._schedule import Plan, build_schedule, shard_bounds, validate_dims
 from ._transport import HostTransport
-from ._tuner import MPI_BELOW, SizeTuner
+from ._tuner import SizeTuner
 from ._validate import Call
 from ._wait import Deadline, _check_timeout
 from .backends import backend_for
@@ -30,9 +30,9 @@ __all__ = ["Communicator", "as_communicator"]
 _MPI_NATIVE = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
 _MPI_OPS: dict = {}
 _SHARD_PLAN_BYTES = 1 << 30
-# op name -> (name, also for floats?): the ops _small_fast hands to MPI.
-_FAST_OPS = {"sum": ("sum", True), "avg": ("avg", True), "prod": ("prod", True), "max": ("max", False),
-             "min": ("min", False)}
+# (op name, dtype char) -> (MPI op, avg?): what _small_fast hands to MPI.  Float
+# max/min are absent: MPI's drop NaNs (see _allreduce_flat).  Filled with _MPI_OPS.
+_FAST_TABLE: dict = {}
 
 
 def _mpi_op(name):
@@ -40,6 +40,12 @@ def _mpi_op(name):
         from mpi4py import MPI
 
         _MPI_OPS.update(sum=MPI.SUM, max=MPI.MAX, min=MPI.MIN, prod=MPI.PROD, IN_PLACE=MPI.IN_PLACE)
+        for dt in _MPI_NATIVE:
+            for name_, op_ in (("sum", MPI.SUM), ("avg", MPI.SUM), ("prod", MPI.PROD), ("max", MPI.MAX),
+                               ("min", MPI.MIN)):
+                if dt.kind == "f" and name_ in ("max", "min"):
+                    continue
+                _FAST_TABLE[(name_, dt.char)] = (op_, name_ == "avg")
     return _MPI_OPS[name]
 
 
@@ -105,6 +111,10 @@ class Communicator:
         # The small-message fast path applies when no per-communicator check
         # (validation, timeout) has to run around the call.
         self._fast_ok = self.size > 1 and not self.validate and self.timeout is None
+        _mpi_op("sum")  # fills _MPI_OPS and _FAST_TABLE
+        from ._tuner import MPI_BELOW
+
+        self._fast_below = MPI_BELOW if self.small_bytes is None else self.small_bytes
         self._plans: dict = {}
         self._schedules: dict = {}
         self._buffers: dict = {}
@@ -312,36 +322,33 @@ class Communicator:
     def _small_fast(self, x, op, out):
         """Small numpy arrays of MPI's types: straight to ``MPI_Allreduce``, or ``None`` for the full path.
 
-        Latency-bound calls are where a few microseconds of Python checks show
-        (MPI's own allreduce of 4 KiB takes ~7 us here).  This path makes the
-        same decisions as the full one -- the sizes the tuner always gives to
-        MPI, or below a fixed ``small_bytes`` -- and the same argument checks,
-        in fewer steps; anything unusual falls through to the full path.
+        Latency-bound calls are where microseconds of Python show (MPI's own
+        allreduce of 4 KiB takes ~3 us at 2 ranks here).  This path makes the
+        same decisions as the full one -- sizes the tuner gives to MPI, or
+        below a fixed ``small_bytes`` -- and the same argument checks, in a
+        handful of operations; anything unusual falls through to the full path.
         """
-        entry = _FAST_OPS.get(op) if isinstance(op, str) else None
         dt = x.dtype
-        if entry is None or dt not in _MPI_NATIVE or not x.flags.c_contiguous:
+        entry = _FAST_TABLE.get((op, dt.char)) if op.__class__ is str else None
+        if entry is None or not dt.isnative or not x.flags.c_contiguous:
             return None
-        name, floats_ok = entry
-        if not floats_ok and dt.kind == "f":
-            return None  # float max/min: NaN semantics need the ring (see _allreduce_flat)
-        limit = MPI_BELOW if self.small_bytes is None else self.small_bytes
-        if x.nbytes >= limit:
+        nbytes = x.nbytes
+        if nbytes >= self._fast_below and (self.small_bytes is not None or self._tuner.decided(nbytes) != "mpi"):
             return None
         if out is None:
             dst = np.empty_like(x)
         elif out is x:
             dst = x
-        elif type(out) is np.ndarray and out.dtype == dt and out.shape == x.shape and out.flags.c_contiguous:
+        elif out.__class__ is np.ndarray and out.dtype == dt and out.shape == x.shape and out.flags.c_contiguous:
             dst = out
         else:
             return None
-        mpi_op = _mpi_op("sum" if name == "avg" else name)
+        mpi_op, avg = entry
         if dst is x:
-            self.comm.Allreduce(_mpi_op("IN_PLACE"), dst, mpi_op)
+            self.comm.Allreduce(_MPI_OPS["IN_PLACE"], dst, mpi_op)
         else:
             self.comm.Allreduce(x, dst, mpi_op)
-        if name == "avg":
+        if avg:
             _scale_inplace(dst, self.size)
         self.last_algorithm = "mpi"
         return dst
