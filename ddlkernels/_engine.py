@@ -32,25 +32,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._schedule import Schedule, chunk_ranges
+from ._schedule import Schedule, chunk_ranges, rings
 
 __all__ = ["execute", "ALIGN_PAD"]
 
 #: Spare elements every receive slot needs beyond the chunk (see _reduce_scatter).
 ALIGN_PAD = 16
-
-
-def _phases(steps):
-    """Split a schedule's steps into rings: consecutive runs with one phase number."""
-    rings, cur = [], []
-    for st in steps:
-        if cur and st.phase != cur[0].phase:
-            rings.append(cur)
-            cur = []
-        cur.append(st)
-    if cur:
-        rings.append(cur)
-    return rings
 
 
 def _wait_all(reqs):
@@ -136,13 +123,13 @@ def execute(sched: Schedule, src, out, op: str, *, backend, transport, chunk: in
 
 
 def _execute(sched, src, out, op, backend, transport, chunk, slots, avg_p, deadline):
-    rings = _phases(sched.steps)
-    if not rings and src is not out:
+    phases = rings(sched.steps)
+    if not phases and src is not out:
         backend.copy(out, src)  # a single rank: nothing to reduce
-    reduce_rings = [r for r in rings if r[0].reduce]
+    reduce_rings = [r for r in phases if r[0].reduce]
     last_rs = reduce_rings[-1][0].phase if reduce_rings else None
     first = True
-    for ring in rings:
+    for ring in phases:
         if ring[0].reduce:
             _reduce_scatter(
                 ring,

@@ -64,6 +64,7 @@ __all__ = [
     "shard_bounds",
     "build_schedule",
     "chunk_ranges",
+    "rings",
     "validate_dims",
 ]
 
@@ -275,6 +276,25 @@ def build_schedule(count: int, plan: Plan, rank: int, *, reduce_scatter: bool = 
                 steps += _ring_steps(rank, index, plan, dim, *bounds[dim], phase, ALLGATHER)
                 phase += 1
     return Schedule(count=count, plan=plan, rank=rank, steps=tuple(steps), shard=bounds[-1])
+
+
+def rings(steps) -> list[list[Step]]:
+    """Split a schedule's steps into its rings: consecutive runs with one phase number.
+
+    Every executor (the MPI engine, the simulator) walks a schedule ring by
+    ring, because a ring's sends complete before the next ring may touch the
+    blocks they read.
+    """
+    out: list[list[Step]] = []
+    cur: list[Step] = []
+    for st in steps:
+        if cur and st.phase != cur[0].phase:
+            out.append(cur)
+            cur = []
+        cur.append(st)
+    if cur:
+        out.append(cur)
+    return out
 
 
 def chunk_ranges(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._schedule import Plan, build_schedule, chunk_ranges
+from ._schedule import Plan, build_schedule, chunk_ranges, rings as _rings
 from .topology import Topology
 
 __all__ = ["simulate", "SimResult", "ScheduleError", "DEFAULT_CHUNK_BYTES"]
@@ -246,19 +246,6 @@ class _Recv:
     def __init__(self, rank, src, tag, a, b):
         self.rank, self.src, self.tag, self.a, self.b = rank, src, tag, a, b
         self.msg = None
-
-
-def _rings(steps):
-    """Consecutive runs of steps with one phase number (one ring each), as the engine splits them."""
-    out, cur = [], []
-    for st in steps:
-        if cur and st.phase != cur[0].phase:
-            out.append(cur)
-            cur = []
-        cur.append(st)
-    if cur:
-        out.append(cur)
-    return out
 
 
 class _Sim:
