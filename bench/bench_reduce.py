@@ -68,3 +68,40 @@ def bench_stream_copy(benchmark, run, size, dtype):
     benchmark.group = f"reduce {size}"
     run(benchmark, np.copyto, dst, a, nbytes=2 * nb, key=("copy", size, dtype))
     assert np.array_equal(dst.view(np.uint8), a.view(np.uint8))
+
+
+@pytest.mark.parametrize("size", SIZES)
+def bench_reduce_vs_copy_interleaved(benchmark, run, size):
+    """One round = one STREAM copy then one ``backend.reduce``, each timed: the ratio under the same load.
+
+    Separate benchmarks measure copy and reduce seconds or minutes apart, and
+    on a shared machine the load in between moves the ratio by tens of
+    percent; alternating them round by round makes both medians see the same
+    conditions.  ``extra_info`` holds both medians in GB/s and their ratio.
+    """
+    import time
+
+    (a, b, dst, cdst), nb = _arrays(size, "float32", 4)
+    reduce = get_backend("numpy").reduce
+    t_copy, t_red = [], []
+
+    def pair():
+        t0 = time.perf_counter()
+        np.copyto(cdst, a)
+        t1 = time.perf_counter()
+        reduce("sum", dst, a, b)
+        t_copy.append(t1 - t0)
+        t_red.append(time.perf_counter() - t1)
+
+    benchmark.group = f"reduce {size}"
+    run(benchmark, pair)
+    n_warm = len(t_copy) - benchmark.stats.stats.rounds  # pedantic's warmup rounds come first
+    copy_gbps = 2 * nb / float(np.median(t_copy[n_warm:])) / 1e9
+    red_gbps = 3 * nb / float(np.median(t_red[n_warm:])) / 1e9
+    benchmark.extra_info.update(copy_GBps_median=copy_gbps, reduce_GBps_median=red_gbps,
+                                reduce_over_copy=red_gbps / copy_gbps)
+    from conftest import _RESULTS
+
+    _RESULTS[("copy (interleaved)", size, "float32")] = copy_gbps
+    _RESULTS[("reduce (interleaved)", size, "float32")] = red_gbps
+    assert np.array_equal(dst, a + b)

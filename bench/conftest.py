@@ -126,9 +126,10 @@ def pytest_terminal_summary(terminalreporter):
     if comm is not None:
         tr.write_line(f"{comm.Get_size()} ranks measured at once (rank 0 shown)")
     for (size, dtype), kinds in sorted(by_size.items()):
-        copy = kinds.get("copy")
+        copy, icopy = kinds.get("copy"), kinds.get("copy (interleaved)")
         parts = []
         for kind, gbps in sorted(kinds.items()):
-            frac = f" ({gbps / copy:.0%} of copy)" if copy and kind != "copy" else ""
+            ref = icopy if kind.endswith("(interleaved)") else copy
+            frac = f" ({gbps / ref:.0%} of copy)" if ref and not kind.startswith("copy") else ""
             parts.append(f"{kind} {gbps:.2f}{frac}")
         tr.write_line(f"{size:>10} {dtype:>8}: " + "; ".join(parts))
