@@ -28,6 +28,8 @@ ones so every tensor takes the 128-bit path of kernels/pack.cu).
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 
 from .._dtypes import BFLOAT16
@@ -58,11 +60,13 @@ class DeviceBackend(Backend):
     device = True
 
     # -- subclass hooks ---------------------------------------------------------
+    @abc.abstractmethod
     def _ptr(self, buf) -> int:
-        raise NotImplementedError
+        """Device address of ``buf``'s first element."""
 
+    @abc.abstractmethod
     def _launch_reduce(self, name: str, dst, a, b, n: int, arg) -> None:
-        raise NotImplementedError
+        """Launch reduce kernel ``name`` over ``n`` elements (the CuPy or Numba kernel)."""
 
     # -- Backend ------------------------------------------------------------------
     def wire(self, buf):
