@@ -65,7 +65,7 @@ def add_bench_arguments(p, collective_default="allreduce"):
     g.add_argument("-f", "--factor", type=int, default=4, help="size multiplication factor (default %(default)s)")
     g.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default %(default)s)")
     g.add_argument("-w", "--warmup", type=int, default=10,
-                   help="untimed iterations per size (default %(default)s: covers the 6 timed trials with which "
+                   help="untimed iterations per size (default %(default)s: covers the 8 timed trials with which "
                         "ddlkernels picks MPI's allreduce or the ring for a new size)")
     g.add_argument("--no-interleave", dest="interleave", action="store_false", default=True,
                    help="run each line's iterations back to back (default: iteration i of every line in turn, "

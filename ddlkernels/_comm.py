@@ -424,12 +424,16 @@ class Communicator:
             return
         self.last_algorithm = "ring"
         plan = self.plan(count * dtype.itemsize, dims)
-        sched = self._schedule(count, plan, "ar")
+        self._run_ring(self._schedule(count, plan, "ar"), src, dst, opname, be, dtype, chunk, call)
+
+    def _run_ring(self, sched, src, out, opname, be, dtype, chunk, call):
+        """Execute ``sched`` with this communicator's transport and slots; "avg" is the sum with a fused scale."""
+        avg = opname == "avg"
         execute(
             sched,
             src,
-            dst,
-            redop,
+            out,
+            "sum" if avg else opname,
             backend=be,
             transport=self._transport(be),
             chunk=chunk,
@@ -493,19 +497,7 @@ class Communicator:
         if call is not None:
             call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=chunk, path="ring")
         work = self._scratch(be, dtype, count)
-        avg = opname == "avg"
-        execute(
-            sched,
-            src,
-            work,
-            "sum" if avg else opname,
-            backend=be,
-            transport=self._transport(be),
-            chunk=chunk,
-            slots=self._slots(be, dtype, chunk),
-            avg_p=self.size if avg else None,
-            deadline=None if call is None else call.deadline,
-        )
+        self._run_ring(sched, src, work, opname, be, dtype, chunk, call)
         lo, hi = sched.shard
         shard = be.empty(hi - lo, dtype)
         be.copy(shard, work[lo:hi])
