@@ -111,3 +111,13 @@ def assert_same_on_all_ranks(comm, result, what: str = ""):
     all_digests = comm.allgather(digest.tobytes())
     differ = [r for r, d in enumerate(all_digests) if d != all_digests[0]]
     assert not differ, f"{what}: ranks {differ} hold different bits than rank 0"
+
+
+def dims_cases(p: int) -> list:
+    """The boxes every MPI test sweeps: (p,), the first 2-D factorization where p allows, and None."""
+    out = [(p,), None]
+    for a in range(2, p):
+        if p % a == 0:
+            out.append((a, p // a))
+            break
+    return out

@@ -10,24 +10,14 @@ import pytest
 from mpi4py import MPI
 
 import ddlkernels
-from helpers import ALL_DTYPES, DTYPE_IDS, OPS, assert_close, assert_same_on_all_ranks, rank_data
+from helpers import ALL_DTYPES, DTYPE_IDS, OPS, assert_close, assert_same_on_all_ranks, dims_cases, rank_data
 
 COMM = MPI.COMM_WORLD
 P, RANK = COMM.Get_size(), COMM.Get_rank()
 SIZES = [0, 1, 3, 5, 4097, 1_000_003]
 
 
-def dims_cases():
-    """(p,), a 2-D factorization where p allows, and None (the library's choice)."""
-    out = [(P,), None]
-    for a in range(2, P):
-        if P % a == 0:
-            out.append((a, P // a))
-            break
-    return out
-
-
-DIMS = dims_cases()
+DIMS = dims_cases(P)
 
 
 def gather_inputs(x):

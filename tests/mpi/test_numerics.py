@@ -29,6 +29,7 @@ from mpi4py import MPI
 
 import ddlkernels
 from ddlkernels._dtypes import BFLOAT16, dtype_name
+from helpers import dims_cases
 
 COMM = MPI.COMM_WORLD
 P, RANK = COMM.Get_size(), COMM.Get_rank()
@@ -39,15 +40,6 @@ IDS = [dtype_name(d) for d in FLOATS]
 
 def gamma(k, u):
     return k * u / (1 - k * u)
-
-
-def dims_cases():
-    out = [(P,), None]
-    for a in range(2, P):
-        if P % a == 0:
-            out.append((a, P // a))
-            break
-    return out
 
 
 def inputs(n, dt, seed):
@@ -65,7 +57,7 @@ def depth(dims):
 
 
 @pytest.mark.parametrize("dt", FLOATS, ids=IDS)
-@pytest.mark.parametrize("dims", dims_cases(), ids=str)
+@pytest.mark.parametrize("dims", dims_cases(P), ids=str)
 def test_sum_and_avg_within_documented_bound(dt, dims):
     n = 20011
     xs = inputs(n, dt, seed=17)
@@ -100,7 +92,7 @@ def test_two_ranks_round_once(dt):
         pytest.skip("the exact one-rounding check needs exactly 2 ranks")
     xs = inputs(50_000, dt, seed=5)
     exact = (xs[0].astype(np.float64) + xs[1].astype(np.float64)).astype(dt)  # the f64 sum of two is exact
-    for dims in dims_cases():
+    for dims in dims_cases(P):
         got = ddlkernels.allreduce(xs[RANK], "sum", dims=dims)
         assert np.array_equal(got.view(np.uint8), exact.view(np.uint8)), f"dims={dims}"
 
