@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _config
 from ._dtypes import acc_dtype, check_dtype, dtype_name, normalize_op
-from ._engine import ALIGN_PAD, execute
+from ._engine import ALIGN_PAD, Segments, execute
 from ._schedule import Plan, build_schedule, shard_bounds, validate_dims
 from ._transport import HostTransport
 from ._tuner import SizeTuner
@@ -412,6 +412,9 @@ class Communicator:
                        path="mpi" if use_mpi else "ring")
         if use_mpi:
             self.last_algorithm = "mpi"
+            if src.__class__ is Segments:  # MPI needs one buffer: pack, then reduce in place
+                src.copy_to(dst, 0, count)
+                src = dst
             mpi_op = _mpi_op(redop)
             if call is not None and call.deadline is not None:
                 call.mpi_allreduce(self.comm, src, dst, mpi_op, src is dst)
@@ -425,6 +428,29 @@ class Communicator:
         self.last_algorithm = "ring"
         plan = self.plan(count * dtype.itemsize, dims)
         self._run_ring(self._schedule(count, plan, "ar"), src, dst, opname, be, dtype, chunk, call)
+
+    def allreduce_segments(self, segments, out, op="sum", *, dims=None, chunk_bytes=None):
+        """Reduce the virtual buffer ``segments`` (``ddlkernels._engine.Segments``) into the host array ``out``.
+
+        What a fusion bucket costs without packing it first: the ring reads
+        each array where it lies.  ``out`` is 1-D, C-contiguous, of
+        ``segments.count`` elements and the same dtype, and shares no memory
+        with the arrays.  ``dims`` and ``chunk_bytes`` as for ``allreduce``;
+        validation and timeout as the Communicator's.
+        """
+        opname, be, dtype, chunk = self._prepare(out, op, chunk_bytes, dims, "numpy")
+        if dtype != segments.dtype or out.shape != segments.shape or not out.flags.c_contiguous:
+            raise ValueError(
+                f"allreduce_segments: out must be a contiguous {dtype_name(segments.dtype)}[{segments.count}], "
+                f"got {dtype_name(dtype)}{list(out.shape)}"
+            )
+        call = self._call("allreduce", None, None)
+        if call is None:
+            self._allreduce_flat(segments, out, opname, be, dtype, chunk, dims)
+        else:
+            with call:
+                self._allreduce_flat(segments, out, opname, be, dtype, chunk, dims, call)
+        return out
 
     def _run_ring(self, sched, src, out, opname, be, dtype, chunk, call):
         """Execute ``sched`` with this communicator's transport and slots; "avg" is the sum with a fused scale."""

@@ -26,18 +26,95 @@ each chunk is forwarded as soon as it lands.
 Sends are completed at the end of each phase, before a later phase may
 overwrite the blocks they read.  Messages carry the phase number as their tag,
 so no message of one phase can match a receive of another.
+
+``src`` may also be a ``Segments``: many host arrays at fixed offsets of one
+virtual buffer (a fusion bucket that was never packed).  The first
+reduce-scatter reads each element of ``src`` exactly once: the block it sends
+first, and each block it reduces.  The reductions read the arrays in place;
+only the first block is copied, into ``out``'s own copy of that block, which
+this phase never writes and the allgather overwrites only after those sends
+have completed.  Packing costs 1/d1 of a copy of the buffer instead of all of
+it.
 """
 
 from __future__ import annotations
+
+import bisect
 
 import numpy as np
 
 from ._schedule import Schedule, chunk_ranges, rings
 
-__all__ = ["execute", "ALIGN_PAD"]
+__all__ = ["execute", "ALIGN_PAD", "Segments"]
 
 #: Spare elements every receive slot needs beyond the chunk (see _reduce_scatter).
 ALIGN_PAD = 16
+
+
+class Segments:
+    """A read-only flat host buffer of ``count`` elements made of 1-D arrays at element offsets.
+
+    ``parts``: ``[(offset, array), ...]`` in increasing, non-overlapping
+    order, every array 1-D of ``dtype``; elements no part covers (alignment
+    gaps) read as zeros.  ``src`` of ``execute`` for a host backend.
+    """
+
+    __slots__ = ("count", "dtype", "shape", "_starts", "_parts")
+
+    def __init__(self, count: int, dtype, parts):
+        self.count = int(count)
+        self.dtype = np.dtype(dtype)
+        self.shape = (self.count,)
+        end = 0
+        for off, arr in parts:
+            if off < end or arr.ndim != 1 or arr.dtype != self.dtype or off + arr.shape[0] > self.count:
+                raise ValueError(f"Segments: part at offset {off} overlaps, is not 1-D {self.dtype}, or overruns")
+            end = off + arr.shape[0]
+        self._parts = [(int(off), arr) for off, arr in parts if arr.shape[0]]
+        self._starts = [off for off, _ in self._parts]
+
+    def pieces(self, a: int, b: int):
+        """``(lo, hi, array or None, index in array)`` covering ``[a, b)`` in order; None is a gap."""
+        i = max(0, bisect.bisect_right(self._starts, a) - 1)
+        pos = a
+        parts = self._parts
+        while pos < b:
+            if i < len(parts):
+                off, arr = parts[i]
+                end = off + arr.shape[0]
+                if end <= pos:
+                    i += 1
+                    continue
+                if off > pos:  # a gap before the next part
+                    hi = min(off, b)
+                    yield pos, hi, None, 0
+                    pos = hi
+                    continue
+                hi = min(end, b)
+                yield pos, hi, arr, pos - off
+                pos = hi
+            else:
+                yield pos, b, None, 0
+                pos = b
+
+    def copy_to(self, out, a: int, b: int) -> None:
+        """``out[a:b] = self[a:b]``."""
+        for lo, hi, arr, k in self.pieces(a, b):
+            if arr is None:
+                out[lo:hi] = 0
+            else:
+                out[lo:hi] = arr[k : k + hi - lo]
+
+    def reduce_into(self, reduce, op, out, a: int, b: int, other, avg_p=None) -> None:
+        """``out[a:b] = op(self[a:b], other)``, ``other`` holding ``b - a`` elements, with ``reduce`` of a backend."""
+        for lo, hi, arr, k in self.pieces(a, b):
+            o = other[lo - a : hi - a]
+            if arr is None:
+                # Gaps are padding nobody reads; zeros op the peer's padding keeps them defined.
+                out[lo:hi] = 0
+                reduce(op, out[lo:hi], out[lo:hi], o, avg_p=avg_p)
+            else:
+                reduce(op, out[lo:hi], arr[k : k + hi - lo], o, avg_p=avg_p)
 
 
 def _wait_all(reqs):
@@ -51,14 +128,24 @@ def _reduce_scatter(ring, src, out, op, backend, transport, chunk, slots, avg_p,
     isend, irecv, reduce = transport.isend, transport.irecv, backend.reduce
     # MPI sees the "wire" views (same memory, an MPI-friendly type), the
     # reduction kernels the typed ones.
-    w_src, w_out, w_slots = backend.wire(src), backend.wire(out), [backend.wire(s) for s in slots]
+    w_out, w_slots = backend.wire(out), [backend.wire(s) for s in slots]
+    w_src = None if src.__class__ is Segments else backend.wire(src)
     window = len(slots)
     # A chunk is received at the same offset modulo 16 bytes as the place it
     # is reduced into, so that a GPU kernel sees three equally aligned
     # pointers and takes its 128-bit vector path (slots have ALIGN_PAD spare
     # elements for this).
     align = max(1, 16 // src.dtype.itemsize)
-    sends = [isend(w_src[a:b], nxt, tag) for a, b in chunk_ranges(*ring[0].send, chunk)]
+    segmented = src.__class__ is Segments
+    if segmented:
+        # MPI needs contiguous chunks: copy the block sent first into out's
+        # copy of it, which this phase never writes (module docstring).
+        sends = []
+        for a, b in chunk_ranges(*ring[0].send, chunk):
+            src.copy_to(out, a, b)
+            sends.append(isend(w_out[a:b], nxt, tag))
+    else:
+        sends = [isend(w_src[a:b], nxt, tag) for a, b in chunk_ranges(*ring[0].send, chunk)]
     last_step = len(ring) - 1
     for s, st in enumerate(ring):
         last = s == last_step
@@ -71,7 +158,10 @@ def _reduce_scatter(ring, src, out, op, backend, transport, chunk, slots, avg_p,
             else:  # timeout= set: poll, and name this step and chunk on expiry (ddlkernels._wait)
                 deadline.wait_recv(reqs[k], st, k, len(pieces), a, b)
             o = a % align
-            reduce(op, out[a:b], src[a:b], slots[k % window][o : o + b - a], avg_p=scale)
+            if segmented:
+                src.reduce_into(reduce, op, out, a, b, slots[k % window][o : o + b - a], avg_p=scale)
+            else:
+                reduce(op, out[a:b], src[a:b], slots[k % window][o : o + b - a], avg_p=scale)
             if k + window < len(pieces):
                 a2, b2 = pieces[k + window]
                 o2 = a2 % align
@@ -124,8 +214,11 @@ def execute(sched: Schedule, src, out, op: str, *, backend, transport, chunk: in
 
 def _execute(sched, src, out, op, backend, transport, chunk, slots, avg_p, deadline):
     phases = rings(sched.steps)
-    if not phases and src is not out:
-        backend.copy(out, src)  # a single rank: nothing to reduce
+    if not phases and src is not out:  # a single rank: nothing to reduce
+        if src.__class__ is Segments:
+            src.copy_to(out, 0, src.count)
+        else:
+            backend.copy(out, src)
     reduce_rings = [r for r in phases if r[0].reduce]
     last_rs = reduce_rings[-1][0].phase if reduce_rings else None
     first = True

@@ -42,6 +42,7 @@ import numpy as np
 
 from ._comm import as_communicator, backend_input_numpy
 from ._dtypes import check_dtype, dtype_name, normalize_op
+from ._engine import Segments
 from .backends import backend_for
 
 __all__ = ["allreduce_many", "FUSION_BYTES", "FusionJob", "check_same_on_all_ranks"]
@@ -263,10 +264,29 @@ class FusionJob:
             return
         if bucket.home is not None:
             buf = bucket.home
-        self.pack(bucket, buf)
-        comm.allreduce(buf, self.opname, out=buf, chunk_bytes=chunk_bytes, backend=be.name)
+        segs = None if be.device else self.segments(bucket)
+        if segs is None:
+            self.pack(bucket, buf)
+            comm.allreduce(buf, self.opname, out=buf, chunk_bytes=chunk_bytes, backend=be.name)
+        else:
+            # The ring reads the tensors where they lie instead of a packed
+            # copy: of the pack's full copy only the first block sent remains
+            # (ddlkernels._engine, Segments): 8 of 18 ms for these 64 MB at 2
+            # ranks here.
+            comm.allreduce_segments(segs, buf, self.opname, chunk_bytes=chunk_bytes)
         if bucket.home is None:
             self.unpack(bucket, buf)
+
+    def segments(self, bucket: Bucket):
+        """The bucket as a ``Segments`` over the host tensors (contiguous copies of strided ones), or None."""
+        parts = []
+        for e in bucket.entries:
+            t = self.tensors[e.index]
+            a = np.ascontiguousarray(t if type(t) is np.ndarray else backend_input_numpy(t)).reshape(-1)
+            if a.dtype != bucket.dtype:
+                return None
+            parts.append((e.offset, a))
+        return Segments(bucket.count, bucket.dtype, parts)
 
 
 def pack_into(be, bucket: Bucket, buf, tensors) -> None:

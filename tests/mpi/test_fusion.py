@@ -13,7 +13,8 @@ from mpi4py import MPI
 import ddlkernels
 from ddlkernels._fusion import plan_buckets
 from ddlkernels.backends import get_backend
-from helpers import ALL_DTYPES, DTYPE_IDS, assert_close, assert_same_on_all_ranks
+from ddlkernels._engine import Segments
+from helpers import ALL_DTYPES, DTYPE_IDS, assert_close, assert_same_on_all_ranks, dims_cases
 
 COMM = MPI.COMM_WORLD
 P, RANK = COMM.Get_size(), COMM.Get_rank()
@@ -94,6 +95,37 @@ def test_mixed_dtypes_and_shapes_every_op(op, fusion_bytes):
     assert_same_on_all_ranks(COMM, np.concatenate([raw(g) for g in got]), op)
 
 
+@pytest.mark.parametrize("dims", dims_cases(P), ids=str)
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "prod"])
+@pytest.mark.parametrize("chunk_bytes", [12, 40, 1 << 20])
+def test_segments_ring_equals_ring_of_the_packed_buffer(dims, op, chunk_bytes):
+    # Parts with gaps and empty ones, chunks that start and end inside parts
+    # and gaps: the ring reading the parts in place must give the packed
+    # buffer's bits, on every box (the first reduce-scatter is the one that reads them).
+    rng = np.random.default_rng(5)
+    parts, pos = [], 0
+    for k in range(40):
+        pos += int(rng.integers(0, 3))
+        n = int(rng.integers(0, 11))
+        parts.append((pos, exact_data(n, RANK, np.float32, salt=k)))
+        pos += n
+    count = pos + 2
+    packed = np.zeros(count, np.float32)
+    for off, a in parts:
+        packed[off : off + a.size] = a
+    keep = [a.copy() for _, a in parts]
+    c = ddlkernels.Communicator(COMM, small_bytes=0)  # the ring, never MPI's allreduce
+    want = c.allreduce(packed, op, dims=dims, chunk_bytes=chunk_bytes)
+    got = np.full(count, np.nan, np.float32)
+    c.allreduce_segments(Segments(count, np.float32, parts), got, op, dims=dims, chunk_bytes=chunk_bytes)
+    # Padding positions are never read back; every part's elements must match.
+    for off, a in parts:
+        assert np.array_equal(raw(got[off : off + a.size]), raw(want[off : off + a.size])), (dims, op, off)
+    assert all(np.array_equal(a, k) for (_, a), k in zip(parts, keep)), "input modified"
+    assert_same_on_all_ranks(COMM, got, f"segments {op}")
+    c.free()
+
+
 def test_torch_cpu_tensors_including_bfloat16():
     torch = pytest.importorskip("torch", reason="torch not installed (pip install -e .[torch])")
     ts = [torch.from_numpy(exact_data(n, RANK, np.float32, salt=n)) for n in (1, 5, 300)]
@@ -115,13 +147,17 @@ def test_one_collective_per_bucket_and_pack_buffer_reused():
     assert [[e.index for e in b.entries] for b in buckets] == [[0, 1], [2], [3, 4]]
     assert [b.direct for b in buckets] == [False, False, False]  # set by FusionJob, not the planner
     calls = []
-    orig = c.allreduce
+    orig, orig_seg = c.allreduce, c.allreduce_segments
 
     def counting(x, *a, **k):
         calls.append(x)
         return orig(x, *a, **k)
 
-    c.allreduce = counting
+    def counting_segments(segs, out, *a, **k):
+        calls.append(out)
+        return orig_seg(segs, out, *a, **k)
+
+    c.allreduce, c.allreduce_segments = counting, counting_segments
     got = ddlkernels.allreduce_many(xs, comm=c, fusion_bytes=64)
     # Buckets of 16 float32 at most: [x0 @0, pad, x1 @4] = 9, x2 alone (no copy), [x3 @0, pad, x4 @4] = 13.
     assert [a.shape[0] for a in calls] == [9, 20, 13]
