@@ -247,8 +247,52 @@ def calibrate(comm, *, rack_map=None, structure: Topology | None = None, sizes=D
                             note=f"one-way times {{size: s}} = { {k: round(v, 9) for k, v in t.items()} }; concurrent rate per flow {per_flow:.3e} B/s with {flows_per_port} flow(s) per port"))
     rrate = _reduce_rate(comm, reduce_bytes)
     notes.append(f"reduce_rate: numpy float32 out[a:b] = src[a:b] + slot over a {reduce_bytes} B buffer in 1 MiB chunks, all {p} ranks at once, mean per rank")
-    return Topology(levels=tuple(levels), ranks=p, name="calibrated", reduce_rate=rrate, placement=topo.placement,
-                    hostnames=topo.hostnames, notes=tuple(notes))
+    measured = Topology(levels=tuple(levels), ranks=p, name="calibrated", reduce_rate=rrate, placement=topo.placement,
+                        hostnames=topo.hostnames)
+    overhead, t_engine, t_model = _chunk_overhead(comm, measured, reps)
+    notes.append(f"chunk_overhead: the engine's flat ring on {p} float32 (one chunk per step) took {t_engine * 1e6:.1f} us, "
+                 f"fastest of {max(10 * reps, 50)}; the simulator with no overhead says {t_model * 1e6:.1f} us; the difference over "
+                 f"the {2 * (p - 1)} chunks each rank receives")
+    return Topology(levels=tuple(levels), ranks=p, name="calibrated", reduce_rate=rrate, chunk_overhead=overhead,
+                    placement=topo.placement, hostnames=topo.hostnames, notes=tuple(notes))
+
+
+def _chunk_overhead(comm, topo: Topology, reps: int) -> tuple[float, float, float]:
+    """Seconds of CPU per received chunk that the engine adds beyond the modeled transfer and reduction.
+
+    Times the engine itself (the library's ring, flat, on one element per
+    rank, so every step is one tiny chunk) and subtracts what the simulator
+    predicts for that call with ``chunk_overhead = 0``: what remains is the
+    per-chunk software cost (Python, mpi4py, request handling, and on
+    oversubscribed cores the wait for a peer to be scheduled).  Collective;
+    returns ``(overhead, engine time, model time)``, the same on every rank.
+    """
+    from ._comm import Communicator
+    from ._schedule import Plan
+    from .simulator import simulate
+
+    p = comm.Get_size()
+    if p == 1:
+        return 0.0, 0.0, 0.0
+    dc = Communicator(comm, small_bytes=0)  # the ring, never MPI's own allreduce
+    try:
+        x = np.arange(p, dtype=np.float32)
+        y = np.empty_like(x)
+        for _ in range(3):
+            dc.allreduce(x, out=y, dims=(p,))
+        times = []
+        # Many tries: a call takes tens of microseconds, and on oversubscribed
+        # cores the fastest one is rare.
+        for _ in range(max(10 * reps, 50)):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            dc.allreduce(x, out=y, dims=(p,))
+            times.append(comm.allreduce(time.perf_counter() - t0, op=_max()))
+        engine = float(np.min(times))
+        model = simulate(topo, Plan((p,), dc.plan(0, (p,)).order), p * 4, verify=False).time_s
+    finally:
+        dc.free()
+    return max(0.0, (engine - model) / (2 * (p - 1))), engine, model
 
 
 def _level_rings(ids, j: int, p: int) -> list[list[int]]:
@@ -285,4 +329,5 @@ def with_params(structure: Topology, params: Topology) -> Topology:
     levels = tuple(
         _replace(params.levels[i], name=lv.name, fanout=lv.fanout) if i < params.depth else lv for i, lv in enumerate(structure.levels)
     )
-    return Topology(levels=levels, ranks=structure.ranks, name=structure.name, reduce_rate=params.reduce_rate, placement=structure.placement, hostnames=structure.hostnames)
+    return Topology(levels=levels, ranks=structure.ranks, name=structure.name, reduce_rate=params.reduce_rate,
+                    chunk_overhead=params.chunk_overhead, placement=structure.placement, hostnames=structure.hostnames)

@@ -46,6 +46,9 @@ step, ``window`` receive slots, wait / reduce / repost / forward per chunk;
 per allgather, every receive posted up front, forward each chunk as it lands;
 then wait for all sends before the next phase.  Messages above
 ``eager_bytes`` move only once their receive is posted (MPI rendezvous).
+Each received chunk also costs its rank ``topology.chunk_overhead`` seconds
+of CPU (the engine's own software per chunk, measured by ``calibrate``; 0 for
+the presets), added to the reduction or, in an allgather, on its own.
 """
 
 from __future__ import annotations
@@ -263,6 +266,7 @@ class _Sim:
         self.p = p
         self.itemsize = itemsize
         self.rrate = rrate
+        self.overhead = topo.chunk_overhead  # CPU seconds per received chunk (Topology.chunk_overhead)
         self.eager = eager_bytes
         self.heap: list = []
         self.seq = 0
@@ -467,7 +471,7 @@ def _program(sim: _Sim, r: int, sched, ce: int, window: int, phase_end: list):
                 for k, (a, b) in enumerate(pieces):
                     rq = reqs[k]
                     yield ("recv", rq)
-                    yield ("compute", (b - a) * isz / sim.rrate)
+                    yield ("compute", (b - a) * isz / sim.rrate + sim.overhead)
                     if data is not None:
                         data[r][a:b] += rq.msg.payload
                         rq.msg.payload = None
@@ -480,6 +484,8 @@ def _program(sim: _Sim, r: int, sched, ce: int, window: int, phase_end: list):
             for s, reqs in enumerate(posted):
                 for rq in reqs:
                     yield ("recv", rq)
+                    if sim.overhead:
+                        yield ("compute", sim.overhead)
                     if data is not None:
                         data[r][rq.a : rq.b] = rq.msg.payload
                         rq.msg.payload = None

@@ -79,7 +79,7 @@ class TopologyError(ValueError):
 
 
 _LEVEL_KEYS = {"name", "fanout", "bandwidth", "latency", "links", "capacity", "cpu_copy", "note"}
-_TOP_KEYS = {"name", "description", "ranks", "reduce_rate", "levels", "placement", "hostnames", "notes", "source"}
+_TOP_KEYS = {"name", "description", "ranks", "reduce_rate", "chunk_overhead", "levels", "placement", "hostnames", "notes", "source"}
 
 
 def _positive(value, where: str, *, integer: bool = False, allow_none: bool = False):
@@ -144,7 +144,10 @@ class Topology:
     """A cluster of ``ranks`` ranks described by ``levels`` (innermost first).
 
     ``reduce_rate`` -- bytes/s one rank reduces (reads two, writes one) while
-    the network runs; ``placement`` -- optional per-rank tuple of group ids at
+    the network runs; ``chunk_overhead`` -- seconds of a rank's CPU per chunk
+    it receives beyond moving and reducing the bytes (the engine's own work:
+    wait, kernel call, repost, forward; 0 = not modelled, as for the presets,
+    whose software is not this one); ``placement`` -- optional per-rank tuple of group ids at
     levels 1..k-1 (``None``: the uniform tree given by the fan-outs).
     """
 
@@ -152,6 +155,7 @@ class Topology:
     ranks: int
     name: str = "custom"
     reduce_rate: float = DEFAULT_REDUCE_RATE
+    chunk_overhead: float = 0.0
     placement: tuple[tuple[int, ...], ...] | None = None
     hostnames: tuple[str, ...] | None = None
     description: str = ""
@@ -171,6 +175,9 @@ class Topology:
             lv.check(f"levels[{i}]")
         _positive(self.ranks, "ranks", integer=True)
         _positive(self.reduce_rate, "reduce_rate")
+        c = self.chunk_overhead
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+            raise TopologyError(f"chunk_overhead: must be a number of seconds >= 0, got {c!r}")
         k = len(self.levels)
         if self.placement is None:
             prod = math.prod(lv.fanout for lv in self.levels)
@@ -250,7 +257,8 @@ class Topology:
                 rest = 1
         if not levels:  # p == 1: a single rank still needs a level to be a valid topology
             levels = [_replace(self.levels[0], fanout=1)]
-        return Topology(levels=tuple(levels), ranks=p, name=f"{self.name}[{p}]", reduce_rate=self.reduce_rate, description=self.description, notes=self.notes)
+        return Topology(levels=tuple(levels), ranks=p, name=f"{self.name}[{p}]", reduce_rate=self.reduce_rate,
+                        chunk_overhead=self.chunk_overhead, description=self.description, notes=self.notes)
 
     # ------------------------------------------------------------------- files
     def to_dict(self) -> dict:
@@ -259,6 +267,8 @@ class Topology:
             d["description"] = self.description
         d["ranks"] = self.ranks
         d["reduce_rate"] = self.reduce_rate
+        if self.chunk_overhead:
+            d["chunk_overhead"] = self.chunk_overhead
         d["levels"] = [lv.to_dict() for lv in self.levels]
         if self.placement is not None:
             d["placement"] = [list(row) for row in self.placement]
@@ -316,6 +326,7 @@ class Topology:
             ranks=int(ranks),
             name=str(d.get("name", "custom")),
             reduce_rate=d.get("reduce_rate", DEFAULT_REDUCE_RATE),
+            chunk_overhead=d.get("chunk_overhead", 0.0),
             placement=d.get("placement"),
             hostnames=tuple(d["hostnames"]) if d.get("hostnames") is not None else None,
             description=str(d.get("description", "")),
@@ -440,6 +451,7 @@ def _group_structure(node_of: Sequence[int], rack_of: Sequence[int] | None, host
         ranks=p,
         name=name,
         reduce_rate=params.reduce_rate if params is not None else reduce_rate,
+        chunk_overhead=params.chunk_overhead if params is not None else 0.0,
         placement=None if uniform else tuple(tuple(row[: len(levels) - 1]) for row in placement),
         hostnames=tuple(hostnames) if hostnames is not None else None,
     )

@@ -66,6 +66,27 @@ def test_reduction_rate_costs_time():
     assert slow > 3 * (2 << 20) / 0.25e9 > fast
 
 
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_chunk_overhead_adds_per_received_chunk_on_the_critical_path(p):
+    # One chunk per step: every step waits for the previous rank's forward,
+    # so each of the 2 (p - 1) received chunks adds its overhead in series.
+    bw, lat, o, nbytes = 2e9, 7e-6, 11e-6, 4 * 3 * 5 * 64
+    topo = dataclasses.replace(uniform(p, bw, lat), chunk_overhead=o)
+    res = simulate(topo, (p,), nbytes, chunk_bytes=1 << 30, reduce_rate=INF_REDUCE, verify=True)
+    assert res.time_s == pytest.approx(ring_closed_form(p, nbytes, bw, lat) + 2 * (p - 1) * o, rel=1e-9)
+    assert res.verified
+
+
+def test_chunk_overhead_round_trips_and_rejects_negative():
+    topo = dataclasses.replace(uniform(3), chunk_overhead=2.5e-5)
+    assert Topology.from_json(topo.to_json()).chunk_overhead == 2.5e-5
+    assert "chunk_overhead" not in uniform(3).to_dict()  # 0: not modelled, not written
+    with pytest.raises(T.TopologyError, match="chunk_overhead"):
+        dataclasses.replace(uniform(3), chunk_overhead=-1e-6)
+    with pytest.raises(T.TopologyError, match="chunk_overhead"):
+        Topology.from_dict({**uniform(3).to_dict(), "chunk_overhead": "fast"})
+
+
 def two_nodes(links):
     return Topology(
         levels=(Level("node", 4, 100e9, 1e-6), Level("rack", 2, 1e9, 1e-5, links=links)),
