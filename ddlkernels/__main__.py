@@ -67,18 +67,22 @@ def _thread_level(level):
 def _job(args):
     from mpi4py import MPI
 
-    from ddlkernels._bench import ALLREDUCE_IMPLS, dump_json, format_table, parse_size, run_sweep, sweep_sizes
+    from ddlkernels._bench import ALLREDUCE_IMPLS, dump_json, format_size, format_table, parse_size, run_sweep, sweep_sizes
 
     comm = MPI.COMM_WORLD
     sizes = sweep_sizes(parse_size(args.begin), parse_size(args.end), args.factor)
     impls = [ALLREDUCE_IMPLS["ddlkernels"], ALLREDUCE_IMPLS["MPI_Allreduce"]]
     rows = run_sweep(comm, sizes, impls, dtype=args.dtype, op=args.op, iters=args.iters, warmup=args.warmup,
-                     check=not args.no_check, inplace=args.inplace)
+                     check=not args.no_check, inplace=args.inplace, min_sample_s=args.min_sample_ms / 1e3)
     wrong = sum((r["impls"][i.name]["wrong"] or 0) for r in rows for i in impls)
     if comm.Get_rank() == 0:
         print(f"# ddlkernels allreduce vs MPI_Allreduce: {comm.Get_size()} ranks, {args.dtype}, op {args.op}, "
               f"{'in place' if args.inplace else 'out of place'}, {args.iters} iterations (median), "
               f"time = slowest rank; busbw = algbw * 2(p-1)/p; path: which algorithm ddlkernels ran")
+        if args.min_sample_ms > 0 and not args.inplace:
+            calls = " ".join(f"{format_size(r['bytes'])}x{r['batch']}" for r in rows)
+            print(f"# an iteration = back-to-back calls lasting about {args.min_sample_ms:g} ms, as nccl-tests "
+                  f"times them (calls per size: {calls})")
         print(format_table(rows, impls, ratio_of=("ddlkernels", "MPI_Allreduce")))
         print(f"# #wrong total: {wrong}")
         if args.json:
@@ -106,6 +110,10 @@ def build_parser():
     p.add_argument("-d", "--dtype", default="float32")
     p.add_argument("-o", "--op", default="sum")
     p.add_argument("--inplace", action="store_true")
+    p.add_argument("--min-sample-ms", type=float, default=2.0,
+                   help="time back-to-back calls, enough for about this many ms per iteration, as nccl-tests does "
+                        "(the same count for both lines of a size; in place: single calls); 0: single calls "
+                        "between barriers")
     p.add_argument("--no-check", action="store_true", help="do not verify results")
     p.add_argument("--json", help="write the rows as JSON to this path (rank 0)")
     p.set_defaults(func=_job)

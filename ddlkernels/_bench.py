@@ -643,14 +643,20 @@ def _count_for(kind, count, p):
     return count if kind == "allreduce" else count - count % p
 
 
-def _time_one(comm, fn, state):
+def _time_one(comm, fn, state, batch=1):
+    """Seconds per call of ``batch`` back-to-back calls after a barrier, on the slowest rank (equal everywhere)."""
     from mpi4py import MPI
 
     comm.Barrier()
     t0 = time.perf_counter()
-    fn(state)
-    dt = time.perf_counter() - t0
+    for _ in range(batch):
+        fn(state)
+    dt = (time.perf_counter() - t0) / batch
     return comm.allreduce(dt, op=MPI.MAX)
+
+
+#: Most calls one timed sample may batch (``min_sample_s``).
+MAX_BATCH = 1000
 
 
 def _progress_bar(comm, total, progress):
@@ -666,7 +672,7 @@ def _progress_bar(comm, total, progress):
 
 
 def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup=5, check=True, inplace=False,
-              progress="auto", kind="allreduce", bar=None, interleave=True):
+              progress="auto", kind="allreduce", bar=None, interleave=True, min_sample_s=0.0):
     """Run every implementation at every size; return a list of row dicts (same on every rank).
 
     Each row: ``bytes`` (of the buffer, N), ``count``, ``dtype``, ``op``,
@@ -680,6 +686,13 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
     i + 1 of any (default), so that load from other processes, which comes
     and goes, falls on every line alike; False runs each line's iterations
     back to back.  Warmup runs before the timed iterations, per line.
+    ``min_sample_s``: a timed sample is ``batch`` calls back to back (as
+    nccl-tests times its iterations), with ``batch`` the same for every line
+    of a size and chosen from one untimed probe so that the fastest line's
+    sample lasts about this long (at most ``MAX_BATCH``).  A 5 us call timed
+    alone between barriers mostly measures the barrier's skew; 0 (default)
+    times single calls.  In place, calls would compound, so samples stay
+    single calls.  ``batch`` is recorded per row.
     """
     from mpi4py import MPI
 
@@ -712,9 +725,18 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
                 if check:
                     a[2] += impl.wrong(st)
 
+        batch = 1
+        if min_sample_s > 0 and not inplace and active:
+            probe = min(_time_one(comm, a[0].run, a[1]) for a in active)
+            batch = int(min(MAX_BATCH, max(1, min_sample_s // max(probe, 1e-9))))
+            if check:
+                for a in active:
+                    a[2] += a[0].wrong(a[1])
+        row["batch"] = batch
+
         def timed(a):
             impl, st = a[0], a[1]
-            a[3].append(_time_one(comm, impl.run, st))
+            a[3].append(_time_one(comm, impl.run, st, batch))
             if check:
                 a[2] += impl.wrong(st)
 

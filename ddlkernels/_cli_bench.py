@@ -70,6 +70,10 @@ def add_bench_arguments(p, collective_default="allreduce"):
     g.add_argument("--no-interleave", dest="interleave", action="store_false", default=True,
                    help="run each line's iterations back to back (default: iteration i of every line in turn, "
                         "so bursts of load from other processes fall on all lines alike)")
+    g.add_argument("--min-sample-ms", type=float, default=2.0,
+                   help="time back-to-back calls, as nccl-tests does, enough for a sample of about this many ms "
+                        "(same count for every line of a size; in place: single calls); 0 times single calls "
+                        "between barriers (default %(default)s)")
     g.add_argument("--stat", choices=("median", "min"), default="median",
                    help="time per iteration shown in the table and plot (JSON has both)")
     g.add_argument("--check", dest="check", action="store_true", default=True,
@@ -226,7 +230,8 @@ def _measure(args):
     try:
         for kind, impls, dt, op, inplace in cases:
             rows += run_sweep(comm, sizes, impls, dtype=dt, op=op, iters=args.iters, warmup=args.warmup,
-                              check=args.check, inplace=inplace, kind=kind, bar=bar, interleave=args.interleave)
+                              check=args.check, inplace=inplace, kind=kind, bar=bar, interleave=args.interleave,
+                              min_sample_s=args.min_sample_ms / 1e3)
     finally:
         if bar is not None:
             bar.close()
@@ -275,6 +280,17 @@ def _names(grp):
     return sorted(names, key=order)
 
 
+def _batches(rows) -> str:
+    """"size x calls" per distinct size, for the header."""
+    seen = {}
+    for r in rows:
+        if not r.get("inplace"):
+            seen.setdefault(r["bytes"], r.get("batch", 1))
+    from ._bench import format_size
+
+    return " ".join(f"{format_size(b)}x{n}" for b, n in seen.items())
+
+
 def _report(args, meta, rows):
     from ._bench import dump_json, format_table, plot_rows
 
@@ -282,6 +298,9 @@ def _report(args, meta, rows):
         st, en = meta["start"], meta["end"]
         print(f"# ddlkernels bench: {meta['ranks']} ranks; {meta['mpi']}; {args.iters} iterations after "
               f"{args.warmup} warmup; {meta['stat_in_table']} time of the slowest rank")
+        if args.min_sample_ms > 0:
+            print(f"# an iteration = back-to-back calls lasting about {args.min_sample_ms:g} ms (out of place; "
+                  f"per size: {_batches(rows)}), time per call")
         print(f"# busbw: {meta['busbw']}")
         print(f"# load average at start {st['loadavg'][0]:.2f}, at end {en['loadavg'][0]:.2f} on {st['cpus']} cpus; "
               f"path: which algorithm ddlkernels ran (ring, or mpi below its small-message threshold)")

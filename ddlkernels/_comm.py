@@ -112,14 +112,13 @@ class Communicator:
         # (validation, timeout) has to run around the call.
         self._fast_ok = self.size > 1 and not self.validate and self.timeout is None
         _mpi_op("sum")  # fills _MPI_OPS and _FAST_TABLE
-        from ._tuner import MPI_BELOW
-
-        self._fast_below = MPI_BELOW if self.small_bytes is None else self.small_bytes
+        #: (op name, dtype, nbytes) -> (algorithm, MPI op, avg?): settled fast-path decisions
+        self._fast: dict = {}
         self._plans: dict = {}
         self._schedules: dict = {}
         self._buffers: dict = {}
         self._transports: dict = {}
-        #: "ring" or "mpi": which algorithm the last allreduce ran (for reports).
+        #: "ring", "mpi" or "nbc": which algorithm the last allreduce ran (for reports; ddlkernels._tuner).
         self.last_algorithm = None
 
     # -- lifetime ------------------------------------------------------------
@@ -324,16 +323,18 @@ class Communicator:
 
         Latency-bound calls are where microseconds of Python show (MPI's own
         allreduce of 4 KiB takes ~3 us at 2 ranks here).  This path makes the
-        same decisions as the full one -- sizes the tuner gives to MPI, or
-        below a fixed ``small_bytes`` -- and the same argument checks, in a
-        handful of operations; anything unusual falls through to the full path.
+        same decisions as the full one -- sizes the tuner has settled on MPI's
+        blocking or nonblocking call, or below a fixed ``small_bytes`` -- and
+        the same argument checks, in a handful of operations; anything unusual
+        (or a size still being measured) falls through to the full path.
         """
         dt = x.dtype
-        entry = _FAST_TABLE.get((op, dt.char)) if op.__class__ is str else None
-        if entry is None or not dt.isnative or not x.flags.c_contiguous:
-            return None
-        nbytes = x.nbytes
-        if nbytes >= self._fast_below and (self.small_bytes is not None or self._tuner.decided(nbytes) != "mpi"):
+        hit = self._fast.get((op, dt, x.nbytes)) if op.__class__ is str else None
+        if hit is None:
+            hit = self._fast_entry(op, dt, x.nbytes)
+            if hit is None:
+                return None
+        if not x.flags.c_contiguous:
             return None
         if out is None:
             dst = np.empty_like(x)
@@ -343,15 +344,33 @@ class Communicator:
             dst = out
         else:
             return None
-        mpi_op, avg = entry
-        if dst is x:
-            self.comm.Allreduce(_MPI_OPS["IN_PLACE"], dst, mpi_op)
+        algo, mpi_op, avg = hit
+        if algo == "mpi":
+            self.comm.Allreduce(_MPI_OPS["IN_PLACE"] if dst is x else x, dst, mpi_op)
         else:
-            self.comm.Allreduce(x, dst, mpi_op)
+            self.comm.Iallreduce(_MPI_OPS["IN_PLACE"] if dst is x else x, dst, mpi_op).Wait()
         if avg:
             _scale_inplace(dst, self.size)
-        self.last_algorithm = "mpi"
+        self.last_algorithm = algo
         return dst
+
+    def _fast_entry(self, op, dt, nbytes):
+        """``(algorithm, MPI op, avg?)`` of the fast path for this op, dtype and size, or None; cached once settled."""
+        entry = _FAST_TABLE.get((op, dt.char)) if op.__class__ is str else None
+        if entry is None or not dt.isnative:
+            return None
+        if self.small_bytes is None:
+            algo = self._tuner.decided(nbytes)  # None while this size is still measured
+            if algo is None or algo == "ring":
+                return None
+        elif nbytes < self.small_bytes:
+            algo = "mpi"
+        else:
+            return None
+        if len(self._fast) >= 4096:  # a job with ever new sizes must not grow this without bound
+            self._fast.clear()
+        hit = self._fast[op, dt, nbytes] = (algo, entry[0], entry[1])
+        return hit
 
     def _allreduce(self, x, op, out, dims, chunk_bytes, backend, call):
         opname, be, dtype, chunk = self._prepare(x, op, chunk_bytes, dims, backend)
@@ -393,35 +412,37 @@ class Communicator:
             and dtype in _MPI_NATIVE
             and (redop in ("sum", "prod") or dtype.kind in "iu")
         )
+        algo = "ring"
         if use_mpi:
             if self.small_bytes is None:
                 algo, trial = self._tuner.choose(nbytes)
-                use_mpi = algo == "mpi"
-            else:
-                use_mpi = nbytes < self.small_bytes
+            elif nbytes < self.small_bytes:
+                algo = "mpi"
         if trial:
             t0 = perf_counter()
-            self._allreduce_path(use_mpi, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
-            self._tuner.record(self.comm, nbytes, "mpi" if use_mpi else "ring", perf_counter() - t0)
+            self._allreduce_path(algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
+            self._tuner.record(self.comm, nbytes, algo, perf_counter() - t0)
         else:
-            self._allreduce_path(use_mpi, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
+            self._allreduce_path(algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
 
-    def _allreduce_path(self, use_mpi, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call):
+    def _allreduce_path(self, algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call):
+        """Run ``algo``: "mpi" (MPI_Allreduce), "nbc" (MPI_Iallreduce + Wait) or "ring"."""
         if call is not None:
-            call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=None if use_mpi else chunk,
-                       path="mpi" if use_mpi else "ring")
-        if use_mpi:
-            self.last_algorithm = "mpi"
+            call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=None if algo != "ring" else chunk,
+                       path=algo)
+        if algo != "ring":
+            self.last_algorithm = algo
             if src.__class__ is Segments:  # MPI needs one buffer: pack, then reduce in place
                 src.copy_to(dst, 0, count)
                 src = dst
             mpi_op = _mpi_op(redop)
+            send = _mpi_op("IN_PLACE") if src is dst else src
             if call is not None and call.deadline is not None:
-                call.mpi_allreduce(self.comm, src, dst, mpi_op, src is dst)
-            elif src is dst:
-                self.comm.Allreduce(_mpi_op("IN_PLACE"), dst, mpi_op)
+                call.mpi_allreduce(self.comm, src, dst, mpi_op, src is dst)  # Iallreduce, polled
+            elif algo == "mpi":
+                self.comm.Allreduce(send, dst, mpi_op)
             else:
-                self.comm.Allreduce(src, dst, mpi_op)
+                self.comm.Iallreduce(send, dst, mpi_op).Wait()
             if avg:
                 _scale_inplace(dst, self.size)
             return
@@ -475,6 +496,15 @@ class Communicator:
         shapes; ``recvbuf`` is overwritten and nothing is returned.
         ``validate`` and ``timeout`` as for ``allreduce``.
         """
+        if validate is None and timeout is None and self._fast_ok and type(recvbuf) is np.ndarray:
+            # The small-message fast path of ``allreduce``, for numpy buffers of one shape.
+            name = "sum" if op is None else normalize_op(op)
+            if sendbuf is _MPI_OPS["IN_PLACE"]:
+                if self._small_fast(recvbuf, name, recvbuf) is not None:
+                    return None
+            elif type(sendbuf) is np.ndarray and sendbuf.shape == recvbuf.shape:
+                if self._small_fast(sendbuf, name, recvbuf) is not None:
+                    return None
         call = self._call("allreduce", validate, timeout)
         if call is None:
             return self._Allreduce(sendbuf, recvbuf, op, None)

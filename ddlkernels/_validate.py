@@ -57,7 +57,7 @@ __all__ = ["check_agreement", "report_local_failure", "Call", "KINDS", "PATHS"]
 #: Collectives, by code in the record.
 KINDS = ("allreduce", "reduce_scatter", "allgather")
 #: Algorithm a rank is about to run: the ring, or MPI's own Allreduce (small messages).
-PATHS = ("ring", "mpi")
+PATHS = ("ring", "mpi", "nbc")  # ddlkernels._tuner: the ring, MPI_Allreduce, MPI_Iallreduce
 
 _MAGIC = 0x64646C6B  # "ddlk": a record from something else is reported, not misread
 _MAX_DIMS = 7
@@ -209,6 +209,12 @@ def check_agreement(comm, *, kind, count, dtype, op, dims, chunk=None, path=None
         return
     described = [_describe(table[r]) for r in range(size)]
     differ = [f for f in _FIELDS if len({d[f] for d in described}) > 1]
+    if any(f not in ("chunk", "path") for f in differ):
+        # The path (and with it whether a chunk applies) follows from the
+        # arguments, e.g. a count in another size bucket of the tuner: name the
+        # arguments only.  A path that differs alone is reported (a bug).
+        if "path" in differ:
+            differ = [f for f in differ if f not in ("chunk", "path")]
     # Groups of ranks that passed the same values, in order of their first rank.
     groups: dict = {}
     for r, d in enumerate(described):

@@ -39,7 +39,7 @@ MISMATCH = {
     "count": "(count differ): ranks 0-2 passed count=1000; rank 3 passed count=1001",
     "dtype": "(dtype, chunk differ): ranks 0-2 passed dtype=float32, chunk=",
     "op": "(op differ): ranks 0-2 passed op=sum; rank 3 passed op=max",
-    "dims": "(dims, chunk, path differ): ranks 0-2 passed dims=None",
+    "dims": "(dims differ): ranks 0-2 passed dims=None",
 }
 
 

@@ -152,24 +152,56 @@ def test_small_message_path_and_ring_agree():
     assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("nbytes", [24, 4096, 65536])
+def test_small_sizes_measure_mpi_blocking_against_nonblocking_and_agree(nbytes):
+    """Below MPI_BELOW the candidates are MPI_Allreduce and MPI_Iallreduce: both tried, one kept, everywhere."""
+    from ddlkernels._tuner import trials
+
+    n = 2 * (trials(nbytes) + 1)  # calls until the choice is made (one warm-up each)
+    x = rank_data(nbytes // 8, RANK, P, np.float64)
+    inputs = gather_inputs(x)
+    out = np.empty_like(x)
+    with ddlkernels.Communicator(COMM) as dc:
+        seen = []
+        for k in range(n + 4):
+            # Alternate the entry points: the fast path and the full one share the decision.
+            y = dc.allreduce(x, "sum", out=out) if k % 2 else dc.allreduce(x, "sum")
+            assert_close(y, inputs, "sum", np.float64)
+            assert_same_on_all_ranks(COMM, y, f"{nbytes} B call {k}")
+            seen.append(dc.last_algorithm)
+        if P > 1:
+            assert set(seen[:n]) == {"mpi", "nbc"}, seen
+            assert len(set(seen[n:])) == 1, seen
+            # In place takes the same decision.
+            z = x.copy()
+            dc.allreduce(z, "sum", out=z)
+            assert dc.last_algorithm == seen[-1] and np.array_equal(z, y)
+        else:
+            assert set(seen) == {"ring"}, seen
+        decided = COMM.allgather(seen)
+        assert all(d == decided[0] for d in decided), "every rank ran the same algorithm in every call"
+    assert np.array_equal(x, rank_data(nbytes // 8, RANK, P, np.float64)), "input modified"
+
+
 def test_measured_choice_is_the_same_on_every_rank_and_always_correct():
     """small_bytes=None: trials alternate MPI and ring, then one agreed choice per size bucket."""
-    from ddlkernels._tuner import MPI_BELOW, TRIALS
+    from ddlkernels._tuner import MPI_BELOW, trials
 
     x = rank_data(MPI_BELOW // 8 * 4, RANK, P, np.float64)  # 4 x MPI_BELOW bytes: a tuned bucket
     inputs = gather_inputs(x)
     with ddlkernels.Communicator(COMM) as dc:
         assert dc.small_bytes is None
         seen = []
-        for _ in range(2 * TRIALS + 3):
+        n = 2 * (trials(x.nbytes) + 1)  # calls until the choice is made (one warm-up each)
+        for _ in range(n + 3):
             y = dc.allreduce(x, "sum")
             assert_close(y, inputs, "sum", np.float64)
             seen.append(dc.last_algorithm)
         if P > 1:
-            assert set(seen[: 2 * TRIALS]) == {"mpi", "ring"}, seen
-            assert len(set(seen[2 * TRIALS:])) == 1, seen
+            assert set(seen[:n]) == {"mpi", "ring"}, seen
+            assert len(set(seen[n:])) == 1, seen
         decided = COMM.allgather(seen)
         assert all(d == decided[0] for d in decided), "every rank ran the same algorithm in every call"
         tiny = dc.allreduce(rank_data(3, RANK, P, np.float64), "sum")
-        assert dc.last_algorithm == ("mpi" if P > 1 else "ring")
+        assert dc.last_algorithm in (("mpi", "nbc") if P > 1 else ("ring",))
         assert tiny.shape == (3,)

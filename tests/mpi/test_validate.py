@@ -85,7 +85,9 @@ def test_op_mismatch(odd_op):
 @needs_two
 def test_dims_mismatch():
     msg = raised_everywhere(lambda: ddlkernels.allreduce(np.ones(10), dims=arg(None, (P,)), validate=True))
-    assert "(dims, " in msg  # the chunk and the path (MPI for small dims=None calls) follow from dims
+    # Only the argument is named: the path (MPI for small dims=None calls) and
+    # whether a chunk applies follow from it.
+    assert "(dims differ)" in msg
     assert f"{others} passed dims=None" in msg and f"rank {ODD} passed dims=({P},)" in msg
 
 
