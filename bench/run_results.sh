@@ -4,7 +4,7 @@
 #   PYTHON=/path/to/venv/bin/python bash bench/run_results.sh            (Open MPI from that venv)
 #   bash bench/run_results.sh --mpich                                   (also MPICH: bench/setup_mpich.sh)
 #   MPICH_PYTHON=/path/to/venv-mpich/bin/python bash bench/run_results.sh
-# ITERS/WARMUP override the iteration counts (default 30/10; warmup covers the size tuner's 6 trials).
+# ITERS/WARMUP override the iteration counts (default 30/14; the size tuner's trials run in the warmup and the first iterations).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--mpich" ]; then
@@ -15,7 +15,7 @@ PY=${PYTHON:-$(command -v python)}
 MPIRUN=${MPIRUN:-$(dirname "$PY")/mpirun}
 OUT=${OUT:-bench/results}
 ITERS=${ITERS:-30}
-WARMUP=${WARMUP:-10}
+WARMUP=${WARMUP:-14}
 export OMPI_ALLOW_RUN_AS_ROOT=${OMPI_ALLOW_RUN_AS_ROOT:-1}
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=${OMPI_ALLOW_RUN_AS_ROOT_CONFIRM:-1}
 export PRTE_MCA_rmaps_default_mapping_policy=${PRTE_MCA_rmaps_default_mapping_policy:-:oversubscribe}

@@ -104,9 +104,10 @@ def build_parser():
     p.add_argument("-e", "--end", default="64M", help="largest message")
     p.add_argument("-f", "--factor", type=int, default=4, help="size multiplication factor")
     p.add_argument("-n", "--iters", type=int, default=10, help="timed iterations per size")
-    p.add_argument("-w", "--warmup", type=int, default=10,
-                   help="untimed iterations per size (covers the first calls of a size, in which the library "
-                        "measures MPI's allreduce against the ring)")
+    p.add_argument("-w", "--warmup", type=int, default=14,
+                   help="untimed iterations per size (covers the first calls of a size from 256 KiB, in which the "
+                        "library measures MPI's allreduce against the ring; below that its 2 x 17 trial calls "
+                        "finish in the first batched iteration)")
     p.add_argument("-d", "--dtype", default="float32")
     p.add_argument("-o", "--op", default="sum")
     p.add_argument("--inplace", action="store_true")

@@ -64,9 +64,10 @@ def add_bench_arguments(p, collective_default="allreduce"):
     g.add_argument("-e", "--end", default="64M", help="largest buffer (default %(default)s)")
     g.add_argument("-f", "--factor", type=int, default=4, help="size multiplication factor (default %(default)s)")
     g.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default %(default)s)")
-    g.add_argument("-w", "--warmup", type=int, default=10,
-                   help="untimed iterations per size (default %(default)s: covers the 8 timed trials with which "
-                        "ddlkernels picks MPI's allreduce or the ring for a new size)")
+    g.add_argument("-w", "--warmup", type=int, default=14,
+                   help="untimed iterations per size (default %(default)s: covers the 2 x (1 + 6) trial calls with "
+                        "which ddlkernels picks MPI's allreduce or the ring for a new size from 256 KiB; the 2 x 17 "
+                        "calls below that finish in the first batched iteration)")
     g.add_argument("--no-interleave", dest="interleave", action="store_false", default=True,
                    help="run each line's iterations back to back (default: iteration i of every line in turn, "
                         "so bursts of load from other processes fall on all lines alike)")

@@ -48,7 +48,7 @@ __all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "TRIALS", "SMALL_TRIALS", "MAR
 # never came close to the ring at 32 MiB and above.
 MPI_BELOW = 256 << 10
 RING_FROM = 32 << 20
-TRIALS = 4
+TRIALS = 6
 #: Below MPI_BELOW calls cost microseconds and their times are noisy (each
 #: includes the wait for the last rank to arrive), so more trials are cheap
 #: and needed.

@@ -72,6 +72,24 @@ def test_wrong_results_are_counted(comm, kind, how):
         assert wrong >= 5
 
 
+@pytest.mark.parametrize("how", ["one", "nothing"])
+def test_batched_samples_still_count_wrong_results_and_record_the_batch(comm, how):
+    # min_sample_s: each timed iteration is a batch of back-to-back calls, the
+    # same count on every rank; the check after each batch still sees a wrong
+    # last result.
+    nbytes = 4 * 8 * comm.Get_size()
+    rows = run_sweep(comm, [nbytes], [_broken("allreduce", how)], iters=3, warmup=1, progress=False,
+                     min_sample_s=0.002)
+    batch = rows[0]["batch"]
+    assert batch > 1 and comm.allgather(batch) == [batch] * comm.Get_size()
+    wrong = rows[0]["impls"][f"broken-{how}"]["wrong"]
+    # 1 warmup + 1 probe + 3 iterations are checked.
+    assert wrong == (5 if how == "one" else 5 * 8 * comm.Get_size() * comm.Get_size())
+    inplace = run_sweep(comm, [nbytes], make_impls("allreduce", which=("mpi",)), iters=2, warmup=0, inplace=True,
+                        progress=False, min_sample_s=0.002)
+    assert inplace[0]["batch"] == 1  # in place, calls would compound
+
+
 def test_link_counts_a_missing_message(comm):
     link = make_impls("allreduce", which=("link",))[0]
     silent = Collective("silent", link.bus_factor, link.make, lambda st: None, link.wrong,
