@@ -304,7 +304,7 @@ def _report(args, meta, rows):
                   f"per size: {_batches(rows)}), time per call")
         print(f"# busbw: {meta['busbw']}")
         print(f"# load average at start {st['loadavg'][0]:.2f}, at end {en['loadavg'][0]:.2f} on {st['cpus']} cpus; "
-              f"path: which algorithm ddlkernels ran (ring, or mpi below its small-message threshold)")
+              f"path: which algorithm ddlkernels ran (ring; mpi = MPI_Allreduce, nbc = MPI_Iallreduce, as its size tuner chose)")
         for (kind, dt, op, inplace), grp in _groups(rows).items():
             names = _names(grp)
             ddl = [n for n in names if n.startswith("ddlkernels")]
