@@ -498,7 +498,7 @@ class Communicator:
         """
         if validate is None and timeout is None and self._fast_ok and type(recvbuf) is np.ndarray:
             # The small-message fast path of ``allreduce``, for numpy buffers of one shape.
-            name = "sum" if op is None else normalize_op(op)
+            name = "sum" if op is None or op is _MPI_OPS["sum"] else normalize_op(op)
             if sendbuf is _MPI_OPS["IN_PLACE"]:
                 if self._small_fast(recvbuf, name, recvbuf) is not None:
                     return None
