@@ -450,19 +450,20 @@ class Communicator:
         plan = self.plan(count * dtype.itemsize, dims)
         self._run_ring(self._schedule(count, plan, "ar"), src, dst, opname, be, dtype, chunk, call)
 
-    def allreduce_segments(self, segments, out, op="sum", *, dims=None, chunk_bytes=None):
+    def _allreduce_segments(self, segments, out, op="sum", *, dims=None, chunk_bytes=None):
         """Reduce the virtual buffer ``segments`` (``ddlkernels._engine.Segments``) into the host array ``out``.
 
-        What a fusion bucket costs without packing it first: the ring reads
-        each array where it lies.  ``out`` is 1-D, C-contiguous, of
-        ``segments.count`` elements and the same dtype, and shares no memory
-        with the arrays.  ``dims`` and ``chunk_bytes`` as for ``allreduce``;
+        Internal, for ``allreduce_many``: what a fusion bucket costs without
+        packing it first, the ring reading each array where it lies.  ``out``
+        is 1-D, C-contiguous, of ``segments.count`` elements and the same
+        dtype, and shares no memory with the arrays.  ``dims`` and
+        ``chunk_bytes`` as for ``allreduce``;
         validation and timeout as the Communicator's.
         """
         opname, be, dtype, chunk = self._prepare(out, op, chunk_bytes, dims, "numpy")
         if dtype != segments.dtype or out.shape != segments.shape or not out.flags.c_contiguous:
             raise ValueError(
-                f"allreduce_segments: out must be a contiguous {dtype_name(segments.dtype)}[{segments.count}], "
+                f"_allreduce_segments: out must be a contiguous {dtype_name(segments.dtype)}[{segments.count}], "
                 f"got {dtype_name(dtype)}{list(out.shape)}"
             )
         call = self._call("allreduce", None, None)

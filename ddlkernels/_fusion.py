@@ -290,12 +290,12 @@ class FusionJob:
             # copy: of the pack's full copy only the first block sent remains
             # (ddlkernels._engine, Segments).  Packing was 8 of 18 ms for the
             # 64 MB of bench/bench_fusion.py at 2 ranks here.
-            comm.allreduce_segments(segs, buf, self.opname, chunk_bytes=chunk_bytes)
+            comm._allreduce_segments(segs, buf, self.opname, chunk_bytes=chunk_bytes)
         if bucket.home is None:
             self.unpack(bucket, buf)
 
     def segments(self, bucket: Bucket, buf):
-        """The bucket as a ``Segments`` for ``allreduce_segments`` into ``buf``, or None (a dtype differs).
+        """The bucket as a ``Segments`` for ``_allreduce_segments`` into ``buf``, or None (a dtype differs).
 
         Contiguous tensors of at least ``DIRECT_BYTES`` are parts as they lie.
         Runs of smaller or strided ones are packed into ``buf`` at their own

@@ -117,7 +117,7 @@ def test_segments_ring_equals_ring_of_the_packed_buffer(dims, op, chunk_bytes):
     c = ddlkernels.Communicator(COMM, small_bytes=0)  # the ring, never MPI's allreduce
     want = c.allreduce(packed, op, dims=dims, chunk_bytes=chunk_bytes)
     got = np.full(count, np.nan, np.float32)
-    c.allreduce_segments(Segments(count, np.float32, parts), got, op, dims=dims, chunk_bytes=chunk_bytes)
+    c._allreduce_segments(Segments(count, np.float32, parts), got, op, dims=dims, chunk_bytes=chunk_bytes)
     # Padding positions are never read back; every part's elements must match.
     for off, a in parts:
         assert np.array_equal(raw(got[off : off + a.size]), raw(want[off : off + a.size])), (dims, op, off)
@@ -147,7 +147,7 @@ def test_one_collective_per_bucket_and_pack_buffer_reused():
     assert [[e.index for e in b.entries] for b in buckets] == [[0, 1], [2], [3, 4]]
     assert [b.direct for b in buckets] == [False, False, False]  # set by FusionJob, not the planner
     calls = []
-    orig, orig_seg = c.allreduce, c.allreduce_segments
+    orig, orig_seg = c.allreduce, c._allreduce_segments
 
     def counting(x, *a, **k):
         calls.append(x)
@@ -157,7 +157,7 @@ def test_one_collective_per_bucket_and_pack_buffer_reused():
         calls.append(out)
         return orig_seg(segs, out, *a, **k)
 
-    c.allreduce, c.allreduce_segments = counting, counting_segments
+    c.allreduce, c._allreduce_segments = counting, counting_segments
     got = ddlkernels.allreduce_many(xs, comm=c, fusion_bytes=64)
     # Buckets of 16 float32 at most: [x0 @0, pad, x1 @4] = 9, x2 alone (no copy), [x3 @0, pad, x4 @4] = 13.
     assert [a.shape[0] for a in calls] == [9, 20, 13]
