@@ -288,8 +288,11 @@ class FusionJob:
         else:
             # The ring reads large tensors where they lie instead of a packed
             # copy: of the pack's full copy only the first block sent remains
-            # (ddlkernels._engine, Segments).  Packing was 8 of 18 ms for the
-            # 64 MB of bench/bench_fusion.py at 2 ranks here.
+            # (ddlkernels._engine, Segments).  The reduce-scatter's add then
+            # runs out of place (one more stream than on a packed buffer), so
+            # the gain is small: bench/fusion_costs.py, 64 MB, pack + ring vs
+            # this: 17.5 vs 17.0 and 11.9 vs 12.4 ms at 2 ranks, 29.4 vs
+            # 27.2 ms at 4.
             comm._allreduce_segments(segs, buf, self.opname, chunk_bytes=chunk_bytes)
         if bucket.home is None:
             self.unpack(bucket, buf)
@@ -329,9 +332,9 @@ _ZEROS = np.zeros(ALIGN_BYTES, np.uint8)
 def _pack_run(buf, run, stop=None):
     """Pack ``[(entry, host array), ...]`` into ``buf`` at their offsets, gaps zeroed; ``(start, view of buf)``.
 
-    One ``np.concatenate`` of the arrays and zero pads: 0.1 us per tensor
-    where a slice assignment each costs 1.2 us (200 small tensors: 89 vs
-    243 us here).  ``stop``: zero up to there after the last entry.
+    One ``np.concatenate`` of the arrays and zero pads, at least as fast as a
+    slice assignment per tensor (200 small tensors: 149-151 vs 153-226 us,
+    bench/fusion_costs.py).  ``stop``: zero up to there after the last entry.
     """
     start = pos = run[0][0].offset
     seq = []
