@@ -72,7 +72,8 @@ def main():
                 # array would add first-touch page faults, the allocator's
                 # cost, not the schedule's): the pattern the calibration's
                 # reduce rate measures, out[a:b] = src[a:b] + slot.  In place
-                # the add reads one stream fewer and runs about 1.5x faster.
+                # the add reads one stream fewer and runs 1.5-2x faster
+                # (bench/results/kernels_np1.json).
                 for _ in range(args.warmup):
                     dc.allreduce(x, dims=dims, out=y)
                 times = []
