@@ -56,8 +56,8 @@ __all__ = ["check_agreement", "report_local_failure", "Call", "KINDS", "PATHS"]
 
 #: Collectives, by code in the record.
 KINDS = ("allreduce", "reduce_scatter", "allgather")
-#: Algorithm a rank is about to run: the ring, or MPI's own Allreduce (small messages).
-PATHS = ("ring", "mpi", "nbc")  # ddlkernels._tuner: the ring, MPI_Allreduce, MPI_Iallreduce
+#: Algorithm a rank is about to run (ddlkernels._tuner).
+PATHS = ("ring", "mpi", "nbc")  # the ring, MPI_Allreduce, MPI_Iallreduce + Wait
 
 _MAGIC = 0x64646C6B  # "ddlk": a record from something else is reported, not misread
 _MAX_DIMS = 7
