@@ -79,7 +79,7 @@ def test_batched_samples_still_count_wrong_results_and_record_the_batch(comm, ho
     # last result.
     nbytes = 4 * 8 * comm.Get_size()
     rows = run_sweep(comm, [nbytes], [_broken("allreduce", how)], iters=3, warmup=1, progress=False,
-                     min_sample_s=0.002)
+                     min_sample_s=0.05)  # generous: batch > 1 even when a probe call stalls
     batch = rows[0]["batch"]
     assert batch > 1 and comm.allgather(batch) == [batch] * comm.Get_size()
     wrong = rows[0]["impls"][f"broken-{how}"]["wrong"]
