@@ -345,10 +345,11 @@ class Communicator:
         else:
             return None
         algo, mpi_op, avg = hit
+        send = _MPI_OPS["IN_PLACE"] if dst is x else x
         if algo == "mpi":
-            self.comm.Allreduce(_MPI_OPS["IN_PLACE"] if dst is x else x, dst, mpi_op)
+            self.comm.Allreduce(send, dst, mpi_op)
         else:
-            self.comm.Iallreduce(_MPI_OPS["IN_PLACE"] if dst is x else x, dst, mpi_op).Wait()
+            self.comm.Iallreduce(send, dst, mpi_op).Wait()
         if avg:
             _scale_inplace(dst, self.size)
         self.last_algorithm = algo

@@ -128,15 +128,15 @@ def _reduce_scatter(ring, src, out, op, backend, transport, chunk, slots, avg_p,
     isend, irecv, reduce = transport.isend, transport.irecv, backend.reduce
     # MPI sees the "wire" views (same memory, an MPI-friendly type), the
     # reduction kernels the typed ones.
+    segmented = src.__class__ is Segments
     w_out, w_slots = backend.wire(out), [backend.wire(s) for s in slots]
-    w_src = None if src.__class__ is Segments else backend.wire(src)
+    w_src = None if segmented else backend.wire(src)
     window = len(slots)
     # A chunk is received at the same offset modulo 16 bytes as the place it
     # is reduced into, so that a GPU kernel sees three equally aligned
     # pointers and takes its 128-bit vector path (slots have ALIGN_PAD spare
     # elements for this).
     align = max(1, 16 // src.dtype.itemsize)
-    segmented = src.__class__ is Segments
     if segmented:
         # MPI needs contiguous chunks: copy the block sent first into out's
         # copy of it, which this phase never writes (module docstring).

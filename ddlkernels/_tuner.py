@@ -88,14 +88,15 @@ class SizeTuner:
 
     def choose(self, nbytes: int) -> tuple[str, bool]:
         """``(algorithm, trial)``: "mpi", "nbc" or "ring", and whether this call is a timed trial."""
-        st = self._state.get(self.bucket(nbytes))
+        key = self.bucket(nbytes)
+        st = self._state.get(key)
         if isinstance(st, str):
             return st, False
         cands = candidates(nbytes)
         if len(cands) == 1:
             return cands[0], False
         if st is None:
-            st = self._state[self.bucket(nbytes)] = {c: [] for c in cands}
+            st = self._state[key] = {c: [] for c in cands}
         mpi, other = cands
         return (mpi if len(st[mpi]) <= len(st[other]) else other), True
 
