@@ -117,7 +117,7 @@ class ThreadEngine:
             self.comm = Communicator(comm.mpi_comm, chunk_bytes=chunk_bytes or comm.chunk_bytes,
                                      small_bytes=comm.small_bytes, window=comm.window,
                                      cuda_aware=comm.cuda_aware_override, validate=comm.validate,
-                                     timeout=comm.timeout)
+                                     timeout=comm.timeout, shm=comm.shm)
         else:
             self.comm = Communicator(comm, chunk_bytes=chunk_bytes)
         self.size = self.comm.size

@@ -195,6 +195,9 @@ class Collective:
     #: why this implementation cannot run (dtype, op, inplace), or None; decided
     #: locally and identically on every rank, so skipping never splits the ranks
     unsupported: Callable = field(default=lambda dtype, op, inplace: None)
+    #: whether the next call would still be a tuner trial (the same on every
+    #: rank); warmup goes on until it is False, at most ``MAX_SETTLE`` calls
+    settling: Callable = field(default=lambda state: False)
 
 
 # -- shared helpers -------------------------------------------------------------
@@ -268,6 +271,10 @@ def _ddl_run(st):
         st["dc"].allreduce(st["x"], st["op"], out=st["x"])
     else:
         st["dc"].allreduce(st["x"], st["op"], out=st["out"])
+
+
+def _ddl_settling(st):
+    return st["dc"].tuning(st["x"], st["op"])
 
 
 def _mpi_ar_run(st):
@@ -573,7 +580,7 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
                     return st
 
                 out.append(Collective(_ddl_label(opts), _ar_factor, make, _ddl_run, _wrong_ar,
-                                      path=lambda st: st["dc"].last_algorithm or ""))
+                                      path=lambda st: st["dc"].last_algorithm or "", settling=_ddl_settling))
             elif kind == "reduce_scatter":
 
                 def make(comm, count, dtype, op, inplace=False, _o=opts):
@@ -632,7 +639,7 @@ def _ddl_ar_make_default(comm, count, dtype, op, inplace=False):
 #: The two lines of ``python -m ddlkernels job`` (kept as the job's stable interface).
 ALLREDUCE_IMPLS = {
     "ddlkernels": Collective("ddlkernels", _ar_factor, _ddl_ar_make_default, _ddl_run, _wrong_ar,
-                             path=lambda st: st["dc"].last_algorithm or ""),
+                             path=lambda st: st["dc"].last_algorithm or "", settling=_ddl_settling),
     "MPI_Allreduce": Collective("MPI_Allreduce", _ar_factor, _make_ar, _mpi_ar_run, _wrong_ar,
                                 unsupported=_mpi_unsupported),
 }
@@ -657,6 +664,9 @@ def _time_one(comm, fn, state, batch=1):
 
 #: Most calls one timed sample may batch (``min_sample_s``).
 MAX_BATCH = 1000
+#: Most extra warmup calls spent letting ddlkernels' tuner settle (it needs
+#: 3 x 17 below 256 KiB, 3 x 7 above; ddlkernels._tuner).
+MAX_SETTLE = 100
 
 
 def _progress_bar(comm, total, progress):
@@ -682,6 +692,9 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
     ``wrong`` (summed over ranks and iterations; None when unchecked),
     ``path`` and, when it could not run, ``skipped`` with the reason.
     ``progress``: True, False or "auto" (only on a terminal); rank 0 only.
+    Warmup continues past ``warmup`` calls while an implementation's tuner
+    is still measuring (``Collective.settling``), so that timed iterations
+    run the algorithm it settled on.
     ``interleave``: time iteration i of every implementation before iteration
     i + 1 of any (default), so that load from other processes, which comes
     and goes, falls on every line alike; False runs each line's iterations
@@ -720,7 +733,9 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
             impl, st = a[0], a[1]
             if bar is not None:
                 bar.set_postfix_str(f"{kind} {format_size(row['bytes'])} {impl.name}", refresh=False)
-            for _ in range(warmup):
+            for k in range(warmup + MAX_SETTLE):
+                if k >= warmup and not impl.settling(st):
+                    break
                 impl.run(st)
                 if check:
                     a[2] += impl.wrong(st)

@@ -19,7 +19,8 @@ from ._dtypes import acc_dtype, check_dtype, dtype_name, normalize_op
 from ._engine import ALIGN_PAD, Segments, execute
 from ._schedule import Plan, build_schedule, shard_bounds, validate_dims
 from ._transport import HostTransport
-from ._tuner import SizeTuner
+from ._shm import ShmAllreduce, one_node
+from ._tuner import SizeTuner, candidates
 from ._validate import Call
 from ._wait import Deadline, _check_timeout
 from .backends import backend_for
@@ -63,6 +64,11 @@ class Communicator:
                  per size by measurement, identically on every rank
                  (``ddlkernels._tuner``).
     window       receive slots in flight per ring step (default 4, >= 1).
+    shm          the shared-memory allreduce (``ddlkernels._shm``) for host
+                 arrays when every rank shares one node: ``None`` (default)
+                 makes it a measured candidate of the tuner, ``True`` uses it
+                 for every such call (an error if the ranks span nodes),
+                 ``False`` never.  Fallback ``DDLKERNELS_SHM``.
     cuda_aware   ``True``/``False`` overrides detection of CUDA-aware MPI.
     validate     check before every collective that all ranks passed the same
                  count, dtype, op, dims and chunk, raising the same
@@ -76,7 +82,7 @@ class Communicator:
     """
 
     def __init__(self, comm=None, *, chunk_bytes=None, small_bytes=None, window=None, cuda_aware=None,
-                 validate=None, timeout=None, topology=None, rack_map=None):
+                 validate=None, timeout=None, topology=None, rack_map=None, shm=None):
         from mpi4py import MPI
 
         if comm is None:
@@ -108,17 +114,29 @@ class Communicator:
         params = env.topology if topology is None else topology
         self.topology = detect(self.comm, rack_map=env.rack_map if rack_map is None else rack_map, params=params)
         self._order = self.topology.topology_order()
+        shm = env.shm if shm is None else shm
+        if shm not in (None, True, False):
+            raise ValueError(f"shm must be None, True or False, got {shm!r}")
+        self.shm = shm
+        # One more collective at creation: do all ranks share memory?
+        on_one_node = self.size > 1 and one_node(self.comm)
+        if shm is True and self.size > 1 and not on_one_node:
+            raise ValueError("shm=True: the ranks of this communicator do not all share one node")
+        #: None: no shared-memory allreduce; else whether it is forced (True) or a tuner candidate (False)
+        self._shm_mode = None if (shm is False or not on_one_node) else bool(shm)
+        self._shm = None  # ShmAllreduce, created on first use
         # The small-message fast path applies when no per-communicator check
         # (validation, timeout) has to run around the call.
         self._fast_ok = self.size > 1 and not self.validate and self.timeout is None
         _mpi_op("sum")  # fills _MPI_OPS and _FAST_TABLE
-        #: (op name, dtype, nbytes) -> (algorithm, MPI op, avg?): settled fast-path decisions
+        #: (op name, dtype, nbytes) -> (algorithm, MPI op or, for "shm", op name, avg?), or False
+        #: for the full path: settled fast-path decisions
         self._fast: dict = {}
         self._plans: dict = {}
         self._schedules: dict = {}
         self._buffers: dict = {}
         self._transports: dict = {}
-        #: "ring", "mpi" or "nbc": which algorithm the last allreduce ran (for reports; ddlkernels._tuner).
+        #: "ring", "mpi", "nbc" or "shm": which algorithm the last allreduce ran (for reports; ddlkernels._tuner).
         self.last_algorithm = None
 
     # -- lifetime ------------------------------------------------------------
@@ -127,6 +145,9 @@ class Communicator:
         for t in self._transports.values():
             t.close()
         self._transports.clear()
+        if self._shm is not None:
+            self._shm.free()
+            self._shm = None
         self._buffers.clear()
         if self.comm is not None:
             self.comm.Free()
@@ -324,15 +345,18 @@ class Communicator:
         Latency-bound calls are where microseconds of Python show (MPI's own
         allreduce of 4 KiB takes ~3 us at 2 ranks here).  This path makes the
         same decisions as the full one -- sizes the tuner has settled on MPI's
-        blocking or nonblocking call, or below a fixed ``small_bytes`` -- and
+        blocking or nonblocking call or the shared-memory allreduce, or below
+        a fixed ``small_bytes`` -- and
         the same argument checks, in a handful of operations; anything unusual
         (or a size still being measured) falls through to the full path.
         """
         dt = x.dtype
         hit = self._fast.get((op, dt, x.nbytes)) if op.__class__ is str else None
-        if hit is None:
+        if not hit:
+            if hit is False:  # settled on the ring (or shared memory for "avg"): the full path
+                return None
             hit = self._fast_entry(op, dt, x.nbytes)
-            if hit is None:
+            if not hit:
                 return None
         if not x.flags.c_contiguous:
             return None
@@ -344,12 +368,13 @@ class Communicator:
             dst = out
         else:
             return None
-        algo, mpi_op, avg = hit
-        send = _MPI_OPS["IN_PLACE"] if dst is x else x
-        if algo == "mpi":
-            self.comm.Allreduce(send, dst, mpi_op)
+        algo, how, avg = hit  # how: the MPI op, or for "shm" the op's name
+        if algo == "shm":
+            self._shm.run(x.reshape(-1), dst.reshape(-1), how, None)
+        elif algo == "mpi":
+            self.comm.Allreduce(_MPI_OPS["IN_PLACE"] if dst is x else x, dst, how)
         else:
-            self.comm.Iallreduce(send, dst, mpi_op).Wait()
+            self.comm.Iallreduce(_MPI_OPS["IN_PLACE"] if dst is x else x, dst, how).Wait()
         if avg:
             _scale_inplace(dst, self.size)
         self.last_algorithm = algo
@@ -358,11 +383,11 @@ class Communicator:
     def _fast_entry(self, op, dt, nbytes):
         """``(algorithm, MPI op, avg?)`` of the fast path for this op, dtype and size, or None; cached once settled."""
         entry = _FAST_TABLE.get((op, dt.char)) if op.__class__ is str else None
-        if entry is None or not dt.isnative:
+        if entry is None or not dt.isnative or self._shm_mode:
             return None
         if self.small_bytes is None:
-            algo = self._tuner.decided(nbytes)  # None while this size is still measured
-            if algo is None or algo == "ring":
+            algo = self._tuner.decided(nbytes, candidates(nbytes, shm=self._shm_mode is not None))
+            if algo is None:  # still measured
                 return None
         elif nbytes < self.small_bytes:
             algo = "mpi"
@@ -370,7 +395,13 @@ class Communicator:
             return None
         if len(self._fast) >= 4096:  # a job with ever new sizes must not grow this without bound
             self._fast.clear()
-        hit = self._fast[op, dt, nbytes] = (algo, entry[0], entry[1])
+        if algo in ("mpi", "nbc"):
+            hit = (algo, entry[0], entry[1])
+        elif algo == "shm" and not entry[1] and self._shm is not None:  # "avg" takes the full path
+            hit = (algo, op, False)
+        else:
+            hit = False
+        self._fast[op, dt, nbytes] = hit
         return hit
 
     def _allreduce(self, x, op, out, dims, chunk_bytes, backend, call):
@@ -397,40 +428,72 @@ class Communicator:
             return out
         return be.like(dst, x)
 
+    def _choices(self, nbytes, device, dtype, redop, dims):
+        """``(algorithm, None)`` when the path is fixed, ``(None, candidates)`` when the tuner measures."""
+        # MPI's MAX/MIN on floats drop a NaN depending on the order of operands
+        # (Open MPI computes a > b ? a : b); numpy's maximum/minimum, and so the
+        # ring, propagate it.  Sums and products propagate NaN/Inf either way.
+        use_mpi = (
+            self.size > 1
+            and not device
+            and dims is None
+            and dtype in _MPI_NATIVE
+            and (redop in ("sum", "prod") or dtype.kind in "iu")
+        )
+        # The shared-memory allreduce: host arrays, ranks on one node, no box asked for.
+        use_shm = self._shm_mode is not None and not device and dims is None
+        if use_shm and self._shm_mode:
+            return "shm", None
+        if self.small_bytes is None:
+            if use_mpi or use_shm:
+                return None, candidates(nbytes, mpi=use_mpi, shm=use_shm)
+        elif use_mpi and nbytes < self.small_bytes:
+            return "mpi", None
+        return "ring", None
+
+    def tuning(self, x, op="sum") -> bool:
+        """Whether ``allreduce(x, op)`` on this communicator is still one of the tuner's timed trials.
+
+        The same on every rank.  Benchmarks call until it is False, so that
+        timed iterations run the settled algorithm (``ddlkernels._tuner``).
+        """
+        opname, be, dtype, _ = self._prepare(x, op, None, None, None)
+        redop = "sum" if opname == "avg" else opname
+        nbytes = _size(x) * dtype.itemsize
+        algo, cands = self._choices(nbytes, be.device, dtype, redop, None)
+        return cands is not None and self._tuner.decided(nbytes, cands) is None
+
     def _allreduce_flat(self, src, dst, opname, be, dtype, chunk, dims, call=None):
         count = src.shape[0]
         nbytes = count * dtype.itemsize
         avg = opname == "avg"
         redop = "sum" if avg else opname
         trial = False
-        # MPI's MAX/MIN on floats drop a NaN depending on the order of operands
-        # (Open MPI computes a > b ? a : b); numpy's maximum/minimum, and so the
-        # ring, propagate it.  Sums and products propagate NaN/Inf either way.
-        use_mpi = (
-            self.size > 1
-            and not be.device
-            and dims is None
-            and dtype in _MPI_NATIVE
-            and (redop in ("sum", "prod") or dtype.kind in "iu")
-        )
-        algo = "ring"
-        if use_mpi:
-            if self.small_bytes is None:
-                algo, trial = self._tuner.choose(nbytes)
-            elif nbytes < self.small_bytes:
-                algo = "mpi"
+        algo, cands = self._choices(nbytes, be.device, dtype, redop, dims)
+        if cands is not None:
+            algo, trial = self._tuner.choose(nbytes, cands)
         if trial:
             t0 = perf_counter()
             self._allreduce_path(algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
-            self._tuner.record(self.comm, nbytes, algo, perf_counter() - t0)
+            self._tuner.record(self.comm, nbytes, cands, algo, perf_counter() - t0)
         else:
             self._allreduce_path(algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
 
     def _allreduce_path(self, algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call):
-        """Run ``algo``: "mpi" (MPI_Allreduce), "nbc" (MPI_Iallreduce + Wait) or "ring"."""
+        """Run ``algo``: "mpi" (MPI_Allreduce), "nbc" (MPI_Iallreduce + Wait), "shm" (shared window) or "ring"."""
         if call is not None:
             call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=None if algo != "ring" else chunk,
                        path=algo)
+        if algo == "shm":
+            self.last_algorithm = algo
+            if src.__class__ is Segments:  # the window needs one buffer: pack, then reduce in place
+                src.copy_to(dst, 0, count)
+                src = dst
+            if self._shm is None:
+                self._shm = ShmAllreduce(self.comm)
+            self._shm.run(src, dst, redop, be.reduce, avg_p=self.size if avg else None,
+                          deadline=None if call is None else call.deadline)
+            return
         if algo != "ring":
             self.last_algorithm = algo
             if src.__class__ is Segments:  # MPI needs one buffer: pack, then reduce in place

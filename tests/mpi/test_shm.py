@@ -1,0 +1,135 @@
+"""The shared-memory allreduce (ddlkernels._shm): every dtype, op and edge size, pieces, skewed ranks.
+
+All ranks of an ``mpirun`` on this machine share one node, so the algorithm
+applies whenever P > 1; the tests skip at P = 1, where there is nothing to
+share.
+"""
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ddlkernels
+from ddlkernels._shm import ShmAllreduce, one_node
+from ddlkernels.backends import backend_for
+from helpers import ALL_DTYPES, DTYPE_IDS, OPS, assert_close, assert_same_on_all_ranks, rank_data
+
+COMM = MPI.COMM_WORLD
+P, RANK = COMM.Get_size(), COMM.Get_rank()
+# 0, 1, p - 1, p + 1, primes, and one size of several default (1 MiB) pieces.
+SIZES = sorted({0, 1, max(P - 1, 0), P + 1, 7, 13, 4097, 300_007})
+
+needs_peers = pytest.mark.skipif(P == 1, reason="the shared-memory allreduce needs 2 or more ranks")
+
+
+@pytest.fixture(scope="module")
+def forced():
+    with ddlkernels.Communicator(COMM, shm=True) as dc:
+        yield dc
+
+
+@needs_peers
+def test_this_job_is_on_one_node():
+    assert one_node(COMM)
+    with ddlkernels.Communicator(COMM) as dc:
+        assert dc._shm_mode is False  # a tuner candidate
+    with ddlkernels.Communicator(COMM, shm=False) as dc:
+        assert dc._shm_mode is None
+
+
+@needs_peers
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", OPS)
+def test_forced_shm_every_dtype_op_size_in_and_out_of_place(forced, n, dtype, op):
+    x = rank_data(n, RANK, P, dtype)
+    keep = x.copy()
+    inputs = COMM.allgather(x)
+    what = f"shm n={n} {dtype} {op}"
+    y = forced.allreduce(x, op)
+    assert forced.last_algorithm == "shm"
+    assert np.array_equal(x.view(np.uint8), keep.view(np.uint8)), f"{what}: input modified"
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert_close(y, inputs, op, dtype, what)
+    assert_same_on_all_ranks(COMM, y, what)
+    z = x.copy()
+    assert forced.allreduce(z, op, out=z) is z
+    assert np.array_equal(z.view(np.uint8), y.view(np.uint8)), f"{what}: in place differs from out of place"
+    # mpi4py's shape, MPI.IN_PLACE included, takes the same path.
+    w = x.copy()
+    ddlkernels.Allreduce(MPI.IN_PLACE, w, {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD,
+                                           "avg": MPI.SUM}[op], comm=forced)
+    if op != "avg":
+        assert np.array_equal(w.view(np.uint8), y.view(np.uint8)), f"{what}: Allreduce differs"
+
+
+@needs_peers
+@pytest.mark.parametrize("piece_bytes", [1, 8, 24, 100, 4096])
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.float16], ids=["float32", "int64", "float16"])
+def test_pieces_of_any_length_cover_the_buffer(piece_bytes, dtype):
+    """Pieces smaller than p elements, not a multiple of the item size, and many of them."""
+    shm = ShmAllreduce(COMM, piece_bytes=piece_bytes)
+    reduce = backend_for(np.empty(0)).reduce
+    try:
+        for n in (0, 1, P + 1, 61, 1031):
+            x = rank_data(n, RANK, P, dtype, salt=3)
+            inputs = COMM.allgather(x)
+            out = np.full_like(x, 99)
+            shm.run(x, out, "sum", reduce)
+            assert_close(out, inputs, "sum", dtype, f"piece {piece_bytes} B, n={n}")
+            assert_same_on_all_ranks(COMM, out)
+            avg = np.empty_like(x)
+            shm.run(x, avg, "sum", reduce, avg_p=P)
+            assert_close(avg, inputs, "avg", dtype, f"avg, piece {piece_bytes} B, n={n}")
+    finally:
+        shm.free()
+
+
+@needs_peers
+def test_skewed_ranks_never_read_a_stale_or_early_buffer():
+    """Ranks arrive late by turns, call after call, with pieces of 64 B: each result is the one for its inputs.
+
+    Without the second barrier a fast rank would gather a peer's result
+    before it is written; without the first, reduce a stage still being
+    filled.  Each call's data is new, so a value from another call shows.
+    """
+    shm = ShmAllreduce(COMM, piece_bytes=64)
+    reduce = backend_for(np.empty(0)).reduce
+    rng = np.random.default_rng(RANK)
+    try:
+        for call in range(40):
+            x = (np.arange(203, dtype=np.int64) * 1000 + call) * P + RANK
+            want = sum((np.arange(203, dtype=np.int64) * 1000 + call) * P + q for q in range(P))
+            if rng.random() < 0.5:
+                time.sleep(rng.random() * 2e-3)
+            out = np.empty_like(x)
+            shm.run(x, out, "sum", reduce)
+            assert np.array_equal(out, want), f"call {call}: {np.flatnonzero(out != want)[:5]}"
+    finally:
+        shm.free()
+
+
+@needs_peers
+def test_free_then_use_again_allocates_a_new_window(forced):
+    x = rank_data(1000, RANK, P, np.float64)
+    a = forced.allreduce(x)
+    forced._shm.free()
+    b = forced.allreduce(x)
+    assert np.array_equal(a, b)
+
+
+def test_shm_option_is_checked():
+    with pytest.raises(ValueError, match="shm must be None, True or False"):
+        ddlkernels.Communicator(COMM, shm="yes")
+
+
+@needs_peers
+def test_explicit_dims_keep_the_ring_and_timeouts_poll(forced):
+    x = rank_data(5000, RANK, P, np.float32)
+    forced.allreduce(x, dims=(P,))
+    assert forced.last_algorithm == "ring"
+    y = forced.allreduce(x, timeout=30)
+    assert forced.last_algorithm == "shm"
+    assert_close(y, COMM.allgather(x), "sum", np.float32)
