@@ -28,12 +28,19 @@ is measured instead of guessed, per power-of-two size bucket:
   close there).
 
 The first candidate is the incumbent; the first calls of a bucket go round
-the candidates (each call still computes a correct result): one warm-up
-call each, left out, then ``TRIALS`` timed calls each (``SMALL_TRIALS``
-below ``MPI_BELOW``, where calls are cheap and their times noisy).  Then one
-small ``MPI_Allreduce(MAX)`` of every rank's median time per candidate fixes
-the choice for the bucket on every rank at once: the fastest challenger when
-it was at least ``MARGIN`` times faster than the incumbent, the incumbent
+the candidates in blocks of consecutive calls (each call still computes a
+correct result): ``trials`` timed calls per candidate (``SMALL_TRIALS``
+below ``MPI_BELOW``, where calls are cheap and their times noisy, else
+``TRIALS``), in blocks of ``block`` calls, each block after one untimed call.
+That call absorbs the skew the previous algorithm left between the ranks:
+timed alone after a different algorithm, a call's time on one rank depends
+on when its peers left that other call (seen at 4 ranks on 2 cores: one
+algorithm's median ran 15 us on one rank and 75 us on another), while in a
+run of calls of one algorithm every rank's time per call tends to the
+period of the run, which is what a loop of calls pays.  Then one small
+``MPI_Allreduce(MAX)`` of every rank's median time per candidate fixes the
+choice for the bucket on every rank at once: the fastest challenger when it
+was at least ``MARGIN`` times faster than the incumbent, the incumbent
 otherwise.  (The median, not the minimum: what a training loop pays is the
 typical call, and on shared or oversubscribed cores the best call is rarely
 typical.)
@@ -49,7 +56,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "candidates", "trials"]
+__all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "candidates", "trials", "block",
+           "tuning_calls"]
 
 # Measured on the 2-core machine (bench/results, the main job): the ring never
 # beat MPI's own allreduce below 1 MiB at 2 or 4 ranks, and MPI's allreduce
@@ -70,8 +78,21 @@ MARGIN = 1.1
 
 
 def trials(nbytes: int) -> int:
-    """Timed calls per candidate for a message of ``nbytes``, after one untimed warm-up call each."""
+    """Timed calls per candidate for a message of ``nbytes``."""
     return SMALL_TRIALS if nbytes < MPI_BELOW else TRIALS
+
+
+def block(nbytes: int) -> int:
+    """Timed calls per block (each block follows one untimed call); divides ``trials``."""
+    return 4 if nbytes < MPI_BELOW else 3
+
+
+def tuning_calls(nbytes: int, ncands: int) -> int:
+    """Calls a bucket with ``ncands`` candidates takes until its choice is fixed (0 for one candidate)."""
+    if ncands < 2:
+        return 0
+    t, b = trials(nbytes), block(nbytes)
+    return ncands * (t + t // b)
 
 
 def candidates(nbytes: int, *, mpi: bool = True, shm: bool = False) -> tuple[str, ...]:
@@ -99,7 +120,7 @@ class SizeTuner:
         return int(nbytes).bit_length()
 
     def choose(self, nbytes: int, cands: tuple[str, ...]) -> tuple[str, bool]:
-        """``(algorithm, trial)``: one of ``cands``, and whether this call is a timed trial."""
+        """``(algorithm, trial)``: one of ``cands``, and whether this call is one of the trials."""
         key = (self.bucket(nbytes), cands)
         st = self._state.get(key)
         if isinstance(st, str):
@@ -107,9 +128,9 @@ class SizeTuner:
         if len(cands) == 1:
             return cands[0], False
         if st is None:
-            st = self._state[key] = {c: [] for c in cands}
-        # Round robin: the candidate with the fewest calls so far, the first on ties.
-        return min(cands, key=lambda c: len(st[c])), True
+            st = self._state[key] = {"calls": 0, "times": {c: [] for c in cands}}
+        # Blocks of 1 untimed + block(nbytes) timed calls, the candidates in turn.
+        return cands[st["calls"] // (block(nbytes) + 1) % len(cands)], True
 
     def decided(self, nbytes: int, cands: tuple[str, ...]):
         """The settled choice for ``nbytes`` among ``cands``, or None while it is still measured."""
@@ -123,18 +144,16 @@ class SizeTuner:
         self._state[(self.bucket(nbytes), cands)] = algorithm
 
     def record(self, comm, nbytes: int, cands: tuple[str, ...], algorithm: str, seconds: float) -> None:
-        """Add one trial; after the last one, agree on the winner with one small allreduce."""
+        """Count one trial call (timed unless it opens a block); after the last, agree on the winner."""
         key = (self.bucket(nbytes), cands)
         st = self._state[key]
-        st[algorithm].append(seconds)
-        n = trials(nbytes) + 1
-        if all(len(st[c]) >= n for c in cands):
+        if st["calls"] % (block(nbytes) + 1):
+            st["times"][algorithm].append(seconds)
+        st["calls"] += 1
+        if st["calls"] >= tuning_calls(nbytes, len(cands)):
             from mpi4py import MPI
 
-            # The first call of each is a warm-up (MPI builds the nonblocking
-            # schedule, a window is allocated, pages of a new size are
-            # touched): left out.
-            best = np.array([np.median(st[c][1:]) for c in cands], dtype=np.float64)
+            best = np.array([np.median(st["times"][c]) for c in cands], dtype=np.float64)
             comm.Allreduce(MPI.IN_PLACE, best, MPI.MAX)
             challenger = 1 + int(np.argmin(best[1:]))
             self._state[key] = cands[challenger] if best[challenger] * MARGIN < best[0] else cands[0]

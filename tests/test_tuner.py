@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ddlkernels._tuner import MARGIN, MPI_BELOW, RING_FROM, SizeTuner, candidates, trials
+from ddlkernels._tuner import MARGIN, MPI_BELOW, RING_FROM, SizeTuner, block, candidates, trials, tuning_calls
 
 
 class OneRank:
@@ -42,28 +42,33 @@ def run_trials(cands, seconds, nbytes=1 << 20):
         t.record(OneRank(), nbytes, cands, algo, seconds[algo])
 
 
-def test_round_robin_then_the_fastest_challenger_by_margin():
+def test_blocks_in_turn_then_the_fastest_challenger_by_margin():
     cands = ("mpi", "ring", "shm")
     n, order, choice = run_trials(cands, {"mpi": 1.0, "ring": 0.5, "shm": 0.4})
-    assert n == 3 * (trials(1 << 20) + 1)
-    assert order[:6] == ["mpi", "ring", "shm"] * 2
+    b = block(1 << 20)
+    assert n == tuning_calls(1 << 20, 3) == 3 * (trials(1 << 20) + trials(1 << 20) // b)
+    assert order[: 3 * (b + 1)] == ["mpi"] * (b + 1) + ["ring"] * (b + 1) + ["shm"] * (b + 1)
     assert choice == "shm"
     # Near ties keep the incumbent.
     assert run_trials(cands, {"mpi": 1.0, "ring": 1.0 / MARGIN * 1.01, "shm": 2.0})[2] == "mpi"
     assert run_trials(("ring", "shm"), {"ring": 1.0, "shm": 0.5})[2] == "shm"
 
 
-def test_warmup_call_is_left_out_and_sets_are_separate():
+def test_the_call_opening_each_block_is_left_out_and_sets_are_separate():
     t = SizeTuner()
     nb = 4096
     a, b = ("mpi", "nbc"), ("mpi", "nbc", "shm")
-    # A slow first (warm-up) call of shm must not count against it.
-    times = iter([1.0, 1.0, 50.0] + [1.0, 1.0, 0.1] * (trials(nb) + 1))
+    k = 0
     while True:
         algo, trial = t.choose(nb, b)
         if not trial:
             break
-        t.record(OneRank(), nb, b, algo, next(times))
+        opens_block = k % (block(nb) + 1) == 0
+        # shm is fast, except the first call of each of its blocks (the skew left by the call before).
+        seconds = {"mpi": 1.0, "nbc": 1.0, "shm": 50.0 if opens_block else 0.1}[algo]
+        t.record(OneRank(), nb, b, algo, seconds)
+        k += 1
+    assert k == tuning_calls(nb, 3)
     assert t.decided(nb, b) == "shm"
     assert t.decided(nb, a) is None  # another candidate set: its own trials
     t.settle(nb, a, "nbc")
@@ -72,7 +77,7 @@ def test_warmup_call_is_left_out_and_sets_are_separate():
 
 
 def test_medians_are_what_counts():
-    # One call in seven of shm is very slow: its median still wins.
+    # One timed call in six of shm is very slow: its median still wins.
     cands = ("mpi", "shm")
     t = SizeTuner()
     k = {"mpi": 0, "shm": 0}
@@ -81,5 +86,5 @@ def test_medians_are_what_counts():
         if not trial:
             break
         k[algo] += 1
-        t.record(OneRank(), 1 << 20, cands, algo, 1.0 if algo == "mpi" else (9.0 if k[algo] == 4 else 0.5))
+        t.record(OneRank(), 1 << 20, cands, algo, 1.0 if algo == "mpi" else (9.0 if k[algo] == 3 else 0.5))
     assert t.decided(1 << 20, cands) == "shm"

@@ -175,11 +175,11 @@ def test_small_message_path_and_ring_agree():
 @pytest.mark.parametrize("nbytes", [24, 4096, 65536])
 def test_small_sizes_measure_mpi_blocking_against_nonblocking_and_agree(nbytes):
     """Below MPI_BELOW the candidates are MPI_Allreduce, MPI_Iallreduce and (one node) shm: all tried, one kept."""
-    from ddlkernels._tuner import trials
+    from ddlkernels._tuner import tuning_calls
 
     with ddlkernels.Communicator(COMM) as dc:
         cands = {"mpi", "nbc"} | ({"shm"} if dc._shm_mode is not None else set())
-    n = len(cands) * (trials(nbytes) + 1)  # calls until the choice is made (one warm-up each)
+    n = tuning_calls(nbytes, len(cands))  # calls until the choice is made
     x = rank_data(nbytes // 8, RANK, P, np.float64)
     inputs = gather_inputs(x)
     out = np.empty_like(x)
@@ -208,7 +208,7 @@ def test_small_sizes_measure_mpi_blocking_against_nonblocking_and_agree(nbytes):
 
 def test_measured_choice_is_the_same_on_every_rank_and_always_correct():
     """small_bytes=None: trials go round MPI, the ring and (one node) shm, then one agreed choice per size bucket."""
-    from ddlkernels._tuner import MPI_BELOW, trials
+    from ddlkernels._tuner import MPI_BELOW, tuning_calls
 
     x = rank_data(MPI_BELOW // 8 * 4, RANK, P, np.float64)  # 4 x MPI_BELOW bytes: a tuned bucket
     inputs = gather_inputs(x)
@@ -216,7 +216,7 @@ def test_measured_choice_is_the_same_on_every_rank_and_always_correct():
         assert dc.small_bytes is None
         cands = {"mpi", "ring"} | ({"shm"} if dc._shm_mode is not None else set())
         seen = []
-        n = len(cands) * (trials(x.nbytes) + 1)  # calls until the choice is made (one warm-up each)
+        n = tuning_calls(x.nbytes, len(cands))  # calls until the choice is made
         for k in range(n + 3):
             assert dc.tuning(x) == (P > 1 and k < n), k
             y = dc.allreduce(x, "sum")

@@ -70,45 +70,59 @@ def test_forced_shm_every_dtype_op_size_in_and_out_of_place(forced, n, dtype, op
 @pytest.mark.parametrize("dtype", [np.float32, np.int64, np.float16], ids=["float32", "int64", "float16"])
 def test_pieces_of_any_length_cover_the_buffer(piece_bytes, dtype):
     """Pieces smaller than p elements, not a multiple of the item size, and many of them."""
-    shm = ShmAllreduce(COMM, piece_bytes=piece_bytes)
+    shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=0)
     reduce = backend_for(np.empty(0)).reduce
-    try:
-        for n in (0, 1, P + 1, 61, 1031):
-            x = rank_data(n, RANK, P, dtype, salt=3)
-            inputs = COMM.allgather(x)
-            out = np.full_like(x, 99)
-            shm.run(x, out, "sum", reduce)
-            assert_close(out, inputs, "sum", dtype, f"piece {piece_bytes} B, n={n}")
-            assert_same_on_all_ranks(COMM, out)
-            avg = np.empty_like(x)
-            shm.run(x, avg, "sum", reduce, avg_p=P)
-            assert_close(avg, inputs, "avg", dtype, f"avg, piece {piece_bytes} B, n={n}")
-    finally:
-        shm.free()
+    for n in (0, 1, P + 1, 61, 1031):
+        x = rank_data(n, RANK, P, dtype, salt=3)
+        inputs = COMM.allgather(x)
+        out = np.full_like(x, 99)
+        shm.run(x, out, "sum", reduce)
+        assert_close(out, inputs, "sum", dtype, f"piece {piece_bytes} B, n={n}")
+        assert_same_on_all_ranks(COMM, out)
+        avg = np.empty_like(x)
+        shm.run(x, avg, "sum", reduce, avg_p=P)
+        assert_close(avg, inputs, "avg", dtype, f"avg, piece {piece_bytes} B, n={n}")
+    shm.free()  # collective: on success only; a failing rank aborts the job
 
 
 @needs_peers
-def test_skewed_ranks_never_read_a_stale_or_early_buffer():
-    """Ranks arrive late by turns, call after call, with pieces of 64 B: each result is the one for its inputs.
+@pytest.mark.parametrize("whole_below", [0, 1 << 20], ids=["pieces", "whole"])
+def test_skewed_ranks_never_read_a_stale_or_early_buffer(whole_below):
+    """Ranks arrive late by turns, call after call: each result is the one for its inputs.
 
-    Without the second barrier a fast rank would gather a peer's result
-    before it is written; without the first, reduce a stage still being
-    filled.  Each call's data is new, so a value from another call shows.
+    Pieces of 64 B: without the second barrier a fast rank would gather a
+    peer's result before it is written; without the first, reduce a stage
+    still being filled.  Whole small messages: with one stage instead of two
+    alternating, a fast rank would refill it while a peer still reads it.
+    Each call's data is new, so a value from another call shows.
     """
-    shm = ShmAllreduce(COMM, piece_bytes=64)
+    shm = ShmAllreduce(COMM, piece_bytes=64, whole_below=whole_below)
     reduce = backend_for(np.empty(0)).reduce
     rng = np.random.default_rng(RANK)
-    try:
-        for call in range(40):
-            x = (np.arange(203, dtype=np.int64) * 1000 + call) * P + RANK
-            want = sum((np.arange(203, dtype=np.int64) * 1000 + call) * P + q for q in range(P))
-            if rng.random() < 0.5:
-                time.sleep(rng.random() * 2e-3)
-            out = np.empty_like(x)
-            shm.run(x, out, "sum", reduce)
-            assert np.array_equal(out, want), f"call {call}: {np.flatnonzero(out != want)[:5]}"
-    finally:
-        shm.free()
+    for call in range(40):
+        x = (np.arange(203, dtype=np.int64) * 1000 + call) * P + RANK
+        want = sum((np.arange(203, dtype=np.int64) * 1000 + call) * P + q for q in range(P))
+        if rng.random() < 0.5:
+            time.sleep(rng.random() * 2e-3)
+        out = np.empty_like(x)
+        shm.run(x, out, "sum", reduce)
+        assert np.array_equal(out, want), f"call {call}: {np.flatnonzero(out != want)[:5]}"
+    shm.free()  # collective: on success only; a failing rank aborts the job
+
+
+@needs_peers
+@pytest.mark.parametrize("n", [1, 5, 31])
+def test_small_and_large_calls_interleave(n):
+    """Whole-message calls and pieced calls share one window without stepping on each other."""
+    shm = ShmAllreduce(COMM, piece_bytes=256, whole_below=256)
+    reduce = backend_for(np.empty(0)).reduce
+    for call in range(12):
+        m = n if call % 3 else 100 + n  # int64: below 256 B (whole), then above (pieces of 256 B)
+        x = (np.arange(m, dtype=np.int64) + 7 * call) * P + RANK
+        out = np.empty_like(x)
+        shm.run(x, out, "sum", reduce)
+        assert np.array_equal(out, sum((np.arange(m, dtype=np.int64) + 7 * call) * P + q for q in range(P)))
+    shm.free()  # collective: on success only; a failing rank aborts the job
 
 
 @needs_peers
