@@ -555,7 +555,8 @@ def _ddl_label(options):
 def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},), mpi_label=None):
     """The records of one collective: ddlkernels (one per option set), MPI's own, the Sendrecv link.
 
-    ``which`` may also name "pyring": for allreduce, a textbook Python ring
+    ``which`` may also name "ring": for allreduce, ddlkernels with the tuner
+    off and the ring at every size; "pyring": for allreduce, a textbook Python ring
     (whole-block ``Sendrecv`` steps, no pipelining) as a baseline; and
     "linkchunk": the link's ring step moved as 1 MiB Isend/Irecv pieces, all
     posted at once (the step as a chunked pipeline would see it).
@@ -617,6 +618,15 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
         else:
             out.append(Collective(name, _rs_factor, _mpi_ag_make, _mpi_ag_run, _mpi_ag_wrong,
                                   unsupported=_mpi_unsupported))
+    if "ring" in which and kind == "allreduce":
+        # The multi-dimensional ring engine alone: a fixed small_bytes of 0 turns the tuner off.
+        def make_ring(comm, count, dtype, op, inplace=False):
+            st = _make_ar(comm, count, dtype, op, inplace)
+            st["dc"] = _DDL.get(comm, {"small_bytes": 0})
+            return st
+
+        out.append(Collective("ddl ring", _ar_factor, make_ring, _ddl_run, _wrong_ar,
+                              path=lambda st: st["dc"].last_algorithm or ""))
     if "pyring" in which and kind == "allreduce":
         out.append(Collective("python ring", _ar_factor, _pyring_make, _pyring_run, _wrong_ar,
                               path=lambda st: "sendrecv"))
@@ -855,7 +865,7 @@ def _short(name):
     if name.startswith("MPI_"):
         rest = name.split("[", 1)
         return "MPI" + ("[" + rest[1].replace("tuned ", "") if len(rest) > 1 else "")
-    return {"Sendrecv link": "link", "python ring": "pyring", "chunked link": "clink"}.get(name, name)
+    return {"Sendrecv link": "link", "python ring": "pyring", "chunked link": "clink", "ddl ring": "ring"}.get(name, name)
 
 
 def dump_json(path, meta, rows):

@@ -35,7 +35,7 @@ import time
 
 __all__ = ["add_subcommands", "add_bench_arguments", "main"]
 
-_IMPLS = ("ddlkernels", "mpi", "link", "pyring", "linkchunk")
+_IMPLS = ("ddlkernels", "ring", "mpi", "link", "pyring", "linkchunk")
 _DEFAULT_IMPLS = ("ddlkernels", "mpi", "link")
 
 
@@ -55,7 +55,8 @@ def add_bench_arguments(p, collective_default="allreduce"):
                    help="out of place (default), in place, or both")
     g.add_argument("--inplace", dest="place", action="store_const", const="in", help="same as --place in")
     g.add_argument("--impls", default=",".join(_DEFAULT_IMPLS),
-                   help="lines to run: ddlkernels, mpi (MPI's own collective), link (Sendrecv of one ring step), "
+                   help="lines to run: ddlkernels, ring (allreduce: ddlkernels' ring engine alone, small_bytes=0), "
+                        "mpi (MPI's own collective), link (Sendrecv of one ring step), "
                         "pyring (allreduce: a textbook Python ring of whole-block Sendrecv steps), "
                         "linkchunk (the link's step as 1 MiB Isend/Irecv pieces); "
                         "default %(default)s")
@@ -65,9 +66,8 @@ def add_bench_arguments(p, collective_default="allreduce"):
     g.add_argument("-f", "--factor", type=int, default=4, help="size multiplication factor (default %(default)s)")
     g.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default %(default)s)")
     g.add_argument("-w", "--warmup", type=int, default=14,
-                   help="untimed iterations per size (default %(default)s: covers the 2 x (1 + 6) trial calls with "
-                        "which ddlkernels picks MPI's allreduce or the ring for a new size from 256 KiB; the 2 x 17 "
-                        "calls below that finish in the first batched iteration)")
+                   help="untimed iterations per size (default %(default)s); ddlkernels' lines warm up longer while "
+                        "its size tuner still measures (ddlkernels._tuner), so timed iterations run its choice")
     g.add_argument("--no-interleave", dest="interleave", action="store_false", default=True,
                    help="run each line's iterations back to back (default: iteration i of every line in turn, "
                         "so bursts of load from other processes fall on all lines alike)")
@@ -304,7 +304,8 @@ def _report(args, meta, rows):
                   f"per size: {_batches(rows)}), time per call")
         print(f"# busbw: {meta['busbw']}")
         print(f"# load average at start {st['loadavg'][0]:.2f}, at end {en['loadavg'][0]:.2f} on {st['cpus']} cpus; "
-              f"path: which algorithm ddlkernels ran (ring; mpi = MPI_Allreduce, nbc = MPI_Iallreduce, as its size tuner chose)")
+              f"path: which algorithm ddlkernels ran (ring; shm = shared-memory window; mpi = MPI_Allreduce, "
+              f"nbc = MPI_Iallreduce; as its size tuner chose)")
         for (kind, dt, op, inplace), grp in _groups(rows).items():
             names = _names(grp)
             ddl = [n for n in names if n.startswith("ddlkernels")]
