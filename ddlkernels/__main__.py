@@ -29,10 +29,11 @@ def _info(args):
 
     comm = MPI.COMM_WORLD
     dc = Communicator(comm, cuda_aware=args.cuda_aware)
+    library = MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()  # Open MPI's ends in a NUL
     lines = [
         f"ddlkernels     {ddlkernels.__version__}",
         f"python         {platform.python_version()}  numpy {np.__version__}  mpi4py {__import__('mpi4py').__version__}",
-        f"MPI library    {MPI.Get_library_version().splitlines()[0].strip()}",
+        f"MPI library    {library}",
         f"MPI standard   {'.'.join(map(str, MPI.Get_version()))}; thread level {_thread_level(MPI.Query_thread())}",
         f"ranks          {dc.size}",
     ]
@@ -50,6 +51,9 @@ def _info(args):
     topo = dc.topology
     levels = ", ".join(f"{lv.name} x{lv.fanout}" for lv in topo.levels)
     lines.append(f"topology       {topo.ranks} ranks: {levels}")
+    shm = {None: "no (ranks span nodes, a single rank, or shm=False)", False: "yes: measured against the others per size",
+           True: "yes: forced (shm=True)"}[dc._shm_mode]
+    lines.append(f"shared memory  {shm}")
     for nbytes in (64 << 10, 1 << 20, 64 << 20):
         lines.append(f"planned box    {nbytes >> 10:>6} KiB: {'x'.join(map(str, dc.plan(nbytes).dims))}")
     if comm.Get_rank() == 0:
@@ -86,7 +90,7 @@ def _job(args):
         print(format_table(rows, impls, ratio_of=("ddlkernels", "MPI_Allreduce")))
         print(f"# #wrong total: {wrong}")
         if args.json:
-            dump_json(args.json, vars(args) | {"ranks": comm.Get_size(), "mpi": MPI.Get_library_version().splitlines()[0]}, rows)
+            dump_json(args.json, vars(args) | {"ranks": comm.Get_size(), "mpi": MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()}, rows)
     if wrong:
         sys.exit(1)
 
