@@ -66,9 +66,14 @@ def part_fusion(comm, args):
     xs = [exact(n, rank, k) for k, n in enumerate(sizes)]
     fused = lambda: ddlkernels.allreduce_many(xs, "sum")  # noqa: E731
     separate = lambda: [ddlkernels.allreduce(x, "sum") for x in xs]  # noqa: E731
-    fused(), separate()  # warm up: buffers, plans, the size tuner's trials
-    for _ in range(3):
-        separate()
+    # Warm up buffers and plans, and run the size tuner's trials to the end for
+    # every bucket of both ways (ddlkernels._tuner), so the timed rounds compare
+    # settled choices; the tuner's state is the same on every rank.
+    tuner = ddlkernels.as_communicator(comm)._tuner
+    for _ in range(40):
+        fused(), separate()
+        if "measuring" not in tuner.decisions().values():
+            break
     t = {"allreduce_many": [], "separate": []}
     for r in range(args.rounds):
         order = ("allreduce_many", "separate") if r % 2 == 0 else ("separate", "allreduce_many")

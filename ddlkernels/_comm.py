@@ -486,9 +486,6 @@ class Communicator:
                        path=algo)
         if algo == "shm":
             self.last_algorithm = algo
-            if src.__class__ is Segments:  # the window needs one buffer: pack, then reduce in place
-                src.copy_to(dst, 0, count)
-                src = dst
             if self._shm is None:
                 self._shm = ShmAllreduce(self.comm)
             self._shm.run(src, dst, redop, be.reduce, avg_p=self.size if avg else None,

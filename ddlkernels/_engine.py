@@ -99,11 +99,15 @@ class Segments:
 
     def copy_to(self, out, a: int, b: int) -> None:
         """``out[a:b] = self[a:b]``."""
+        self.copy_into(out[a:b], a, b)
+
+    def copy_into(self, dst, a: int, b: int) -> None:
+        """``dst[:b - a] = self[a:b]``."""
         for lo, hi, arr, k in self.pieces(a, b):
             if arr is None:
-                out[lo:hi] = 0
+                dst[lo - a : hi - a] = 0
             else:
-                out[lo:hi] = arr[k : k + hi - lo]
+                dst[lo - a : hi - a] = arr[k : k + hi - lo]
 
     def reduce_into(self, reduce, op, out, a: int, b: int, other, avg_p=None) -> None:
         """``out[a:b] = op(self[a:b], other)``, ``other`` holding ``b - a`` elements, with ``reduce`` of a backend."""

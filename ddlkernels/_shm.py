@@ -192,6 +192,9 @@ class ShmAllreduce:
     def run(self, src, dst, op, reduce, avg_p=None, deadline=None) -> None:
         """``dst = op over ranks of src`` (1-D host arrays of one dtype, ``src is dst`` allowed).
 
+        ``src`` may also be a ``ddlkernels._engine.Segments`` (a fusion bucket
+        never packed): each piece then stages straight from the arrays.
+
         ``reduce``: a backend's ``reduce(op, out, a, b, avg_p=...)``, used for
         "avg" and bfloat16 (numpy's ufuncs do the rest directly);
         ``avg_p``: divide by it in the last reduction ("avg").  ``deadline``:
@@ -203,13 +206,18 @@ class ShmAllreduce:
         n = src.shape[0]
         dtype = src.dtype
         ufunc = _UFUNC[op] if avg_p is None and dtype.kind in "fiu" else None
+        virtual = not isinstance(src, np.ndarray)
         if 0 < n * dtype.itemsize < self.whole_below:
+            if virtual:  # small: pack, then reduce in place
+                src.copy_to(dst, 0, n)
+                src = dst
             self._whole(src, dst, op, ufunc, reduce, avg_p, deadline)
             return
         step = max(1, self.piece_bytes // dtype.itemsize)
         for a in range(0, n, step):
             b = min(n, a + step)
-            self._piece(src[a:b], dst[a:b], self._layout(dtype, b - a), op, ufunc, reduce, avg_p, deadline)
+            x = (src, a) if virtual else src[a:b]
+            self._piece(x, dst[a:b], self._layout(dtype, b - a), op, ufunc, reduce, avg_p, deadline)
 
     def _whole(self, x, out, op, ufunc, reduce, avg_p, deadline):
         """A small message: every rank stages all of it, one barrier, every rank reduces all of it.
@@ -237,11 +245,18 @@ class ShmAllreduce:
 
     def _piece(self, x, out, layout, op, ufunc, reduce, avg_p, deadline):
         lo, hi, stage_in, mine, result, gather = layout
-        for view, a, b in stage_in:
-            view[...] = x[a:b]
-        self._barrier(deadline)
         o = out[lo:hi]
-        first = x[lo:hi]
+        if isinstance(x, tuple):  # (Segments, where this piece starts): read the arrays where they lie
+            seg, at = x
+            for view, a, b in stage_in:
+                seg.copy_into(view, at + a, at + b)
+            seg.copy_into(o, at + lo, at + hi)  # my block, reduced in place below
+            first = o
+        else:
+            for view, a, b in stage_in:
+                view[...] = x[a:b]
+            first = x[lo:hi]
+        self._barrier(deadline)
         if ufunc is not None:
             for peer in mine:
                 ufunc(first, peer, out=o)

@@ -147,3 +147,48 @@ def test_explicit_dims_keep_the_ring_and_timeouts_poll(forced):
     y = forced.allreduce(x, timeout=30)
     assert forced.last_algorithm == "shm"
     assert_close(y, COMM.allgather(x), "sum", np.float32)
+
+
+@needs_peers
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "prod"])
+@pytest.mark.parametrize("piece_bytes,whole_below", [(16, 0), (100, 0), (1 << 20, 0), (1 << 20, 1 << 20)],
+                         ids=["pieces16B", "pieces100B", "one-piece", "whole"])
+def test_fusion_bucket_read_in_place_equals_the_packed_buffer(op, piece_bytes, whole_below):
+    """A ``Segments`` (parts with gaps, empty parts) staged straight from its arrays: the packed buffer's bits."""
+    from ddlkernels._engine import Segments
+
+    rng = np.random.default_rng(5)
+    parts, pos = [], 0
+    for k in range(40):
+        pos += int(rng.integers(0, 3))
+        n = int(rng.integers(0, 11))
+        parts.append((pos, rank_data(n, RANK, P, np.float32, salt=k)))
+        pos += n
+    count = pos + 2
+    packed = np.zeros(count, np.float32)
+    for off, a in parts:
+        packed[off : off + a.size] = a
+    keep = [a.copy() for _, a in parts]
+    shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=whole_below)
+    reduce = backend_for(packed).reduce
+    redop, avg_p = ("sum", P) if op == "avg" else (op, None)
+    want = np.empty_like(packed)
+    shm.run(packed, want, redop, reduce, avg_p=avg_p)
+    got = np.full(count, np.nan, np.float32)
+    shm.run(Segments(count, np.float32, parts), got, redop, reduce, avg_p=avg_p)
+    for off, a in parts:
+        assert np.array_equal(got[off : off + a.size].view(np.uint8), want[off : off + a.size].view(np.uint8)), off
+    assert all(np.array_equal(a, k) for (_, a), k in zip(parts, keep)), "input modified"
+    assert_same_on_all_ranks(COMM, got, f"segments {op}")
+    shm.free()  # collective: on success only
+
+
+@needs_peers
+def test_allreduce_many_through_shm_equals_separate_calls():
+    xs = [rank_data(n, RANK, P, np.float32, salt=n) for n in (1, 3, 300, 70_000, 5, 400_000)]
+    with ddlkernels.Communicator(COMM, shm=True) as dc:
+        got = ddlkernels.allreduce_many(xs, "sum", comm=dc, fusion_bytes=1 << 20)
+        assert dc.last_algorithm == "shm"
+        want = [dc.allreduce(x, "sum") for x in xs]
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)
