@@ -52,7 +52,9 @@ _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multip
 #: Messages of fewer bytes go in one piece that every rank reduces whole,
 #: after a single barrier (``ShmAllreduce._whole``): p - 1 additions of the
 #: whole message instead of (p - 1) / p of it, but one barrier instead of two.
-WHOLE_BELOW = 64 << 10
+#: Measured crossover on the 2-core machine: 16-32 KiB with 2 ranks, 64 KiB
+#: and up with 3 and 4 (where a barrier costs more).  None: by p.
+WHOLE_BELOW = None
 #: Bytes of a message handled per pair of barriers (see the module comment).
 PIECE_BYTES = 1 << 20
 _ALIGN = 64
@@ -110,12 +112,12 @@ class ShmAllreduce:
     ``run`` (collective, as every call is); ``free`` releases it (collective).
     """
 
-    def __init__(self, comm, piece_bytes: int = PIECE_BYTES, whole_below: int = WHOLE_BELOW):
+    def __init__(self, comm, piece_bytes: int = PIECE_BYTES, whole_below: int | None = WHOLE_BELOW):
         self.comm = comm
         self.p = comm.Get_size()
         self.rank = comm.Get_rank()
         self.piece_bytes = int(piece_bytes)
-        self.whole_below = int(whole_below)
+        self.whole_below = (32 << 10 if self.p == 2 else 64 << 10) if whole_below is None else int(whole_below)
         self._stage_bytes = _up(self.piece_bytes)
         self._whole_at = self._stage_bytes + _up(-(-self.piece_bytes // self.p))
         self._whole_bytes = _up(self.whole_below)
@@ -227,12 +229,24 @@ class ShmAllreduce:
         after the barrier of the next small call, which every peer reaches
         only after it has read that stage.  Large calls use other memory.
         """
-        n, dtype = x.shape[0], x.dtype
-        at = self._whole_at + self._whole_set * self._whole_bytes
+        k = self._whole_set
         self._whole_set ^= 1
-        stage = [seg[at : at + n * dtype.itemsize].view(dtype) for seg in self._segs]
+        key = (x.dtype, x.shape[0], k)
+        stage = self._layouts.get(key)
+        if stage is None:  # latency-bound calls: build the views once per size
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            at = self._whole_at + k * self._whole_bytes
+            nb = x.shape[0] * x.dtype.itemsize
+            stage = self._layouts[key] = [seg[at : at + nb].view(x.dtype) for seg in self._segs]
         stage[self.rank][...] = x
-        self._barrier(deadline)
+        win = self._win
+        win.Sync()
+        if deadline is None:
+            self.comm.Barrier()
+        else:
+            deadline.wait_mpi(self.comm.Ibarrier(), "MPI_Ibarrier of the shared-memory allreduce")
+        win.Sync()
         if ufunc is not None:
             ufunc(stage[0], stage[1], out=out)
             for peer in stage[2:]:

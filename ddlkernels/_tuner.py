@@ -40,7 +40,7 @@ run of calls of one algorithm every rank's time per call tends to the
 period of the run, which is what a loop of calls pays.  Then one small
 ``MPI_Allreduce(MAX)`` of every rank's median time per candidate fixes the
 choice for the bucket on every rank at once: the fastest challenger when it
-was at least ``MARGIN`` times faster than the incumbent, the incumbent
+was at least ``margin`` times faster than the incumbent, the incumbent
 otherwise.  (The median, not the minimum: what a training loop pays is the
 typical call, and on shared or oversubscribed cores the best call is rarely
 typical.)
@@ -56,7 +56,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "candidates", "trials", "block",
+__all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN", "margin", "candidates",
+           "trials", "block",
            "tuning_calls"]
 
 # Measured on the 2-core machine (bench/results, the main job): the ring never
@@ -75,6 +76,15 @@ SMALL_TRIALS = 16
 #: cannot lose badly at small sizes (bench/results: a tie
 #: decided for the ring at 512 KiB, 4 ranks, ran at 0.45x of MPI).
 MARGIN = 1.1
+#: Below MPI_BELOW: 16 timed calls per candidate in blocks, whose medians agree
+#: across ranks within a few percent (4 ranks on 2 cores, 4-64 KiB: 29-37 us
+#: against 37-40 us); there a 5 % lead is a real one.
+SMALL_MARGIN = 1.05
+
+
+def margin(nbytes: int) -> float:
+    """How many times faster than the incumbent a challenger must be, for a message of ``nbytes``."""
+    return SMALL_MARGIN if nbytes < MPI_BELOW else MARGIN
 
 
 def trials(nbytes: int) -> int:
@@ -156,7 +166,7 @@ class SizeTuner:
             best = np.array([np.median(st["times"][c]) for c in cands], dtype=np.float64)
             comm.Allreduce(MPI.IN_PLACE, best, MPI.MAX)
             challenger = 1 + int(np.argmin(best[1:]))
-            self._state[key] = cands[challenger] if best[challenger] * MARGIN < best[0] else cands[0]
+            self._state[key] = cands[challenger] if best[challenger] * margin(nbytes) < best[0] else cands[0]
 
     def decisions(self) -> dict[str, str]:
         """Size range (and candidates, when several sets were used) -> algorithm, for reports."""

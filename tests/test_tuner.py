@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ddlkernels._tuner import MARGIN, MPI_BELOW, RING_FROM, SizeTuner, block, candidates, trials, tuning_calls
+from ddlkernels._tuner import MARGIN, MPI_BELOW, SMALL_MARGIN, margin, RING_FROM, SizeTuner, block, candidates, trials, tuning_calls
 
 
 class OneRank:
@@ -51,6 +51,11 @@ def test_blocks_in_turn_then_the_fastest_challenger_by_margin():
     assert choice == "shm"
     # Near ties keep the incumbent.
     assert run_trials(cands, {"mpi": 1.0, "ring": 1.0 / MARGIN * 1.01, "shm": 2.0})[2] == "mpi"
+    # Below MPI_BELOW a smaller lead decides.
+    assert margin(4096) == SMALL_MARGIN < MARGIN == margin(MPI_BELOW)
+    small = ("mpi", "nbc", "shm")
+    assert run_trials(small, {"mpi": 1.0, "nbc": 2.0, "shm": 1.0 / SMALL_MARGIN * 0.99}, nbytes=4096)[2] == "shm"
+    assert run_trials(small, {"mpi": 1.0, "nbc": 2.0, "shm": 1.0 / SMALL_MARGIN * 1.01}, nbytes=4096)[2] == "mpi"
     assert run_trials(("ring", "shm"), {"ring": 1.0, "shm": 0.5})[2] == "shm"
 
 
