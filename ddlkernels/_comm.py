@@ -120,7 +120,8 @@ class Communicator:
         self.shm = shm
         # One more collective at creation: do all ranks share memory?
         on_one_node = self.size > 1 and one_node(self.comm)
-        if shm is True and self.size > 1 and not on_one_node:
+        if shm is True and self.size > 1 and not on_one_node:  # the same on every rank
+            self.comm.Free()
             raise ValueError("shm=True: the ranks of this communicator do not all share one node")
         #: None: no shared-memory allreduce; else whether it is forced (True) or a tuner candidate (False)
         self._shm_mode = None if (shm is False or not on_one_node) else bool(shm)
@@ -381,7 +382,8 @@ class Communicator:
         return dst
 
     def _fast_entry(self, op, dt, nbytes):
-        """``(algorithm, MPI op, avg?)`` of the fast path for this op, dtype and size, or None; cached once settled."""
+        """``(algorithm, how, avg?)`` of the fast path for this op, dtype and size; False (settled on the full
+        path) or None (not settled, or not a fast-path case).  Settled answers are cached."""
         entry = _FAST_TABLE.get((op, dt.char)) if op.__class__ is str else None
         if entry is None or not dt.isnative or self._shm_mode:
             return None
@@ -460,7 +462,7 @@ class Communicator:
         opname, be, dtype, _ = self._prepare(x, op, None, None, None)
         redop = "sum" if opname == "avg" else opname
         nbytes = _size(x) * dtype.itemsize
-        algo, cands = self._choices(nbytes, be.device, dtype, redop, None)
+        _, cands = self._choices(nbytes, be.device, dtype, redop, None)
         return cands is not None and self._tuner.decided(nbytes, cands) is None
 
     def _allreduce_flat(self, src, dst, opname, be, dtype, chunk, dims, call=None):

@@ -24,8 +24,9 @@ into messages, no rank waits on a neighbour's send, and the data is touched a
 fixed ~4.5 times its size per rank (stage, reduce, publish, gather) whatever
 p is.  Messages longer than one piece go piece by piece: a piece of
 ``PIECE_BYTES`` keeps a rank's working set in its core's cache (measured on
-the 2-core machine: 1 MiB pieces ran 16 MiB allreduces 1.2-1.6x faster than
-one 16 MiB piece; 256 KiB and 4 MiB were in between).
+the 2-core machine by ``bench/shm_pieces.py``: 1 MiB pieces were the fastest,
+or within 2 % of it, at 4, 16 and 64 MiB with 2 and 4 ranks; 256 KiB pieces
+took 1.07-1.42x as long, 2 MiB pieces 1.00-1.35x).
 
 Two barriers per piece are enough, with one set of buffers reused by every
 piece.  A rank overwrites its stage for piece k + 1 only after the second
@@ -33,8 +34,15 @@ barrier of piece k, which every peer reaches only after it has read that
 stage; it overwrites its result for piece k + 1 only after the first barrier
 of piece k + 1, which every peer reaches only after it has gathered piece k.
 
-Memory: piece + piece / p bytes of shared memory per rank (1.5 MiB with the
-default piece and 2 ranks), allocated on the first call that uses it.
+Small messages (below 32 KiB with 2 ranks, 64 KiB with more) skip the
+pieces: every rank stages all of its message, one barrier, and every rank
+sums all p copies in rank order -- p - 1 additions of the whole message
+instead of one block's, but one barrier instead of two, which is what a
+latency-bound call pays for (``ShmAllreduce._whole``).
+
+Memory: piece + piece / p + 2 x 64 KiB of shared memory per rank (~1.6 MiB
+with the default piece and 2 ranks), allocated on the first call that uses
+it.
 """
 
 from __future__ import annotations
@@ -52,8 +60,10 @@ _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multip
 #: Messages of fewer bytes go in one piece that every rank reduces whole,
 #: after a single barrier (``ShmAllreduce._whole``): p - 1 additions of the
 #: whole message instead of (p - 1) / p of it, but one barrier instead of two.
-#: Measured crossover on the 2-core machine: 16-32 KiB with 2 ranks, 64 KiB
-#: and up with 3 and 4 (where a barrier costs more).  None: by p.
+#: Measured by ``bench/shm_pieces.py --small`` on the 2-core machine: with 2
+#: ranks whole wins at 16 KiB (3.3 vs 4.6 us) and loses at 64 KiB (7.7 vs
+#: 6.4); with 4 ranks, where a barrier costs more, it wins up to 64 KiB (31.7
+#: vs 40.6) and loses at 256 KiB.  None: 32 KiB for 2 ranks, 64 KiB for more.
 WHOLE_BELOW = None
 #: Bytes of a message handled per pair of barriers (see the module comment).
 PIECE_BYTES = 1 << 20
@@ -108,8 +118,11 @@ class ShmAllreduce:
     """The shared-memory allreduce of one communicator whose ranks all share a node.
 
     ``comm``: an mpi4py Intracomm (the caller checked ``one_node``).
-    ``piece_bytes``: bytes per piece.  The window is allocated by the first
-    ``run`` (collective, as every call is); ``free`` releases it (collective).
+    ``piece_bytes``: bytes per piece.  ``whole_below``: messages of fewer
+    bytes are reduced whole by every rank after one barrier (``_whole``);
+    None: 32 KiB for 2 ranks, 64 KiB for more (``WHOLE_BELOW``).  The window
+    is allocated by the first ``run`` (collective, as every call is); ``free``
+    releases it (collective).
     """
 
     def __init__(self, comm, piece_bytes: int = PIECE_BYTES, whole_below: int | None = WHOLE_BELOW):

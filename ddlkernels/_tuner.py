@@ -34,10 +34,12 @@ below ``MPI_BELOW``, where calls are cheap and their times noisy, else
 ``TRIALS``), in blocks of ``block`` calls, each block after one untimed call.
 That call absorbs the skew the previous algorithm left between the ranks:
 timed alone after a different algorithm, a call's time on one rank depends
-on when its peers left that other call (seen at 4 ranks on 2 cores: one
-algorithm's median ran 15 us on one rank and 75 us on another), while in a
-run of calls of one algorithm every rank's time per call tends to the
-period of the run, which is what a loop of calls pays.  Then one small
+on when its peers left that other call, while in a run of calls of one
+algorithm every rank's time per call tends to the period of the run, which
+is what a loop of calls pays.  ``bench/tuner_trials.py`` shows it (4 ranks
+on 2 cores, 4 KiB): the shared-memory allreduce's median was 14.9, 16.3,
+41.5 and 23.1 us on the four ranks when candidates took turns call by call,
+21.1-22.5 us on all four in blocks.  Then one small
 ``MPI_Allreduce(MAX)`` of every rank's median time per candidate fixes the
 choice for the bucket on every rank at once: the fastest challenger when it
 was at least ``margin`` times faster than the incumbent, the incumbent
@@ -76,9 +78,12 @@ SMALL_TRIALS = 16
 #: cannot lose badly at small sizes (bench/results: a tie
 #: decided for the ring at 512 KiB, 4 ranks, ran at 0.45x of MPI).
 MARGIN = 1.1
-#: Below MPI_BELOW: 16 timed calls per candidate in blocks, whose medians agree
-#: across ranks within a few percent (4 ranks on 2 cores, 4-64 KiB: 29-37 us
-#: against 37-40 us); there a 5 % lead is a real one.
+#: Below MPI_BELOW: 16 timed calls per candidate in blocks, whose per-rank
+#: medians mostly agree within a few percent (bench/tuner_trials.py, 4 ranks
+#: at 4-64 KiB), and the deciding statistic, the slowest rank's median, leans
+#: to the incumbent when one rank is off; there a 5 % lead is a real one.
+#: With 10 %, trials at 4 KiB and 4 ranks kept MPI's call although the
+#: shared-memory allreduce ran 1.4x faster once chosen (bench/results).
 SMALL_MARGIN = 1.05
 
 

@@ -1,0 +1,42 @@
+"""The shared-memory and tuner bench scripts run to the end at 2 ranks, on tiny sizes (they check their results)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+
+pytestmark = [
+    pytest.mark.skipif(not os.path.exists(MPIRUN), reason="no mpirun beside this python"),
+    pytest.mark.skipif(any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_RANK")), reason="already under mpirun"),
+]
+
+
+def run(*args):
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe", MPIEXEC_TIMEOUT="120")
+    proc = subprocess.run([MPIRUN, "-n", "2", sys.executable, "-m", "mpi4py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_shm_pieces_compares_every_setting_with_mpi():
+    out = run("bench/shm_pieces.py", "--sizes", "64K,200K", "--pieces", "16K,64K", "--rounds", "2")
+    lines = [ln for ln in out.splitlines() if not ln.startswith("#")]
+    assert [ln.split()[0] for ln in lines] == ["64K", "200K"]
+    assert all("MPI_Allreduce" in ln and "piece 16K" in ln and "piece 64K" in ln for ln in lines)
+    out = run("bench/shm_pieces.py", "--small", "--sizes", "4K", "--rounds", "2")
+    assert "whole" in out and "pieces" in out
+
+
+def test_tuner_trials_prints_both_orders_for_every_rank():
+    out = run("bench/tuner_trials.py", "--sizes", "4K")
+    rows = [ln.split() for ln in out.splitlines() if not ln.startswith("#")]
+    assert [r[1] for r in rows] == ["turns", "blocks"]
+    for r in rows:  # "mpi:" t0 t1 "nbc:" t0 t1 "shm:" t0 t1
+        assert r[2::3] == ["mpi:", "nbc:", "shm:"]
+        assert all(float(v) > 0 for v in r[3:5] + r[6:8] + r[9:11])
