@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 import ddlkernels
 from ddlkernels._bench import parse_size
+from ddlkernels._tuner import candidates
 
 
 class _NoMPI:
@@ -45,7 +46,7 @@ def main():
     y = np.empty_like(x)
     # As on a multi-rank communicator whose tuner settled this size on MPI_Allreduce.
     dc.comm, dc.size, dc._fast_ok = _NoMPI(), 4, True
-    dc._tuner._state[dc._tuner.bucket(x.nbytes)] = "mpi"
+    dc._tuner.settle(x.nbytes, candidates(x.nbytes, shm=dc._shm_mode is not None), "mpi")
     stand_in = _NoMPI()
     cases = {
         "Communicator.allreduce(x, 'sum', out=y)": lambda: dc.allreduce(x, "sum", out=y),

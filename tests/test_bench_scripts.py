@@ -1,4 +1,4 @@
-"""The shared-memory and tuner bench scripts run to the end at 2 ranks, on tiny sizes (they check their results)."""
+"""Bench scripts that lean on internals run to the end, on tiny sizes (each checks what it measures)."""
 
 import os
 import subprocess
@@ -40,3 +40,11 @@ def test_tuner_trials_prints_both_orders_for_every_rank():
     for r in rows:  # "mpi:" t0 t1 "nbc:" t0 t1 "shm:" t0 t1
         assert r[2::3] == ["mpi:", "nbc:", "shm:"]
         assert all(float(v) > 0 for v in r[3:5] + r[6:8] + r[9:11])
+
+
+def test_fastpath_overhead_runs_the_fast_path():
+    """It settles the tuner by hand (internal state) and asserts the fast path ran."""
+    proc = subprocess.run([sys.executable, "bench/fastpath_overhead.py", "--calls", "200"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("us per call") == 3
