@@ -10,14 +10,19 @@ into blocks B0 = [0, 3), B1 = [3, 6), B2 = [6, 9), seen by rank 1::
     stage   copy x[B0], x[B2] into my stage area       (peers need them;
                                                          my own B1 stays in x)
     barrier                                             every stage is full
-    reduce  out[B1] = x[B1] + stage0[B1] + stage2[B1]   (only rank 1 sums B1)
+    reduce  out[B1] = stage0[B1] + x[B1] + stage2[B1]   (only rank 1 sums B1,
+                                                         in rank order)
             result1[:3] = out[B1]                        publish it
     barrier                                             every result is out
     gather  out[B0] = result0[:3], out[B2] = result2[:3]
 
-Each block is summed by exactly one rank, in a fixed order (its owner's own
-block first, then the other ranks in rank order), and every rank copies the
-same bits, so the result is bitwise identical everywhere.
+Each block is summed by exactly one rank, in rank order (rank 0's values,
+plus rank 1's, plus rank 2's, ...), and every rank copies the same bits, so
+the result is bitwise identical everywhere -- and, whatever the piece size,
+the fusion layout or the small-message form, each element is exactly
+``((x0 + x1) + x2) + ...``, as numpy would add the p arrays in turn.  (From
+rank 2 on, an in-place call copies the owner's own block aside first: the
+sum runs into ``out[B]``, which is then ``x[B]``.)
 
 Compared with a ring over MPI's shared-memory transport, nothing is chunked
 into messages, no rank waits on a neighbour's send, and the data is touched a
@@ -195,7 +200,9 @@ class ShmAllreduce:
             lo,
             hi,
             [(stage[r][a:b], a, b) for a, b in ((0, lo), (hi, n)) if b > a],  # what peers need from my x
-            [stage[s][lo:hi] for s in others],  # my block as each peer staged it, in rank order
+            # The operands of my block in rank order; None: my own (see _piece).
+            [None if s == r else stage[s][lo:hi] for s in range(p)],
+            stage[r][lo:hi],  # where my own operand goes when it must not stay in out
             result[r],
             [(bounds[s], bounds[s + 1], result[s]) for s in others],
         )
@@ -222,6 +229,7 @@ class ShmAllreduce:
         dtype = src.dtype
         ufunc = _UFUNC[op] if avg_p is None and dtype.kind in "fiu" else None
         virtual = not isinstance(src, np.ndarray)
+        aliased = not virtual and (src is dst or np.may_share_memory(src, dst))
         if 0 < n * dtype.itemsize < self.whole_below:
             if virtual:  # small: pack, then reduce in place
                 src.copy_to(dst, 0, n)
@@ -232,7 +240,7 @@ class ShmAllreduce:
         for a in range(0, n, step):
             b = min(n, a + step)
             x = (src, a) if virtual else src[a:b]
-            self._piece(x, dst[a:b], self._layout(dtype, b - a), op, ufunc, reduce, avg_p, deadline)
+            self._piece(x, dst[a:b], self._layout(dtype, b - a), op, ufunc, reduce, avg_p, deadline, aliased)
 
     def _whole(self, x, out, op, ufunc, reduce, avg_p, deadline):
         """A small message: every rank stages all of it, one barrier, every rank reduces all of it.
@@ -270,29 +278,37 @@ class ShmAllreduce:
             for i in range(2, self.p):
                 reduce(op, out, out, stage[i], avg_p=avg_p if i == last else None)
 
-    def _piece(self, x, out, layout, op, ufunc, reduce, avg_p, deadline):
-        lo, hi, stage_in, mine, result, gather = layout
+    def _piece(self, x, out, layout, op, ufunc, reduce, avg_p, deadline, aliased):
+        lo, hi, stage_in, operands, spare, result, gather = layout
         o = out[lo:hi]
+        # My own operand.  The sum runs in rank order into o, so from rank 2
+        # on, my operand must not be o itself (the first addition would
+        # overwrite it before its turn): in place, or for a Segments whose
+        # block has to be copied somewhere, it goes to my unused stage block.
         if isinstance(x, tuple):  # (Segments, where this piece starts): read the arrays where they lie
             seg, at = x
             for view, a, b in stage_in:
                 seg.copy_into(view, at + a, at + b)
-            seg.copy_into(o, at + lo, at + hi)  # my block, reduced in place below
-            first = o
+            own = o if self.rank < 2 else spare
+            seg.copy_into(own, at + lo, at + hi)
         else:
             for view, a, b in stage_in:
                 view[...] = x[a:b]
-            first = x[lo:hi]
+            own = x[lo:hi]
+            if aliased and self.rank >= 2:
+                spare[...] = own
+                own = spare
         self._barrier(deadline)
+        ops = [own if v is None else v for v in operands]
         if ufunc is not None:
-            for peer in mine:
-                ufunc(first, peer, out=o)
-                first = o
+            ufunc(ops[0], ops[1], out=o)
+            for v in ops[2:]:
+                ufunc(o, v, out=o)
         else:
-            last = len(mine) - 1
-            for i, peer in enumerate(mine):
-                reduce(op, o, first, peer, avg_p=avg_p if i == last else None)
-                first = o
+            last = self.p - 1
+            reduce(op, o, ops[0], ops[1], avg_p=avg_p if last == 1 else None)
+            for i in range(2, self.p):
+                reduce(op, o, o, ops[i], avg_p=avg_p if i == last else None)
         result[...] = o
         self._barrier(deadline)
         for a, b, view in gather:

@@ -192,3 +192,29 @@ def test_allreduce_many_through_shm_equals_separate_calls():
         want = [dc.allreduce(x, "sum") for x in xs]
     for g, w in zip(got, want):
         assert np.array_equal(g, w)
+
+
+@needs_peers
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("piece_bytes,whole_below", [(24, 0), (1000, 0), (1 << 20, 0), (1 << 20, 1 << 20)],
+                         ids=["pieces24B", "pieces1000B", "one-piece", "whole"])
+def test_every_element_is_the_rank_order_fold_bitwise(dtype, op, piece_bytes, whole_below):
+    """((x0 op x1) op x2) ...: the same bits whatever the piece size or form, in place or not."""
+    n = 997
+    x = rank_data(n, RANK, P, dtype, salt=11)
+    xs = COMM.allgather(x)
+    be = backend_for(x)
+    redop, avg_p = ("sum", P) if op == "avg" else (op, None)
+    want = np.empty_like(x)
+    be.reduce(redop, want, xs[0], xs[1], avg_p=avg_p if P == 2 else None)
+    for i in range(2, P):
+        be.reduce(redop, want, want, xs[i], avg_p=avg_p if i == P - 1 else None)
+    shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=whole_below)
+    got = np.empty_like(x)
+    shm.run(x, got, redop, be.reduce, avg_p=avg_p)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{op} {dtype}: not the rank-order fold"
+    z = x.copy()
+    shm.run(z, z, redop, be.reduce, avg_p=avg_p)
+    assert np.array_equal(z.view(np.uint8), want.view(np.uint8)), f"{op} {dtype}: in place differs"
+    shm.free()  # collective: on success only
