@@ -82,7 +82,9 @@ def _job(args):
     if comm.Get_rank() == 0:
         print(f"# ddlkernels allreduce vs MPI_Allreduce: {comm.Get_size()} ranks, {args.dtype}, op {args.op}, "
               f"{'in place' if args.inplace else 'out of place'}, {args.iters} iterations (median), "
-              f"time = slowest rank; busbw = algbw * 2(p-1)/p; path: which algorithm ddlkernels ran")
+              f"time = slowest rank; busbw = algbw * 2(p-1)/p; path: which algorithm ddlkernels ran "
+              f"(ring: its multi-dimensional ring; shm: its shared-memory allreduce; mpi / nbc: MPI_Allreduce / "
+              f"MPI_Iallreduce, as its size tuner chose)")
         if args.min_sample_ms > 0 and not args.inplace:
             calls = " ".join(f"{format_size(r['bytes'])}x{r['batch']}" for r in rows)
             print(f"# an iteration = back-to-back calls lasting about {args.min_sample_ms:g} ms, as nccl-tests "
