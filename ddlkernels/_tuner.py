@@ -14,7 +14,7 @@ Four algorithms compute the same result (host arrays):
   a candidate only when every rank shares one node.
 
 "mpi" and "nbc" are candidates only for MPI's own types and ops whose NaN
-handling matches numpy's (see ``Communicator._allreduce_flat``).  Small
+handling matches numpy's (see ``Communicator._choices``).  Small
 messages are latency-bound: MPI's recursive-doubling allreduce needs
 log2(p) message rounds where a ring needs 2(p - 1), so below some size MPI's
 own calls win; above it the ring's bandwidth-optimal data movement does.
