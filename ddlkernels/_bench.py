@@ -592,7 +592,8 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
                     return st
 
                 out.append(Collective(_ddl_label(opts), _rs_factor, make, _ddl_rs_run, _ddl_rs_wrong,
-                                      path=lambda st: "ring",
+                                      path=lambda st: st["dc"].last_algorithm or "",
+                                      settling=lambda st: st["dc"].tuning(st["x"], collective="reduce_scatter"),
                                       unsupported=lambda d, o, inplace: "no in-place reduce_scatter API"
                                       if inplace else None))
             else:
@@ -605,7 +606,8 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
                     return {"dc": dc, "shard": full[lo:hi].copy(), "pristine": full[lo:hi].copy(), "expect": full}
 
                 out.append(Collective(_ddl_label(opts), _rs_factor, make, _ddl_ag_run, _ddl_ag_wrong,
-                                      path=lambda st: "ring",
+                                      path=lambda st: st["dc"].last_algorithm or "",
+                                      settling=lambda st: st["dc"].tuning(st["expect"], collective="allgather"),
                                       unsupported=lambda d, o, inplace: "no in-place allgather API"
                                       if inplace else None))
     if "mpi" in which:

@@ -96,6 +96,8 @@ class Communicator:
         small = env.small_bytes if small_bytes is None else small_bytes
         self.small_bytes = None if small is None else _nonneg("small_bytes", small)
         self._tuner = SizeTuner()
+        #: reduce_scatter and allgather: the ring or (one node) shared memory, measured per size
+        self._shard_tuners = {"reduce_scatter": SizeTuner(), "allgather": SizeTuner()}
         self.window = _positive("window", env.window if window is None else window)
         self.cuda_aware_override = env.cuda_aware if cuda_aware is None else bool(cuda_aware)
         self.validate = env.validate if validate is None else bool(validate)
@@ -137,7 +139,8 @@ class Communicator:
         self._schedules: dict = {}
         self._buffers: dict = {}
         self._transports: dict = {}
-        #: "ring", "mpi", "nbc" or "shm": which algorithm the last allreduce ran (for reports; ddlkernels._tuner).
+        #: "ring", "mpi", "nbc" or "shm": which algorithm the last allreduce, reduce_scatter or allgather ran
+        #: (for reports; ddlkernels._tuner).
         self.last_algorithm = None
 
     # -- lifetime ------------------------------------------------------------
@@ -453,17 +456,52 @@ class Communicator:
             return "mpi", None
         return "ring", None
 
-    def tuning(self, x, op="sum") -> bool:
+    def tuning(self, x, op="sum", *, collective="allreduce") -> bool:
         """Whether ``allreduce(x, op)`` on this communicator is still one of the tuner's timed trials.
 
         The same on every rank.  Benchmarks call until it is False, so that
         timed iterations run the settled algorithm (``ddlkernels._tuner``).
+        ``collective="reduce_scatter"`` or ``"allgather"`` asks the same of
+        those collectives for a whole buffer like ``x`` (for allgather: the
+        gathered size, not the shard's).
         """
         opname, be, dtype, _ = self._prepare(x, op, None, None, None)
-        redop = "sum" if opname == "avg" else opname
         nbytes = _size(x) * dtype.itemsize
+        if collective != "allreduce":
+            algo, cands = self._shard_choices(nbytes, be.device, None)
+            return cands is not None and self._shard_tuners[collective].decided(nbytes, cands) is None
+        redop = "sum" if opname == "avg" else opname
         _, cands = self._choices(nbytes, be.device, dtype, redop, None)
         return cands is not None and self._tuner.decided(nbytes, cands) is None
+
+    def _shard_choices(self, nbytes, device, dims):
+        """reduce_scatter / allgather: ``(algorithm, None)`` when fixed, ``(None, candidates)`` when measured."""
+        if self._shm_mode is None or device or dims is not None:
+            return "ring", None
+        if self._shm_mode:
+            return "shm", None
+        if self.small_bytes is not None:  # a fixed threshold means: no measuring, the ring as before
+            return "ring", None
+        return None, ("ring", "shm")
+
+    def _shard_path(self, kind, nbytes, device, dims, run):
+        """Choose (and time, while measuring) the algorithm of one reduce_scatter / allgather; ``run(algo)``."""
+        algo, cands = self._shard_choices(nbytes, device, dims)
+        if cands is None:
+            return run(algo)
+        tuner = self._shard_tuners[kind]
+        algo, trial = tuner.choose(nbytes, cands)
+        if not trial:
+            return run(algo)
+        t0 = perf_counter()
+        result = run(algo)
+        tuner.record(self.comm, nbytes, cands, algo, perf_counter() - t0)
+        return result
+
+    def _shm_collectives(self):
+        if self._shm is None:
+            self._shm = ShmAllreduce(self.comm)
+        return self._shm
 
     def _allreduce_flat(self, src, dst, opname, be, dtype, chunk, dims, call=None):
         count = src.shape[0]
@@ -488,10 +526,8 @@ class Communicator:
                        path=algo)
         if algo == "shm":
             self.last_algorithm = algo
-            if self._shm is None:
-                self._shm = ShmAllreduce(self.comm)
-            self._shm.run(src, dst, redop, be.reduce, avg_p=self.size if avg else None,
-                          deadline=None if call is None else call.deadline)
+            self._shm_collectives().run(src, dst, redop, be.reduce, avg_p=self.size if avg else None,
+                                        deadline=None if call is None else call.deadline)
             return
         if algo != "ring":
             self.last_algorithm = algo
@@ -613,15 +649,29 @@ class Communicator:
         src, _ = self._flat_input(be, x)
         count = src.shape[0]
         plan = self._shard_plan(dims)
-        sched = self._schedule(count, plan, "rs")
-        if call is not None:
-            call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=chunk, path="ring")
-        work = self._scratch(be, dtype, count)
-        self._run_ring(sched, src, work, opname, be, dtype, chunk, call)
-        lo, hi = sched.shard
-        shard = be.empty(hi - lo, dtype)
-        be.copy(shard, work[lo:hi])
-        return shard
+
+        def run(algo):
+            if call is not None:
+                call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=chunk, path=algo)
+            self.last_algorithm = algo
+            if algo == "shm":
+                bounds = [shard_bounds(count, plan.dims, plan.index_of(r)) for r in range(self.size)]
+                lo, hi = bounds[self.rank]
+                shard = be.empty(hi - lo, dtype)
+                avg = opname == "avg"
+                self._shm_collectives().reduce_scatter(src, shard, bounds, "sum" if avg else opname, be.reduce,
+                                                       avg_p=self.size if avg else None,
+                                                       deadline=None if call is None else call.deadline)
+                return shard
+            sched = self._schedule(count, plan, "rs")
+            work = self._scratch(be, dtype, count)
+            self._run_ring(sched, src, work, opname, be, dtype, chunk, call)
+            lo, hi = sched.shard
+            shard = be.empty(hi - lo, dtype)
+            be.copy(shard, work[lo:hi])
+            return shard
+
+        return self._shard_path("reduce_scatter", count * dtype.itemsize, be.device, dims, run)
 
     def allgather(self, shard, *, dims=None, chunk_bytes=None, backend=None, validate=None, timeout=None):
         """Concatenate every rank's shard into the whole buffer (a new 1-D array on every rank).
@@ -654,13 +704,21 @@ class Communicator:
         if bad:
             detail = ", ".join(f"rank {r}: {lengths[r]} (expected {expect[r][1] - expect[r][0]})" for r in bad[:8])
             raise ValueError(f"allgather: shard lengths do not match shard_range of {count} elements: {detail}")
-        sched = self._schedule(count, plan, "ag")
-        out = be.empty(count, dtype)
-        lo, hi = sched.shard
-        be.copy(out[lo:hi], src)
-        execute(sched, out, out, "sum", backend=be, transport=self._transport(be), chunk=chunk, slots=[], avg_p=None,
-                deadline=None if call is None else call.deadline)
-        return out
+
+        def run(algo):
+            self.last_algorithm = algo
+            out = be.empty(count, dtype)
+            if algo == "shm":
+                self._shm_collectives().allgather(src, out, expect, deadline=None if call is None else call.deadline)
+                return out
+            sched = self._schedule(count, plan, "ag")
+            lo, hi = sched.shard
+            be.copy(out[lo:hi], src)
+            execute(sched, out, out, "sum", backend=be, transport=self._transport(be), chunk=chunk, slots=[],
+                    avg_p=None, deadline=None if call is None else call.deadline)
+            return out
+
+        return self._shard_path("allgather", count * dtype.itemsize, be.device, dims, run)
 
 
 def backend_input_numpy(x):

@@ -45,6 +45,11 @@ sums all p copies in rank order -- p - 1 additions of the whole message
 instead of one block's, but one barrier instead of two, which is what a
 latency-bound call pays for (``ShmAllreduce._whole``).
 
+The same window serves ``reduce_scatter`` (stage the sub-chunks of each
+peer's shard, one barrier, fold my own shard's sub-chunk, one barrier) and
+``allgather`` (publish a sub-chunk of my shard, barrier, copy the others',
+barrier), with the shard boundaries the caller gives (``shard_range``).
+
 Memory: piece + piece / p + 2 x 64 KiB of shared memory per rank (~1.6 MiB
 with the default piece and 2 ranks), allocated on the first call that uses
 it.
@@ -117,6 +122,19 @@ def _quiet_window(fn):
             if keep:
                 sys.stderr.write("\n".join(keep) + "\n")
                 sys.stderr.flush()
+
+
+def _fold(out, operands, op, ufunc, reduce, avg_p):
+    """``out = ((operands[0] op operands[1]) op operands[2]) ...``; "avg" scales in the last step."""
+    if ufunc is not None:
+        ufunc(operands[0], operands[1], out=out)
+        for v in operands[2:]:
+            ufunc(out, v, out=out)
+        return
+    last = len(operands) - 1
+    reduce(op, out, operands[0], operands[1], avg_p=avg_p if last == 1 else None)
+    for i in range(2, len(operands)):
+        reduce(op, out, out, operands[i], avg_p=avg_p if i == last else None)
 
 
 class ShmAllreduce:
@@ -250,33 +268,113 @@ class ShmAllreduce:
         after the barrier of the next small call, which every peer reaches
         only after it has read that stage.  Large calls use other memory.
         """
+        stage = self._whole_stage(x.dtype, x.shape[0])
+        stage[self.rank][...] = x
+        self._barrier(deadline)
+        _fold(out, stage, op, ufunc, reduce, avg_p)
+
+    def _whole_stage(self, dtype, n):
+        """Every rank's current small-message stage as ``n`` elements of ``dtype``; the next call takes the other.
+
+        Any small call -- allreduce, reduce_scatter, allgather -- writes only
+        its own stage, then one barrier, then reads; so the alternation keeps
+        every stage unread-over (see ``_whole``).
+        """
         k = self._whole_set
         self._whole_set ^= 1
-        key = (x.dtype, x.shape[0], k)
+        key = (dtype, n, k)
         stage = self._layouts.get(key)
         if stage is None:  # latency-bound calls: build the views once per size
             if len(self._layouts) >= 64:
                 self._layouts.clear()
             at = self._whole_at + k * self._whole_bytes
-            nb = x.shape[0] * x.dtype.itemsize
-            stage = self._layouts[key] = [seg[at : at + nb].view(x.dtype) for seg in self._segs]
-        stage[self.rank][...] = x
-        win = self._win
-        win.Sync()
-        if deadline is None:
-            self.comm.Barrier()
-        else:
-            deadline.wait_mpi(self.comm.Ibarrier(), "MPI_Ibarrier of the shared-memory allreduce")
-        win.Sync()
-        if ufunc is not None:
-            ufunc(stage[0], stage[1], out=out)
-            for peer in stage[2:]:
-                ufunc(out, peer, out=out)
-        else:
-            last = self.p - 1
-            reduce(op, out, stage[0], stage[1], avg_p=avg_p if last == 1 else None)
-            for i in range(2, self.p):
-                reduce(op, out, out, stage[i], avg_p=avg_p if i == last else None)
+            stage = self._layouts[key] = [seg[at : at + n * dtype.itemsize].view(dtype) for seg in self._segs]
+        return stage
+
+    def _ready(self, src, op, avg_p):
+        if self._win is None:
+            self._allocate()
+        dtype = src.dtype
+        ufunc = _UFUNC.get(op) if avg_p is None and dtype.kind in "fiu" else None
+        return dtype, ufunc
+
+    def reduce_scatter(self, src, out, bounds, op, reduce, avg_p=None, deadline=None) -> None:
+        """``out = (op over ranks of src)[bounds[rank]]``: this rank's shard, the rank-order fold.
+
+        ``src``: 1-D host array of n elements, the same n on every rank;
+        ``bounds``: ``(lo, hi)`` per rank, a partition of ``[0, n)`` into
+        ranges (``Communicator.shard_range``); ``out``: ``hi - lo`` elements,
+        not overlapping ``src``.  Worked example, 3 ranks, shards S0, S1, S2
+        cut into sub-chunks of ``c`` elements, piece k seen by rank 1::
+
+            stage    my x[S0 chunk k] -> my slot 0, x[S2 chunk k] -> my slot 2
+            barrier
+            reduce   out[chunk k] = slot1 of rank 0 + x[S1 chunk k] + slot1 of rank 2
+            barrier  (peers are done reading my slots before I refill them)
+
+        A message under ``whole_below`` bytes is staged whole, one barrier.
+        """
+        dtype, ufunc = self._ready(src, op, avg_p)
+        p, r, n = self.p, self.rank, src.shape[0]
+        lo, hi = bounds[r]
+        if 0 < n * dtype.itemsize < self.whole_below:
+            stage = self._whole_stage(dtype, n)
+            stage[r][...] = src
+            self._barrier(deadline)
+            _fold(out, [v[lo:hi] for v in stage], op, ufunc, reduce, avg_p)
+            return
+        c = max(1, self.piece_bytes // dtype.itemsize // p)
+        stage = [seg[: p * c * dtype.itemsize].view(dtype) for seg in self._segs]
+        longest = max(b - a for a, b in bounds)
+        for k in range(0, longest, c):
+            for s in range(p):
+                a = bounds[s][0] + k
+                b = min(bounds[s][1], a + c)
+                if s != r and b > a:
+                    stage[r][s * c : s * c + b - a] = src[a:b]
+            self._barrier(deadline)
+            a, b = lo + k, min(hi, lo + k + c)
+            if b > a:
+                ops = [src[a:b] if q == r else stage[q][r * c : r * c + b - a] for q in range(p)]
+                _fold(out[k : k + b - a], ops, op, ufunc, reduce, avg_p)
+            self._barrier(deadline)
+
+    def allgather(self, shard, out, bounds, deadline=None) -> None:
+        """``out[bounds[s]] = shard of rank s`` for every s; ``out`` has ``bounds[-1][1]`` elements.
+
+        Each rank publishes its shard piece by piece in its own segment, one
+        barrier, every rank copies the others', a barrier before the next
+        piece overwrites them; a whole message under ``whole_below`` bytes
+        goes through the small-message stages with one barrier.
+        """
+        if self._win is None:
+            self._allocate()
+        p, r, dtype = self.p, self.rank, shard.dtype
+        n = out.shape[0]
+        lo, hi = bounds[r]
+        out[lo:hi] = shard
+        if 0 < n * dtype.itemsize < self.whole_below:
+            stage = self._whole_stage(dtype, n)
+            stage[r][: hi - lo] = shard
+            self._barrier(deadline)
+            for s in range(p):
+                if s != r:
+                    a, b = bounds[s]
+                    out[a:b] = stage[s][: b - a]
+            return
+        c = max(1, self.piece_bytes // dtype.itemsize)
+        slot = [seg[: c * dtype.itemsize].view(dtype) for seg in self._segs]
+        longest = max(b - a for a, b in bounds)
+        for k in range(0, longest, c):
+            m = max(0, min(hi - lo - k, c))
+            slot[r][:m] = shard[k : k + m]
+            self._barrier(deadline)
+            for s in range(p):
+                a = bounds[s][0] + k
+                b = min(bounds[s][1], a + c)
+                if s != r and b > a:
+                    out[a:b] = slot[s][: b - a]
+            self._barrier(deadline)
 
     def _piece(self, x, out, layout, op, ufunc, reduce, avg_p, deadline, aliased):
         lo, hi, stage_in, operands, spare, result, gather = layout
@@ -299,16 +397,7 @@ class ShmAllreduce:
                 spare[...] = own
                 own = spare
         self._barrier(deadline)
-        ops = [own if v is None else v for v in operands]
-        if ufunc is not None:
-            ufunc(ops[0], ops[1], out=o)
-            for v in ops[2:]:
-                ufunc(o, v, out=o)
-        else:
-            last = self.p - 1
-            reduce(op, o, ops[0], ops[1], avg_p=avg_p if last == 1 else None)
-            for i in range(2, self.p):
-                reduce(op, o, o, ops[i], avg_p=avg_p if i == last else None)
+        _fold(o, [own if v is None else v for v in operands], op, ufunc, reduce, avg_p)
         result[...] = o
         self._barrier(deadline)
         for a, b, view in gather:

@@ -47,6 +47,10 @@ otherwise.  (The median, not the minimum: what a training loop pays is the
 typical call, and on shared or oversubscribed cores the best call is rarely
 typical.)
 
+``reduce_scatter`` and ``allgather`` have tuners of their own
+(``Communicator._shard_tuners``) with the candidates "ring" and, on one
+node, "shm", measured the same way.
+
 Every rank makes the same sequence of calls with the same sizes (a
 collective requires it), so every rank reaches the deciding allreduce in the
 same call and the choice is identical everywhere.  Because the choice is

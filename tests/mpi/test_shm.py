@@ -218,3 +218,77 @@ def test_every_element_is_the_rank_order_fold_bitwise(dtype, op, piece_bytes, wh
     shm.run(z, z, redop, be.reduce, avg_p=avg_p)
     assert np.array_equal(z.view(np.uint8), want.view(np.uint8)), f"{op} {dtype}: in place differs"
     shm.free()  # collective: on success only
+
+
+def _bounds(n):
+    """Uneven shards (rank r gets a share growing with r) that still partition [0, n)."""
+    w = np.arange(1, P + 1)
+    cuts = np.concatenate([[0], np.cumsum(w)]) * n // w.sum()
+    return [(int(cuts[s]), int(cuts[s + 1])) for s in range(P)]
+
+
+@needs_peers
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("piece_bytes,whole_below", [(24, 0), (1000, 0), (1 << 20, 1 << 20)],
+                         ids=["pieces24B", "pieces1000B", "whole"])
+def test_reduce_scatter_and_allgather_through_the_window(dtype, op, piece_bytes, whole_below):
+    """Each shard is the rank-order fold of its range (the allreduce's bits); allgather puts every shard back."""
+    shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=whole_below)
+    be = backend_for(np.empty(0))
+    redop, avg_p = ("sum", P) if op == "avg" else (op, None)
+    for n in (0, 1, P + 1, 211):
+        x = rank_data(n, RANK, P, dtype, salt=5)
+        keep = x.copy()
+        full = np.empty_like(x)
+        shm.run(x, full, redop, be.reduce, avg_p=avg_p)
+        bounds = _bounds(n)
+        lo, hi = bounds[RANK]
+        shard = np.full(hi - lo, 7, dtype=x.dtype)
+        shm.reduce_scatter(x, shard, bounds, redop, be.reduce, avg_p=avg_p)
+        assert np.array_equal(shard.view(np.uint8), full[lo:hi].view(np.uint8)), f"reduce_scatter n={n}"
+        assert np.array_equal(x.view(np.uint8), keep.view(np.uint8)), "input modified"
+        out = np.empty_like(x)
+        shm.allgather(shard, out, bounds)
+        assert np.array_equal(out.view(np.uint8), full.view(np.uint8)), f"allgather n={n}"
+    shm.free()  # collective: on success only
+
+
+@needs_peers
+@pytest.mark.parametrize("whole_below", [0, 1 << 20], ids=["pieces", "whole"])
+def test_reduce_scatter_and_allgather_with_skewed_ranks(whole_below):
+    """Ranks late by turns, new data every call, pieces of 40 B: a stale or early slot shows as a wrong value."""
+    shm = ShmAllreduce(COMM, piece_bytes=40, whole_below=whole_below)
+    reduce = backend_for(np.empty(0)).reduce
+    rng = np.random.default_rng(RANK + 7)
+    bounds = _bounds(301)
+    lo, hi = bounds[RANK]
+    for call in range(30):
+        x = (np.arange(301, dtype=np.int64) * 1000 + call) * P + RANK
+        want = sum((np.arange(301, dtype=np.int64) * 1000 + call) * P + q for q in range(P))
+        if rng.random() < 0.5:
+            time.sleep(rng.random() * 2e-3)
+        shard = np.empty(hi - lo, np.int64)
+        shm.reduce_scatter(x, shard, bounds, "sum", reduce)
+        assert np.array_equal(shard, want[lo:hi]), f"reduce_scatter call {call}"
+        if rng.random() < 0.5:
+            time.sleep(rng.random() * 2e-3)
+        out = np.empty(301, np.int64)
+        shm.allgather(shard, out, bounds)
+        assert np.array_equal(out, want), f"allgather call {call}"
+    shm.free()  # collective: on success only
+
+
+@needs_peers
+def test_communicator_reduce_scatter_and_allgather_take_the_window(forced):
+    x = rank_data(10_007, RANK, P, np.float32)
+    shard = forced.reduce_scatter(x, "avg")
+    assert forced.last_algorithm == "shm"
+    lo, hi = forced.shard_range(x.size)
+    full = forced.allreduce(x, "avg")
+    assert np.array_equal(shard, full[lo:hi])
+    back = forced.allgather(shard)
+    assert forced.last_algorithm == "shm" and np.array_equal(back, full)
+    with ddlkernels.Communicator(COMM, shm=False) as ring:
+        assert_close(ring.reduce_scatter(x, "avg"), [a[lo:hi] for a in COMM.allgather(x)], "avg", np.float32)
+        assert ring.last_algorithm == "ring"
