@@ -136,6 +136,7 @@ class Communicator:
         #: for the full path: settled fast-path decisions
         self._fast: dict = {}
         self._plans: dict = {}
+        self._shard_cache: dict = {}
         self._schedules: dict = {}
         self._buffers: dict = {}
         self._transports: dict = {}
@@ -198,6 +199,17 @@ class Communicator:
         ``shard_range(count)`` ambiguous.
         """
         return self.plan(0, dims) if dims is not None else self.plan(_SHARD_PLAN_BYTES)
+
+    def _all_shards(self, count: int, dims):
+        """Every rank's ``shard_range(count, dims)``, cached: a small reduce_scatter or allgather pays for it once."""
+        key = (count, None if dims is None else tuple(dims))
+        hit = self._shard_cache.get(key)
+        if hit is None:
+            plan = self._shard_plan(dims)
+            if len(self._shard_cache) >= 1024:  # a job with ever new sizes must not grow this without bound
+                self._shard_cache.clear()
+            hit = self._shard_cache[key] = [shard_bounds(count, plan.dims, plan.index_of(r)) for r in range(self.size)]
+        return hit
 
     def shard_range(self, count: int, dims=None, rank: int | None = None) -> tuple[int, int]:
         """``(start, stop)``: the elements ``reduce_scatter`` leaves on ``rank`` (default: this rank).
@@ -655,7 +667,7 @@ class Communicator:
                 call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=chunk, path=algo)
             self.last_algorithm = algo
             if algo == "shm":
-                bounds = [shard_bounds(count, plan.dims, plan.index_of(r)) for r in range(self.size)]
+                bounds = self._all_shards(count, dims)
                 lo, hi = bounds[self.rank]
                 shard = be.empty(hi - lo, dtype)
                 avg = opname == "avg"
@@ -699,7 +711,7 @@ class Communicator:
             call.mpi_allgather(self.comm, np.array([src.shape[0]], dtype=np.int64), lengths)
         count = int(lengths.sum())
         plan = self._shard_plan(dims)
-        expect = [shard_bounds(count, plan.dims, plan.index_of(r)) for r in range(self.size)]
+        expect = self._all_shards(count, dims)
         bad = [r for r in range(self.size) if expect[r][1] - expect[r][0] != lengths[r]]
         if bad:
             detail = ", ".join(f"rank {r}: {lengths[r]} (expected {expect[r][1] - expect[r][0]})" for r in bad[:8])
