@@ -137,6 +137,7 @@ class Communicator:
         self._fast: dict = {}
         self._plans: dict = {}
         self._shard_cache: dict = {}
+        self._rs_fast_cache: dict = {}
         self._schedules: dict = {}
         self._buffers: dict = {}
         self._transports: dict = {}
@@ -650,11 +651,60 @@ class Communicator:
         ``(start, stop) = shard_range(x.size, dims)``.  ``x`` is not modified.
         ``validate`` and ``timeout`` as for ``allreduce``.
         """
+        if (
+            type(x) is np.ndarray
+            and dims is None
+            and chunk_bytes is None
+            and backend is None
+            and validate is None
+            and timeout is None
+            and self._fast_ok
+        ):
+            done = self._rs_fast(x, op)
+            if done is not None:
+                return done
         call = self._call("reduce_scatter", validate, timeout)
         if call is None:
             return self._reduce_scatter(x, op, dims, chunk_bytes, backend, None)
         with call:
             return self._reduce_scatter(x, op, dims, chunk_bytes, backend, call)
+
+    def _rs_fast(self, x, op):
+        """A reduce_scatter the tuner has settled on shared memory: straight to the window, or None.
+
+        Like ``_small_fast``: the same decision as the full path, cached per
+        (op, dtype, count) once settled, with the argument checks done the
+        first time; everything else takes the full path.
+        """
+        if op.__class__ is not str or not x.flags.c_contiguous or not x.dtype.isnative:
+            return None
+        key = (op, x.dtype, x.size)
+        hit = self._rs_fast_cache.get(key)
+        if hit is None:
+            try:
+                opname, dtype = normalize_op(op), check_dtype(x.dtype)
+            except (TypeError, ValueError):
+                return None  # the full path raises the error
+            nbytes = x.size * dtype.itemsize
+            algo, cands = self._shard_choices(nbytes, False, None)
+            if cands is not None:
+                algo = self._shard_tuners["reduce_scatter"].decided(nbytes, cands)
+                if algo is None:  # still measured
+                    return None
+            avg = opname == "avg"
+            hit = False if algo != "shm" else (self._all_shards(x.size, None), "sum" if avg else opname,
+                                               self.size if avg else None, backend_for(x).reduce)
+            if len(self._rs_fast_cache) >= 4096:
+                self._rs_fast_cache.clear()
+            self._rs_fast_cache[key] = hit
+        if hit is False:
+            return None
+        bounds, redop, avg_p, reduce = hit
+        lo, hi = bounds[self.rank]
+        shard = np.empty(hi - lo, x.dtype)
+        self._shm_collectives().reduce_scatter(x.reshape(-1), shard, bounds, redop, reduce, avg_p=avg_p)
+        self.last_algorithm = "shm"
+        return shard
 
     def _reduce_scatter(self, x, op, dims, chunk_bytes, backend, call):
         opname, be, dtype, chunk = self._prepare(x, op, chunk_bytes, dims, backend)

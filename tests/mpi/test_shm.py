@@ -284,6 +284,13 @@ def test_communicator_reduce_scatter_and_allgather_take_the_window(forced):
     x = rank_data(10_007, RANK, P, np.float32)
     shard = forced.reduce_scatter(x, "avg")
     assert forced.last_algorithm == "shm"
+    assert forced._rs_fast_cache, "the settled fast path was not taken"
+    full_path = forced.reduce_scatter(x, "avg", validate=False)  # any explicit check option: the full path
+    assert np.array_equal(full_path, shard)
+    # The fast path leaves unusual inputs to the full path: errors raise there, strided arrays are copied.
+    with pytest.raises((TypeError, ValueError), match="dtype"):
+        forced.reduce_scatter(x.astype(np.complex64), "sum")
+    assert np.array_equal(forced.reduce_scatter(x[::2], "sum"), forced.reduce_scatter(x[::2].copy(), "sum"))
     lo, hi = forced.shard_range(x.size)
     full = forced.allreduce(x, "avg")
     assert np.array_equal(shard, full[lo:hi])
