@@ -241,11 +241,8 @@ class ShmAllreduce:
         a ``ddlkernels._wait.Deadline`` or None.  Every rank calls with the
         same count, dtype and op.
         """
-        if self._win is None:
-            self._allocate()
+        dtype, ufunc = self._ready(src, op, avg_p)
         n = src.shape[0]
-        dtype = src.dtype
-        ufunc = _UFUNC[op] if avg_p is None and dtype.kind in "fiu" else None
         virtual = not isinstance(src, np.ndarray)
         aliased = not virtual and (src is dst or np.may_share_memory(src, dst))
         if 0 < n * dtype.itemsize < self.whole_below:
@@ -292,6 +289,7 @@ class ShmAllreduce:
         return stage
 
     def _ready(self, src, op, avg_p):
+        """Allocate the window on first use; ``(dtype, ufunc)``, the ufunc None where ``reduce`` must do it."""
         if self._win is None:
             self._allocate()
         dtype = src.dtype
