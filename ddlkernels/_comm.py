@@ -338,15 +338,7 @@ class Communicator:
         (default: the Communicator's).
         Returns ``out``, or a new array of ``x``'s type, shape and device.
         """
-        if (
-            type(x) is np.ndarray
-            and dims is None
-            and chunk_bytes is None
-            and backend is None
-            and validate is None
-            and timeout is None
-            and self._fast_ok
-        ):
+        if type(x) is np.ndarray and self._plain_call(dims, chunk_bytes, backend, validate, timeout):
             done = self._small_fast(x, op, out)
             if done is not None:
                 return done
@@ -355,6 +347,11 @@ class Communicator:
             return self._allreduce(x, op, out, dims, chunk_bytes, backend, None)
         with call:
             return self._allreduce(x, op, out, dims, chunk_bytes, backend, call)
+
+    def _plain_call(self, dims, chunk_bytes, backend, validate, timeout):
+        """No per-call option that the fast paths leave to the full path, and no per-communicator check."""
+        return (dims is None and chunk_bytes is None and backend is None and validate is None and timeout is None
+                and self._fast_ok)
 
     def _small_fast(self, x, op, out):
         """Small numpy arrays of MPI's types: straight to ``MPI_Allreduce``, or ``None`` for the full path.
@@ -651,15 +648,7 @@ class Communicator:
         ``(start, stop) = shard_range(x.size, dims)``.  ``x`` is not modified.
         ``validate`` and ``timeout`` as for ``allreduce``.
         """
-        if (
-            type(x) is np.ndarray
-            and dims is None
-            and chunk_bytes is None
-            and backend is None
-            and validate is None
-            and timeout is None
-            and self._fast_ok
-        ):
+        if type(x) is np.ndarray and self._plain_call(dims, chunk_bytes, backend, validate, timeout):
             done = self._rs_fast(x, op)
             if done is not None:
                 return done

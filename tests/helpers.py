@@ -121,3 +121,23 @@ def dims_cases(p: int) -> list:
             out.append((a, p // a))
             break
     return out
+
+
+def parts_with_gaps(make, seed=5, count=40):
+    """``(parts, packed)``: ``count`` float32 arrays ``make(n, k)`` of 0-10 elements at offsets with 0-2 element gaps.
+
+    ``parts`` is ``[(offset, array), ...]`` as ``ddlkernels._engine.Segments``
+    takes it; ``packed`` the same values in one zero-filled buffer, two
+    elements longer than the last part (a fusion bucket's padding).
+    """
+    rng = np.random.default_rng(seed)
+    parts, pos = [], 0
+    for k in range(count):
+        pos += int(rng.integers(0, 3))
+        n = int(rng.integers(0, 11))
+        parts.append((pos, make(n, k)))
+        pos += n
+    packed = np.zeros(pos + 2, np.float32)
+    for off, a in parts:
+        packed[off : off + a.size] = a
+    return parts, packed

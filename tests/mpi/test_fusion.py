@@ -14,7 +14,7 @@ import ddlkernels
 from ddlkernels._fusion import plan_buckets
 from ddlkernels.backends import get_backend
 from ddlkernels._engine import Segments
-from helpers import ALL_DTYPES, DTYPE_IDS, assert_close, assert_same_on_all_ranks, dims_cases
+from helpers import ALL_DTYPES, DTYPE_IDS, assert_close, assert_same_on_all_ranks, dims_cases, parts_with_gaps
 
 COMM = MPI.COMM_WORLD
 P, RANK = COMM.Get_size(), COMM.Get_rank()
@@ -102,17 +102,8 @@ def test_segments_ring_equals_ring_of_the_packed_buffer(dims, op, chunk_bytes):
     # Parts with gaps and empty ones, chunks that start and end inside parts
     # and gaps: the ring reading the parts in place must give the packed
     # buffer's bits, on every box (the first reduce-scatter is the one that reads them).
-    rng = np.random.default_rng(5)
-    parts, pos = [], 0
-    for k in range(40):
-        pos += int(rng.integers(0, 3))
-        n = int(rng.integers(0, 11))
-        parts.append((pos, exact_data(n, RANK, np.float32, salt=k)))
-        pos += n
-    count = pos + 2
-    packed = np.zeros(count, np.float32)
-    for off, a in parts:
-        packed[off : off + a.size] = a
+    parts, packed = parts_with_gaps(lambda n, k: exact_data(n, RANK, np.float32, salt=k))
+    count = packed.size
     keep = [a.copy() for _, a in parts]
     c = ddlkernels.Communicator(COMM, small_bytes=0)  # the ring, never MPI's allreduce
     want = c.allreduce(packed, op, dims=dims, chunk_bytes=chunk_bytes)

@@ -14,7 +14,7 @@ from mpi4py import MPI
 import ddlkernels
 from ddlkernels._shm import ShmAllreduce, one_node
 from ddlkernels.backends import backend_for
-from helpers import ALL_DTYPES, DTYPE_IDS, OPS, assert_close, assert_same_on_all_ranks, rank_data
+from helpers import ALL_DTYPES, DTYPE_IDS, OPS, assert_close, assert_same_on_all_ranks, parts_with_gaps, rank_data
 
 COMM = MPI.COMM_WORLD
 P, RANK = COMM.Get_size(), COMM.Get_rank()
@@ -157,17 +157,8 @@ def test_fusion_bucket_read_in_place_equals_the_packed_buffer(op, piece_bytes, w
     """A ``Segments`` (parts with gaps, empty parts) staged straight from its arrays: the packed buffer's bits."""
     from ddlkernels._engine import Segments
 
-    rng = np.random.default_rng(5)
-    parts, pos = [], 0
-    for k in range(40):
-        pos += int(rng.integers(0, 3))
-        n = int(rng.integers(0, 11))
-        parts.append((pos, rank_data(n, RANK, P, np.float32, salt=k)))
-        pos += n
-    count = pos + 2
-    packed = np.zeros(count, np.float32)
-    for off, a in parts:
-        packed[off : off + a.size] = a
+    parts, packed = parts_with_gaps(lambda n, k: rank_data(n, RANK, P, np.float32, salt=k))
+    count = packed.size
     keep = [a.copy() for _, a in parts]
     shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=whole_below)
     reduce = backend_for(packed).reduce
