@@ -478,7 +478,7 @@ class Communicator:
         opname, be, dtype, _ = self._prepare(x, op, None, None, None)
         nbytes = _size(x) * dtype.itemsize
         if collective != "allreduce":
-            algo, cands = self._shard_choices(nbytes, be.device, None)
+            _, cands = self._shard_choices(nbytes, be.device, None)
             return cands is not None and self._shard_tuners[collective].decided(nbytes, cands) is None
         redop = "sum" if opname == "avg" else opname
         _, cands = self._choices(nbytes, be.device, dtype, redop, None)
