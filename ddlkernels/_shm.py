@@ -10,9 +10,11 @@ into blocks B0 = [0, 3), B1 = [3, 6), B2 = [6, 9), seen by rank 1::
     stage   copy x[B0], x[B2] into my stage area       (peers need them;
                                                          my own B1 stays in x)
     barrier                                             every stage is full
-    reduce  out[B1] = stage0[B1] + x[B1] + stage2[B1]   (only rank 1 sums B1,
-                                                         in rank order)
-            result1[:3] = out[B1]                        publish it
+    reduce  result1[:3] = stage0[B1] + x[B1] + stage2[B1]   (only rank 1 sums
+                                                         B1, in rank order,
+                                                         into its published
+                                                         result)
+            out[B1] = result1[:3]
     barrier                                             every result is out
     gather  out[B0] = result0[:3], out[B2] = result2[:3]
 
@@ -20,9 +22,9 @@ Each block is summed by exactly one rank, in rank order (rank 0's values,
 plus rank 1's, plus rank 2's, ...), and every rank copies the same bits, so
 the result is bitwise identical everywhere -- and, whatever the piece size,
 the fusion layout or the small-message form, each element is exactly
-``((x0 + x1) + x2) + ...``, as numpy would add the p arrays in turn.  (From
-rank 2 on, an in-place call copies the owner's own block aside first: the
-sum runs into ``out[B]``, which is then ``x[B]``.)
+``((x0 + x1) + x2) + ...``, as numpy would add the p arrays in turn.  The
+sum runs into the result, never into ``out``, so it cannot overwrite an
+operand of an in-place call before its turn.
 
 Compared with a ring over MPI's shared-memory transport, nothing is chunked
 into messages, no rank waits on a neighbour's send, and the data is touched a
@@ -220,7 +222,7 @@ class ShmAllreduce:
             [(stage[r][a:b], a, b) for a, b in ((0, lo), (hi, n)) if b > a],  # what peers need from my x
             # The operands of my block in rank order; None: my own (see _piece).
             [None if s == r else stage[s][lo:hi] for s in range(p)],
-            stage[r][lo:hi],  # where my own operand goes when it must not stay in out
+            stage[r][lo:hi],  # my own block's slot, unread by peers: where a Segments' own block goes
             result[r],
             [(bounds[s], bounds[s + 1], result[s]) for s in others],
         )
@@ -244,7 +246,6 @@ class ShmAllreduce:
         dtype, ufunc = self._ready(src, op, avg_p)
         n = src.shape[0]
         virtual = not isinstance(src, np.ndarray)
-        aliased = not virtual and (src is dst or np.may_share_memory(src, dst))
         if 0 < n * dtype.itemsize < self.whole_below:
             if virtual:  # small: pack, then reduce in place
                 src.copy_to(dst, 0, n)
@@ -255,7 +256,7 @@ class ShmAllreduce:
         for a in range(0, n, step):
             b = min(n, a + step)
             x = (src, a) if virtual else src[a:b]
-            self._piece(x, dst[a:b], self._layout(dtype, b - a), op, ufunc, reduce, avg_p, deadline, aliased)
+            self._piece(x, dst[a:b], self._layout(dtype, b - a), op, ufunc, reduce, avg_p, deadline)
 
     def _whole(self, x, out, op, ufunc, reduce, avg_p, deadline):
         """A small message: every rank stages all of it, one barrier, every rank reduces all of it.
@@ -374,29 +375,26 @@ class ShmAllreduce:
                     out[a:b] = slot[s][: b - a]
             self._barrier(deadline)
 
-    def _piece(self, x, out, layout, op, ufunc, reduce, avg_p, deadline, aliased):
+    def _piece(self, x, out, layout, op, ufunc, reduce, avg_p, deadline):
         lo, hi, stage_in, operands, spare, result, gather = layout
-        o = out[lo:hi]
-        # My own operand.  The sum runs in rank order into o, so from rank 2
-        # on, my operand must not be o itself (the first addition would
-        # overwrite it before its turn): in place, or for a Segments whose
-        # block has to be copied somewhere, it goes to my unused stage block.
         if isinstance(x, tuple):  # (Segments, where this piece starts): read the arrays where they lie
             seg, at = x
             for view, a, b in stage_in:
                 seg.copy_into(view, at + a, at + b)
-            own = o if self.rank < 2 else spare
-            seg.copy_into(own, at + lo, at + hi)
+            # My own block, into my stage's slot for it (no peer reads that slot).
+            seg.copy_into(spare, at + lo, at + hi)
+            own = spare
         else:
             for view, a, b in stage_in:
                 view[...] = x[a:b]
             own = x[lo:hi]
-            if aliased and self.rank >= 2:
-                spare[...] = own
-                own = spare
         self._barrier(deadline)
-        _fold(o, [own if v is None else v for v in operands], op, ufunc, reduce, avg_p)
-        result[...] = o
+        # The sum goes into my published result (small, in cache) and is then
+        # copied to out, so out is only written.  Summing into out and
+        # publishing a copy of it also read out back.  The result never
+        # aliases an operand, so an in-place call needs no copy of x[B] aside.
+        _fold(result, [own if v is None else v for v in operands], op, ufunc, reduce, avg_p)
+        out[lo:hi] = result
         self._barrier(deadline)
         for a, b, view in gather:
             out[a:b] = view
