@@ -34,7 +34,7 @@ run() {  # run NAME CMD...: stdout (table) to $OUT/NAME.txt after a header with 
 
 SWEEP=(-b 4K -e 64M -f 2 -n "$ITERS" -w "$WARMUP" -d float32 -o sum --no-progress)
 for n in 2 4; do
-  run "allreduce_np${n}_float32" "$MPIRUN" -n $n "$PY" bench/allreduce.py "${SWEEP[@]}" --impls ddlkernels,ring,mpi,link,pyring \
+  run "allreduce_np${n}_float32" "$MPIRUN" -n $n "$PY" bench/allreduce.py "${SWEEP[@]}" --impls ddlkernels,ring,mpi,link,pyring,copy \
     --json "$OUT/allreduce_np${n}_float32.json" --plot "$OUT/allreduce_np${n}_float32.png"
 done
 # Pipeline chunk size (ring forced at every size), one line per chunk, against the link.

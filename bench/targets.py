@@ -28,6 +28,10 @@ MiB = 1 << 20
 VS_MPI = {4 * MiB: 1.5, 16 * MiB: 1.7, 64 * MiB: 2.0}
 
 
+def _place(r):
+    return " in place" if r.get("inplace") else ""
+
+
 def _bus(m):
     return m["busbw_GBps"] if "busbw_GBps" in m else float("nan")
 
@@ -47,19 +51,19 @@ def sweep_targets(path):
             continue
         ratio = _bus(ddl) / _bus(mpi)
         if worst is None or ratio < worst[0]:
-            worst = (ratio, r["bytes"], ddl.get("path", ""))
+            worst = (ratio, r["bytes"], ddl.get("path", ""), _place(r))
         if r["bytes"] in VS_MPI:
             need = VS_MPI[r["bytes"]]
-            out.append((f"{p} ranks, {r['bytes'] // MiB} MiB: ddlkernels / MPI_Allreduce", _fmt(ratio, need),
+            out.append((f"{p} ranks, {r['bytes'] // MiB} MiB{_place(r)}: ddlkernels / MPI_Allreduce", _fmt(ratio, need),
                         f">= {need}", ratio >= need))
     if worst:
         out.append((f"{p} ranks, every size: min ddlkernels / MPI_Allreduce",
-                    f"{_fmt(worst[0], 1.0)} (at {worst[1]} B, path {worst[2]})", ">= 1.0", worst[0] >= 1.0))
+                    f"{_fmt(worst[0], 1.0)} (at {worst[1]} B{worst[3]}, path {worst[2]})", ">= 1.0", worst[0] >= 1.0))
     for r in rows:  # context, not a target: the textbook ring of whole-block Sendrecv steps
         ddl, ring = r["impls"].get("ddlkernels"), r["impls"].get("python ring")
         if r["bytes"] in VS_MPI and ddl and ring and "skipped" not in ring:
             mpi = r["impls"].get("MPI_Allreduce")
-            out.append((f"{p} ranks, {r['bytes'] // MiB} MiB: (context) python ring / MPI_Allreduce",
+            out.append((f"{p} ranks, {r['bytes'] // MiB} MiB{_place(r)}: (context) python ring / MPI_Allreduce",
                         f"{_bus(ring) / _bus(mpi):.2f}; ddlkernels / python ring {_bus(ddl) / _bus(ring):.2f}",
                         "-", True))
     if p == 2:
@@ -67,8 +71,13 @@ def sweep_targets(path):
             ddl, link = r["impls"].get("ddlkernels"), r["impls"].get("Sendrecv link")
             if r["bytes"] >= 16 * MiB and ddl and link and "skipped" not in ddl:
                 ratio = _bus(ddl) / _bus(link)
-                out.append((f"2 ranks, {r['bytes'] // MiB} MiB: ddlkernels / Sendrecv link", _fmt(ratio, 0.85),
+                out.append((f"2 ranks, {r['bytes'] // MiB} MiB{_place(r)}: ddlkernels / Sendrecv link", _fmt(ratio, 0.85),
                             ">= 0.85", ratio >= 0.85))
+                copy = r["impls"].get("memcpy")
+                if copy and "skipped" not in copy:  # the ceiling: one copy of the buffer per rank
+                    out.append((f"2 ranks, {r['bytes'] // MiB} MiB{_place(r)}: (context) memcpy / Sendrecv link",
+                                f"{_bus(copy) / _bus(link):.2f}; ddlkernels / memcpy {_bus(ddl) / _bus(copy):.2f}",
+                                "-", True))
     cond = data["meta"]["start"]
     note = f"{path}: {p} ranks, {data['meta']['mpi'].split(',')[0]}, load average {cond['loadavg'][0]:.2f} " \
            f"on {cond['cpus']} cpus at {cond['date_utc']}, {data['meta']['iters']} iterations"
@@ -80,7 +89,7 @@ def sweep_table(path):
     with open(path) as f:
         data = json.load(f)
     rows = [r for r in data["rows"] if r.get("collective", "allreduce") == "allreduce"]
-    names = [n for n in ("ddlkernels", "ddl ring", "MPI_Allreduce", "python ring", "Sendrecv link", "chunked link")
+    names = [n for n in ("ddlkernels", "ddl ring", "MPI_Allreduce", "python ring", "memcpy", "Sendrecv link", "chunked link")
              if n in rows[0]["impls"]]
     lines = ["| N | " + " | ".join(f"{n} busbw" for n in names) + " | ddl / MPI | ddl / link | path |",
              "| ---: " * (len(names) + 3) + "| --- |"]

@@ -450,6 +450,24 @@ def _link_bytes(nbytes, p):
     return nbytes // p if p > 1 else nbytes
 
 
+# -- the copy bound: what any out-of-place allreduce must move at least ------------------
+
+
+def _copy_make(comm, count, dtype, op, inplace=False):
+    x = pattern(count, comm.Get_rank(), comm.Get_size(), dtype)
+    return {"x": x, "out": np.full(count, SENTINEL, dtype=dtype)}
+
+
+def _copy_run(st):
+    np.copyto(st["out"], st["x"])
+
+
+def _copy_wrong(st):
+    n = _count_wrong(st["out"], st["x"])
+    st["out"].fill(SENTINEL)
+    return n
+
+
 # -- a textbook Python ring: the baseline the engine's pipelining is measured against ------
 
 
@@ -559,7 +577,9 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
     off and the ring at every size; "pyring": for allreduce, a textbook Python ring
     (whole-block ``Sendrecv`` steps, no pipelining) as a baseline; and
     "linkchunk": the link's ring step moved as 1 MiB Isend/Irecv pieces, all
-    posted at once (the step as a chunked pipeline would see it).
+    posted at once (the step as a chunked pipeline would see it); "copy": for
+    allreduce, every rank copying its input buffer into its output (the
+    memory traffic an out-of-place allreduce cannot avoid).
 
     ``ddl_options``: dicts of ``Communicator`` keyword arguments (e.g.
     ``{"chunk_bytes": 262144}``), one ddlkernels line each.  ``mpi_label``:
@@ -632,6 +652,14 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
     if "pyring" in which and kind == "allreduce":
         out.append(Collective("python ring", _ar_factor, _pyring_make, _pyring_run, _wrong_ar,
                               path=lambda st: "sendrecv"))
+    if "copy" in which and kind == "allreduce":
+        # Every rank copies its N-byte input into its N-byte output, all ranks at
+        # once: the memory traffic an out-of-place allreduce cannot avoid (read
+        # the input, write the output), timed like a collective.  Charged as an
+        # allreduce of N bytes, so its busbw is the ceiling of one that costs
+        # no more than that copy.
+        out.append(Collective("memcpy", _ar_factor, _copy_make, _copy_run, _copy_wrong, path=lambda st: "copy",
+                              unsupported=lambda d, o, inplace: "the copy bound is out of place" if inplace else None))
     if "linkchunk" in which:
         out.append(Collective("chunked link", lambda p: 1.0, _linkc_make, _linkc_run, _link_wrong,
                               algbw_bytes=_link_bytes))
@@ -867,7 +895,8 @@ def _short(name):
     if name.startswith("MPI_"):
         rest = name.split("[", 1)
         return "MPI" + ("[" + rest[1].replace("tuned ", "") if len(rest) > 1 else "")
-    return {"Sendrecv link": "link", "python ring": "pyring", "chunked link": "clink", "ddl ring": "ring"}.get(name, name)
+    return {"Sendrecv link": "link", "python ring": "pyring", "chunked link": "clink", "ddl ring": "ring",
+            "memcpy": "copy"}.get(name, name)
 
 
 def dump_json(path, meta, rows):

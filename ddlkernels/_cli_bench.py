@@ -35,7 +35,7 @@ import time
 
 __all__ = ["add_subcommands", "add_bench_arguments", "main"]
 
-_IMPLS = ("ddlkernels", "ring", "mpi", "link", "pyring", "linkchunk")
+_IMPLS = ("ddlkernels", "ring", "mpi", "link", "pyring", "linkchunk", "copy")
 _DEFAULT_IMPLS = ("ddlkernels", "mpi", "link")
 
 
@@ -58,7 +58,9 @@ def add_bench_arguments(p, collective_default="allreduce"):
                    help="lines to run: ddlkernels, ring (allreduce: ddlkernels' ring engine alone, small_bytes=0), "
                         "mpi (MPI's own collective), link (Sendrecv of one ring step), "
                         "pyring (allreduce: a textbook Python ring of whole-block Sendrecv steps), "
-                        "linkchunk (the link's step as 1 MiB Isend/Irecv pieces); "
+                        "linkchunk (the link's step as 1 MiB Isend/Irecv pieces), "
+                        "copy (allreduce, out of place: every rank copies its input into its output, the memory "
+                        "traffic such an allreduce cannot avoid); "
                         "default %(default)s")
     g = p.add_argument_group("sizes and timing")
     g.add_argument("-b", "--begin", default="4K", help="smallest buffer N in bytes (K/M/G suffixes; default %(default)s)")
@@ -311,6 +313,8 @@ def _report(args, meta, rows):
             ddl = [n for n in names if n.startswith("ddlkernels")]
             others = [n for n in names if not n.startswith("ddlkernels")]
             pairs = [(ddl[0], o) for o in others] if ddl else []
+            if "memcpy" in names and "Sendrecv link" in names:  # the ceiling of ddl/link on this machine
+                pairs.append(("memcpy", "Sendrecv link"))
             print(f"\n## {kind}, {dt}, op {op if kind != 'allgather' else '-'}, "
                   f"{'in place' if inplace else 'out of place'}")
             print(format_table(grp, names, ratio_of=pairs or None, stat=args.stat))

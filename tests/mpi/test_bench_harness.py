@@ -22,7 +22,7 @@ EDGE_BYTES = lambda p: sorted({0, 4, 4 * max(p - 1, 1), 4 * (p + 1), 4 * 97, 1 <
                                       ("float16", "prod"), ("int64", "avg")])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_every_record_is_right(comm, kind, dtype, op, inplace):
-    impls = make_impls(kind, which=("ddlkernels", "mpi", "link", "pyring", "linkchunk"),
+    impls = make_impls(kind, which=("ddlkernels", "mpi", "link", "pyring", "linkchunk", "copy"),
                        ddl_options=({}, {"chunk_bytes": 64, "small_bytes": 0}))
     rows = run_sweep(comm, EDGE_BYTES(comm.Get_size()), impls, dtype=dtype, op=op, iters=2, warmup=1,
                      inplace=inplace, kind=kind, progress=False)
@@ -70,6 +70,20 @@ def test_wrong_results_are_counted(comm, kind, how):
         assert wrong == 5  # one element on rank 0, in each of 2 + 3 iterations
     else:
         assert wrong >= 5
+
+
+def test_the_copy_bound_copies_and_is_checked(comm):
+    # The "memcpy" line (each rank copies its input into its output) stands
+    # beside allreduce only, out of place; a copy that writes nothing is caught.
+    copy = make_impls("allreduce", which=("copy",))
+    assert [c.name for c in copy] == ["memcpy"] and make_impls("reduce_scatter", which=("copy",)) == []
+    n = 4 * 33
+    rows = run_sweep(comm, [n], copy, iters=2, warmup=1, progress=False)
+    assert rows[0]["impls"]["memcpy"]["wrong"] == 0 and rows[0]["impls"]["memcpy"]["path"] == "copy"
+    assert "skipped" in run_sweep(comm, [n], copy, iters=1, warmup=0, inplace=True, progress=False)[0]["impls"]["memcpy"]
+    idle = Collective("idle", copy[0].bus_factor, copy[0].make, lambda st: None, copy[0].wrong)
+    rows = run_sweep(comm, [n], [idle], iters=2, warmup=1, progress=False)
+    assert rows[0]["impls"]["idle"]["wrong"] == 3 * 33 * comm.Get_size()
 
 
 @pytest.mark.parametrize("how", ["one", "nothing"])
