@@ -274,7 +274,7 @@ def _ddl_run(st):
 
 
 def _ddl_settling(st):
-    return st["dc"].tuning(st["x"], st["op"])
+    return st["dc"].tuning(st["x"], st["op"], inplace=st["inplace"])
 
 
 def _mpi_ar_run(st):

@@ -365,18 +365,19 @@ class Communicator:
         (or a size still being measured) falls through to the full path.
         """
         dt = x.dtype
-        hit = self._fast.get((op, dt, x.nbytes)) if op.__class__ is str else None
+        inplace = out is x  # measured and settled apart (ddlkernels._tuner.SizeTuner)
+        hit = self._fast.get((op, dt, x.nbytes, inplace)) if op.__class__ is str else None
         if not hit:
             if hit is False:  # settled on the ring (or shared memory for "avg"): the full path
                 return None
-            hit = self._fast_entry(op, dt, x.nbytes)
+            hit = self._fast_entry(op, dt, x.nbytes, inplace)
             if not hit:
                 return None
         if not x.flags.c_contiguous:
             return None
         if out is None:
             dst = np.empty_like(x)
-        elif out is x:
+        elif inplace:
             dst = x
         elif out.__class__ is np.ndarray and out.dtype == dt and out.shape == x.shape and out.flags.c_contiguous:
             dst = out
@@ -394,14 +395,14 @@ class Communicator:
         self.last_algorithm = algo
         return dst
 
-    def _fast_entry(self, op, dt, nbytes):
+    def _fast_entry(self, op, dt, nbytes, inplace):
         """``(algorithm, how, avg?)`` of the fast path for this op, dtype and size; False (settled on the full
         path) or None (not settled, or not a fast-path case).  Settled answers are cached."""
         entry = _FAST_TABLE.get((op, dt.char)) if op.__class__ is str else None
         if entry is None or not dt.isnative or self._shm_mode:
             return None
         if self.small_bytes is None:
-            algo = self._tuner.decided(nbytes, candidates(nbytes, shm=self._shm_mode is not None))
+            algo = self._tuner.decided(nbytes, candidates(nbytes, shm=self._shm_mode is not None), inplace)
             if algo is None:  # still measured
                 return None
         elif nbytes < self.small_bytes:
@@ -416,7 +417,7 @@ class Communicator:
             hit = (algo, op, False)
         else:
             hit = False
-        self._fast[op, dt, nbytes] = hit
+        self._fast[op, dt, nbytes, inplace] = hit
         return hit
 
     def _allreduce(self, x, op, out, dims, chunk_bytes, backend, call):
@@ -466,8 +467,11 @@ class Communicator:
             return "mpi", None
         return "ring", None
 
-    def tuning(self, x, op="sum", *, collective="allreduce") -> bool:
+    def tuning(self, x, op="sum", *, collective="allreduce", inplace=False) -> bool:
         """Whether ``allreduce(x, op)`` on this communicator is still one of the tuner's timed trials.
+
+        ``inplace``: ask about ``allreduce(x, op, out=x)`` instead (measured
+        apart from out-of-place calls).
 
         The same on every rank.  Benchmarks call until it is False, so that
         timed iterations run the settled algorithm (``ddlkernels._tuner``).
@@ -482,7 +486,7 @@ class Communicator:
             return cands is not None and self._shard_tuners[collective].decided(nbytes, cands) is None
         redop = "sum" if opname == "avg" else opname
         _, cands = self._choices(nbytes, be.device, dtype, redop, None)
-        return cands is not None and self._tuner.decided(nbytes, cands) is None
+        return cands is not None and self._tuner.decided(nbytes, cands, inplace) is None
 
     def _shard_choices(self, nbytes, device, dims):
         """reduce_scatter / allgather: ``(algorithm, None)`` when fixed, ``(None, candidates)`` when measured."""
@@ -520,12 +524,13 @@ class Communicator:
         redop = "sum" if avg else opname
         trial = False
         algo, cands = self._choices(nbytes, be.device, dtype, redop, dims)
+        inplace = src is dst
         if cands is not None:
-            algo, trial = self._tuner.choose(nbytes, cands)
+            algo, trial = self._tuner.choose(nbytes, cands, inplace)
         if trial:
             t0 = perf_counter()
             self._allreduce_path(algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
-            self._tuner.record(self.comm, nbytes, cands, algo, perf_counter() - t0)
+            self._tuner.record(self.comm, nbytes, cands, algo, perf_counter() - t0, inplace)
         else:
             self._allreduce_path(algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
 

@@ -19,7 +19,8 @@ messages are latency-bound: MPI's recursive-doubling allreduce needs
 log2(p) message rounds where a ring needs 2(p - 1), so below some size MPI's
 own calls win; above it the ring's bandwidth-optimal data movement does.
 Which call wins where depends on the MPI library, the network and p, so it
-is measured instead of guessed, per power-of-two size bucket:
+is measured instead of guessed, per power-of-two size bucket and per
+placement (in place or not: ``SizeTuner``):
 
 * below ``MPI_BELOW`` bytes: "mpi", "nbc" (no ring of two or more ranks
   can win there), "shm";
@@ -129,7 +130,13 @@ def candidates(nbytes: int, *, mpi: bool = True, shm: bool = False) -> tuple[str
 
 
 class SizeTuner:
-    """Per-communicator record of trials and decisions, by size bucket and candidate set."""
+    """Per-communicator record of trials and decisions, by size bucket, candidate set and placement.
+
+    In-place and out-of-place calls are measured apart: their costs differ
+    by algorithm (MPI's out-of-place allreduce first copies its input into
+    the output; the ring and the shared-memory allreduce do not), so one
+    placement's winner says little about the other's.
+    """
 
     def __init__(self):
         self._state: dict[tuple, object] = {}
@@ -138,9 +145,12 @@ class SizeTuner:
     def bucket(nbytes: int) -> int:
         return int(nbytes).bit_length()
 
-    def choose(self, nbytes: int, cands: tuple[str, ...]) -> tuple[str, bool]:
+    def _key(self, nbytes, cands, inplace):
+        return (self.bucket(nbytes), cands, bool(inplace))
+
+    def choose(self, nbytes: int, cands: tuple[str, ...], inplace: bool = False) -> tuple[str, bool]:
         """``(algorithm, trial)``: one of ``cands``, and whether this call is one of the trials."""
-        key = (self.bucket(nbytes), cands)
+        key = self._key(nbytes, cands, inplace)
         st = self._state.get(key)
         if isinstance(st, str):
             return st, False
@@ -151,20 +161,21 @@ class SizeTuner:
         # Blocks of 1 untimed + block(nbytes) timed calls, the candidates in turn.
         return cands[st["calls"] // (block(nbytes) + 1) % len(cands)], True
 
-    def decided(self, nbytes: int, cands: tuple[str, ...]):
+    def decided(self, nbytes: int, cands: tuple[str, ...], inplace: bool = False):
         """The settled choice for ``nbytes`` among ``cands``, or None while it is still measured."""
-        st = self._state.get((self.bucket(nbytes), cands))
+        st = self._state.get(self._key(nbytes, cands, inplace))
         if isinstance(st, str):
             return st
         return cands[0] if len(cands) == 1 else None
 
-    def settle(self, nbytes: int, cands: tuple[str, ...], algorithm: str) -> None:
+    def settle(self, nbytes: int, cands: tuple[str, ...], algorithm: str, inplace: bool = False) -> None:
         """Fix the choice for ``nbytes`` without measuring (every rank must do the same)."""
-        self._state[(self.bucket(nbytes), cands)] = algorithm
+        self._state[self._key(nbytes, cands, inplace)] = algorithm
 
-    def record(self, comm, nbytes: int, cands: tuple[str, ...], algorithm: str, seconds: float) -> None:
+    def record(self, comm, nbytes: int, cands: tuple[str, ...], algorithm: str, seconds: float,
+               inplace: bool = False) -> None:
         """Count one trial call (timed unless it opens a block); after the last, agree on the winner."""
-        key = (self.bucket(nbytes), cands)
+        key = self._key(nbytes, cands, inplace)
         st = self._state[key]
         if st["calls"] % (block(nbytes) + 1):
             st["times"][algorithm].append(seconds)
@@ -178,11 +189,11 @@ class SizeTuner:
             self._state[key] = cands[challenger] if best[challenger] * margin(nbytes) < best[0] else cands[0]
 
     def decisions(self) -> dict[str, str]:
-        """Size range (and candidates, when several sets were used) -> algorithm, for reports."""
+        """Size range (candidates when several sets were used; "in place") -> algorithm, for reports."""
         out = {}
-        sets = {c for _, c in self._state}
-        for (key, cands), st in sorted(self._state.items()):
+        sets = {c for _, c, _ in self._state}
+        for (key, cands, inplace), st in sorted(self._state.items()):
             lo, hi = (1 << (key - 1)) if key else 0, (1 << key)
-            label = f"[{lo}, {hi}) B" + (f" of {'/'.join(cands)}" if len(sets) > 1 else "")
+            label = f"[{lo}, {hi}) B" + (f" of {'/'.join(cands)}" if len(sets) > 1 else "") + (" in place" if inplace else "")
             out[label] = st if isinstance(st, str) else "measuring"
         return out

@@ -93,3 +93,19 @@ def test_medians_are_what_counts():
         k[algo] += 1
         t.record(OneRank(), 1 << 20, cands, algo, 1.0 if algo == "mpi" else (9.0 if k[algo] == 3 else 0.5))
     assert t.decided(1 << 20, cands) == "shm"
+
+
+def test_in_place_and_out_of_place_are_measured_apart():
+    # MPI's out-of-place allreduce copies its input first; in place it does not,
+    # so the two placements may settle differently for the same size.
+    cands = ("mpi", "ring", "shm")
+    t = SizeTuner()
+    for inplace, secs in ((False, {"mpi": 3.0, "ring": 2.0, "shm": 1.0}), (True, {"mpi": 1.0, "ring": 2.0, "shm": 1.5})):
+        assert t.decided(1 << 20, cands, inplace) is None
+        while True:
+            algo, trial = t.choose(1 << 20, cands, inplace)
+            if not trial:
+                break
+            t.record(OneRank(), 1 << 20, cands, algo, secs[algo], inplace)
+    assert t.decided(1 << 20, cands) == "shm" and t.decided(1 << 20, cands, True) == "mpi"
+    assert t.decisions() == {"[1048576, 2097152) B": "shm", "[1048576, 2097152) B in place": "mpi"}
