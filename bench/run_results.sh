@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Produce bench/results/: every table, JSON and PNG that bench/README.md quotes, each .txt opening with
-# the exact command that made it.  Takes ~10 minutes on 2 cores.
+# the exact command that made it.  Takes ~15 minutes on 2 cores.
 #   PYTHON=/path/to/venv/bin/python bash bench/run_results.sh            (Open MPI from that venv)
 #   bash bench/run_results.sh --mpich                                   (also MPICH: bench/setup_mpich.sh)
 #   MPICH_PYTHON=/path/to/venv-mpich/bin/python bash bench/run_results.sh
@@ -33,10 +33,15 @@ run() {  # run NAME CMD...: stdout (table) to $OUT/NAME.txt after a header with 
 }
 
 SWEEP=(-b 4K -e 64M -f 2 -n "$ITERS" -w "$WARMUP" -d float32 -o sum --no-progress)
-for n in 2 4; do
-  run "allreduce_np${n}_float32" "$MPIRUN" -n $n "$PY" bench/allreduce.py "${SWEEP[@]}" --impls ddlkernels,ring,mpi,link,pyring,copy \
-    --json "$OUT/allreduce_np${n}_float32.json" --plot "$OUT/allreduce_np${n}_float32.png"
+# The main sweeps twice (a minute apart: the machine's speed wanders), out of place, then once in place.
+for rep in "" _repeat; do
+  for n in 2 4; do
+    run "allreduce_np${n}_float32$rep" "$MPIRUN" -n $n "$PY" bench/allreduce.py "${SWEEP[@]}" --impls ddlkernels,ring,mpi,link,pyring,copy \
+      --json "$OUT/allreduce_np${n}_float32$rep.json" --plot "$OUT/allreduce_np${n}_float32$rep.png"
+  done
 done
+run allreduce_np2_float32_inplace "$MPIRUN" -n 2 "$PY" bench/allreduce.py "${SWEEP[@]}" --place in --impls ddlkernels,ring,mpi,link \
+  --json "$OUT/allreduce_np2_float32_inplace.json" --plot "$OUT/allreduce_np2_float32_inplace.png"
 # Pipeline chunk size (ring forced at every size), one line per chunk, against the link.
 run chunk_np2 "$MPIRUN" -n 2 "$PY" bench/allreduce.py -b 1M -e 64M -f 4 -n "$ITERS" -w 3 --no-progress \
   --impls ddlkernels,link --small-bytes 0 --chunk-bytes 256K,1M,4M,16M \
