@@ -152,6 +152,7 @@ class Communicator:
             t.close()
         self._transports.clear()
         if self._shm is not None:
+            self._fast.clear()  # it may hold functions of the window freed here
             self._shm.free()
             self._shm = None
         self._buffers.clear()
@@ -383,9 +384,12 @@ class Communicator:
             dst = out
         else:
             return None
-        algo, how, avg = hit  # how: the MPI op, or for "shm" the op's name
+        algo, how, avg = hit  # how: the MPI op, or for "shm" the op's name or a ShmAllreduce.small_fn
         if algo == "shm":
-            self._shm.run(x.reshape(-1), dst.reshape(-1), how, None)
+            if how.__class__ is str:
+                self._shm.run(x.reshape(-1), dst.reshape(-1), how, None)
+            else:
+                how(x if x.ndim == 1 else x.reshape(-1), dst if dst.ndim == 1 else dst.reshape(-1))
         elif algo == "mpi":
             self.comm.Allreduce(_MPI_OPS["IN_PLACE"] if dst is x else x, dst, how)
         else:
@@ -413,8 +417,10 @@ class Communicator:
             self._fast.clear()
         if algo in ("mpi", "nbc"):
             hit = (algo, entry[0], entry[1])
-        elif algo == "shm" and not entry[1] and self._shm is not None:  # "avg" takes the full path
-            hit = (algo, op, False)
+        elif algo == "shm" and not entry[1]:  # "avg" takes the full path
+            if self._shm is None or not self._shm.allocated:
+                return None  # the full path sets the window up (collectively); ask again after it
+            hit = (algo, self._shm.small_fn(dt, nbytes // dt.itemsize, op) or op, False)
         else:
             hit = False
         self._fast[op, dt, nbytes, inplace] = hit

@@ -163,6 +163,7 @@ class ShmAllreduce:
         self._win = None
         self._segs = None  # per rank: uint8 view of its whole segment
         self._layouts = {}
+        self._small = {}  # (dtype, n, op) -> a small-message allreduce made for it (_small_fn)
         self._whole_set = 0  # which of the two small-message stages the next small call fills
 
     def _allocate(self):
@@ -184,11 +185,17 @@ class ShmAllreduce:
         win.Lock_all(MPI.MODE_NOCHECK)
         self._win, self._segs = win, segs
 
+    @property
+    def allocated(self) -> bool:
+        """Whether the window exists (the first ``run`` allocates it; ``free`` releases it)."""
+        return self._win is not None
+
     def free(self) -> None:
         """Release the window (collective); a later ``run`` allocates a new one."""
         if self._win is not None:
             self._segs = None
             self._layouts.clear()
+            self._small.clear()
             self._win.Unlock_all()
             self._win.Free()
             self._win = None
@@ -243,6 +250,11 @@ class ShmAllreduce:
         a ``ddlkernels._wait.Deadline`` or None.  Every rank calls with the
         same count, dtype and op.
         """
+        if deadline is None and avg_p is None and src.__class__ is np.ndarray:
+            fn = self._small.get((src.dtype, src.shape[0], op))
+            if fn is not None:  # a small message seen before: no checks left to make
+                fn(src, dst)
+                return
         dtype, ufunc = self._ready(src, op, avg_p)
         n = src.shape[0]
         virtual = not isinstance(src, np.ndarray)
@@ -266,10 +278,65 @@ class ShmAllreduce:
         after the barrier of the next small call, which every peer reaches
         only after it has read that stage.  Large calls use other memory.
         """
+        if ufunc is not None and deadline is None:
+            self._small_fn(x.dtype, x.shape[0], op, ufunc)(x, out)
+            return
         stage = self._whole_stage(x.dtype, x.shape[0])
         stage[self.rank][...] = x
         self._barrier(deadline)
         _fold(out, stage, op, ufunc, reduce, avg_p)
+
+    def small_fn(self, dtype, n, op):
+        """``f(x, out)``: ``run(x, out, op, ...)`` for 1-D arrays of ``n`` elements of ``dtype``, or None.
+
+        For a message below ``whole_below`` bytes whose op numpy computes
+        directly (not "avg", not bfloat16), on a window already allocated;
+        None otherwise.  For a caller that has settled on this path and
+        wants no per-call lookups (``Communicator``'s fast path).
+        """
+        dtype = np.dtype(dtype)
+        ufunc = _UFUNC.get(op) if dtype.kind in "fiu" else None
+        if not self.allocated or ufunc is None or not 0 < n * dtype.itemsize < self.whole_below:
+            return None
+        return self._small_fn(dtype, n, op, ufunc)
+
+    def _small_fn(self, dtype, n, op, ufunc):
+        """``_whole`` for ``n`` elements of ``dtype`` and a numpy ufunc, as one function ``f(x, out)`` (cached).
+
+        The same steps on the same two alternating stages, with every view
+        and method looked up once: a latency-bound call is mostly the Python
+        around it.  ``bench/shm_pieces.py --small`` (2 ranks, 4 KiB): 2.1 us
+        per call this way against 3.4 us through ``_whole``, and 2.5 us for
+        MPI_Allreduce.
+        """
+        key = (dtype, n, op)
+        fn = self._small.get(key)
+        if fn is not None:
+            return fn
+        sets = []
+        for k in range(2):
+            at = self._whole_at + k * self._whole_bytes
+            sets.append([seg[at : at + n * dtype.itemsize].view(dtype) for seg in self._segs])
+        mine = [st[self.rank] for st in sets]
+        rest = [st[2:] for st in sets]
+        sync, barrier, me = self._win.Sync, self.comm.Barrier, self
+
+        def fn(x, out):
+            k = me._whole_set
+            me._whole_set = k ^ 1
+            st = sets[k]
+            mine[k][...] = x
+            sync()
+            barrier()
+            sync()
+            ufunc(st[0], st[1], out=out)
+            for v in rest[k]:
+                ufunc(out, v, out=out)
+
+        if len(self._small) >= 64:  # a job with ever new sizes must not grow this without bound
+            self._small.clear()
+        self._small[key] = fn
+        return fn
 
     def _whole_stage(self, dtype, n):
         """Every rank's current small-message stage as ``n`` elements of ``dtype``; the next call takes the other.

@@ -134,6 +134,50 @@ def test_free_then_use_again_allocates_a_new_window(forced):
     assert np.array_equal(a, b)
 
 
+@needs_peers
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64, np.float16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("op", ["sum", "prod", "max", "min", "avg"])
+def test_fast_path_of_a_size_settled_on_shm(dtype, op):
+    """Sizes the tuner settled on shm: the fast path's prepared small-message call, every placement and shape.
+
+    Float max/min and float16 never take the fast path (MPI is no candidate
+    for them), and "avg" takes the full path; every call must still be the
+    rank-order fold, bit for bit, and agree with a forced-shm communicator.
+    """
+    from ddlkernels._comm import _FAST_TABLE
+
+    shapes = [(1,), (P + 1,), (7, 13), (1000,)]  # up to 8 KiB: below whole_below
+    dt = np.dtype(dtype)
+    with ddlkernels.Communicator(COMM) as dc, ddlkernels.Communicator(COMM, shm=True) as ref:
+        fast_op = op != "avg" and (op, dt.char) in _FAST_TABLE  # MPI's types and ops, as the fast path takes
+        for shape in shapes:
+            count = int(np.prod(shape))
+            nbytes = count * dt.itemsize
+            _, cands = dc._choices(nbytes, False, dt, "sum" if op == "avg" else op, None)
+            for inplace in (False, True):
+                dc._tuner.settle(nbytes, cands, "shm", inplace)
+            for call in range(3):
+                x = rank_data(count, RANK, P, dtype, salt=call).reshape(shape)
+                want = ref.allreduce(x, op)
+                what = f"{dt.name} {op} {shape} call {call}"
+                for how in ("new", "out", "inplace"):
+                    if how == "new":
+                        y = dc.allreduce(x, op)
+                    elif how == "out":
+                        y = np.empty_like(x)
+                        assert dc.allreduce(x, op, out=y) is y
+                    else:
+                        y = x.copy()
+                        assert dc.allreduce(y, op, out=y) is y
+                    assert dc.last_algorithm == "shm", what
+                    assert np.array_equal(y.view(np.uint8), want.view(np.uint8)), f"{what} {how}"
+            fast = [h for k, h in dc._fast.items() if k[1] == dt and k[2] == nbytes and h]
+            if fast_op:
+                assert len(fast) == 2 and all(callable(h[1]) for h in fast), (shape, fast)  # the prepared call ran
+            else:
+                assert not fast  # the full path ran
+
+
 def test_shm_option_is_checked():
     with pytest.raises(ValueError, match="shm must be None, True or False"):
         ddlkernels.Communicator(COMM, shm="yes")
