@@ -33,6 +33,14 @@ def test_shm_pieces_compares_every_setting_with_mpi():
     assert "whole" in out and "pieces" in out
 
 
+def test_shm_costs_prints_every_line_and_checks_the_allreduce():
+    out = run("bench/shm_costs.py", "--sizes", "1M,3M", "--rounds", "2")  # 3 MiB: a last piece that is short
+    rows = [ln for ln in out.splitlines() if not ln.startswith("#")]
+    assert [ln.split()[0] for ln in rows] == ["1M", "3M"]
+    for ln in rows:
+        assert all(f" {k} " in ln for k in ("link", "memcpy", "shm", "private")) and "shm busbw / link" in ln
+
+
 def test_tuner_trials_prints_both_orders_for_every_rank():
     out = run("bench/tuner_trials.py", "--sizes", "4K")
     rows = [ln.split() for ln in out.splitlines() if not ln.startswith("#")]
