@@ -60,17 +60,25 @@ def Allreduce(sendbuf, recvbuf, op=None, comm=None, *, validate=None, timeout=No
     as_communicator(comm).Allreduce(sendbuf, recvbuf, op, validate=validate, timeout=timeout)
 
 
-def reduce_scatter(x, op="sum", *, comm=None, dims=None, chunk_bytes=None, backend=None, validate=None, timeout=None):
-    """Reduce ``x`` over every rank and return this rank's shard: elements ``shard_range(x.size)``."""
+def reduce_scatter(x, op="sum", *, out=None, comm=None, dims=None, chunk_bytes=None, backend=None, validate=None,
+                   timeout=None):
+    """Reduce ``x`` over every rank and return this rank's shard: elements ``shard_range(x.size)`` (into ``out``)."""
     return as_communicator(comm).reduce_scatter(
-        x, op, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate, timeout=timeout
+        x, op, out=out, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate, timeout=timeout
     )
 
 
-def allgather(shard, *, comm=None, dims=None, chunk_bytes=None, backend=None, validate=None, timeout=None):
-    """Inverse of ``reduce_scatter``'s split: every rank's shard, concatenated, on every rank."""
+def allgather(shard, *, count=None, out=None, comm=None, dims=None, chunk_bytes=None, backend=None, validate=None,
+              timeout=None):
+    """Inverse of ``reduce_scatter``'s split: every rank's shard, concatenated, on every rank.
+
+    ``count``: the whole buffer's element count, when the caller knows it
+    (then no shard lengths are exchanged); ``out``: where to gather (see
+    ``Communicator.allgather``).
+    """
     return as_communicator(comm).allgather(
-        shard, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate, timeout=timeout
+        shard, count=count, out=out, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate,
+        timeout=timeout
     )
 
 

@@ -10,6 +10,7 @@ attribute caching, created lazily on first use.
 
 from __future__ import annotations
 
+import operator
 from time import perf_counter
 
 import numpy as np
@@ -40,7 +41,7 @@ def _mpi_op(name):
     if not _MPI_OPS:
         from mpi4py import MPI
 
-        _MPI_OPS.update(sum=MPI.SUM, max=MPI.MAX, min=MPI.MIN, prod=MPI.PROD, IN_PLACE=MPI.IN_PLACE)
+        _MPI_OPS.update(sum=MPI.SUM, max=MPI.MAX, min=MPI.MIN, prod=MPI.PROD, IN_PLACE=MPI.IN_PLACE, BYTE=MPI.BYTE)
         for dt in _MPI_NATIVE:
             for name_, op_ in (("sum", MPI.SUM), ("avg", MPI.SUM), ("prod", MPI.PROD), ("max", MPI.MAX),
                                ("min", MPI.MIN)):
@@ -138,6 +139,7 @@ class Communicator:
         self._plans: dict = {}
         self._shard_cache: dict = {}
         self._rs_fast_cache: dict = {}
+        self._ag_fast_cache: dict = {}
         self._schedules: dict = {}
         self._buffers: dict = {}
         self._transports: dict = {}
@@ -488,25 +490,50 @@ class Communicator:
         opname, be, dtype, _ = self._prepare(x, op, None, None, None)
         nbytes = _size(x) * dtype.itemsize
         if collective != "allreduce":
-            _, cands = self._shard_choices(nbytes, be.device, None)
+            count = _size(x)
+            mpi = (self._rs_mpi_ok(dtype, "sum" if opname == "avg" else opname, count) if collective == "reduce_scatter"
+                   else self._ag_mpi_ok(count, nbytes))
+            _, cands = self._shard_choices(nbytes, be.device, None, mpi)
             return cands is not None and self._shard_tuners[collective].decided(nbytes, cands) is None
         redop = "sum" if opname == "avg" else opname
         _, cands = self._choices(nbytes, be.device, dtype, redop, None)
         return cands is not None and self._tuner.decided(nbytes, cands, inplace) is None
 
-    def _shard_choices(self, nbytes, device, dims):
-        """reduce_scatter / allgather: ``(algorithm, None)`` when fixed, ``(None, candidates)`` when measured."""
-        if self._shm_mode is None or device or dims is not None:
+    def _shard_choices(self, nbytes, device, dims, mpi=False):
+        """reduce_scatter / allgather: ``(algorithm, None)`` when fixed, ``(None, candidates)`` when measured.
+
+        ``mpi``: whether MPI's own collective computes this call
+        (``_rs_mpi_ok`` / ``_ag_mpi_ok``); it is then the incumbent, as
+        ``MPI_Allreduce`` is for allreduce: the ring and the shared-memory
+        window must beat it by the tuner's margin.
+        """
+        if device or dims is not None:
             return "ring", None
         if self._shm_mode:
             return "shm", None
-        if self.small_bytes is not None:  # a fixed threshold means: no measuring, the ring as before
-            return "ring", None
-        return None, ("ring", "shm")
+        if self.small_bytes is not None:  # a fixed threshold: MPI's own call below it, where it applies, the ring from it
+            return ("mpi" if mpi and nbytes < self.small_bytes else "ring"), None
+        cands = ("mpi",) * bool(mpi) + ("ring",) + ("shm",) * (self._shm_mode is not None)
+        return (cands[0], None) if len(cands) == 1 else (None, cands)
 
-    def _shard_path(self, kind, nbytes, device, dims, run):
+    def _rank_ordered(self, count):
+        """Whether the flat shards of ``count`` elements lie in rank order, as MPI's own collectives place blocks."""
+        b = self._all_shards(count, None)
+        return all(b[r][1] == b[r + 1][0] for r in range(self.size - 1))
+
+    def _rs_mpi_ok(self, dtype, redop, count):
+        """``MPI_Reduce_scatter`` computes this reduce_scatter: MPI's types and ops (float max/min excepted, as for
+        allreduce), rank-ordered shards, counts that fit an int."""
+        return (self.size > 1 and dtype in _MPI_NATIVE and (redop in ("sum", "prod") or dtype.kind in "iu")
+                and count < 2**31 and self._rank_ordered(count))
+
+    def _ag_mpi_ok(self, count, nbytes):
+        """``MPI_Allgatherv`` (on bytes, so any dtype) computes this allgather: rank-ordered shards, int counts."""
+        return self.size > 1 and nbytes < 2**31 and self._rank_ordered(count)
+
+    def _shard_path(self, kind, nbytes, device, dims, run, mpi=False):
         """Choose (and time, while measuring) the algorithm of one reduce_scatter / allgather; ``run(algo)``."""
-        algo, cands = self._shard_choices(nbytes, device, dims)
+        algo, cands = self._shard_choices(nbytes, device, dims, mpi)
         if cands is None:
             return run(algo)
         tuner = self._shard_tuners[kind]
@@ -651,26 +678,29 @@ class Communicator:
             return
         self._allreduce(sendbuf, op, recvbuf, None, None, None, call)
 
-    def reduce_scatter(self, x, op="sum", *, dims=None, chunk_bytes=None, backend=None, validate=None,
+    def reduce_scatter(self, x, op="sum", *, out=None, dims=None, chunk_bytes=None, backend=None, validate=None,
                        timeout=None):
-        """Reduce ``x`` over all ranks and return this rank's shard (a new 1-D array).
+        """Reduce ``x`` over all ranks and return this rank's shard (a new 1-D array, or ``out``).
 
         The shard is ``x.reshape(-1)[start:stop]`` of the reduced buffer with
         ``(start, stop) = shard_range(x.size, dims)``.  ``x`` is not modified.
+        ``out``: a contiguous 1-D array of ``stop - start`` elements of
+        ``x``'s dtype, backend and device, not overlapping ``x``, to write
+        the shard into (a loop of calls then allocates nothing).
         ``validate`` and ``timeout`` as for ``allreduce``.
         """
         if type(x) is np.ndarray and self._plain_call(dims, chunk_bytes, backend, validate, timeout):
-            done = self._rs_fast(x, op)
+            done = self._rs_fast(x, op, out)
             if done is not None:
                 return done
         call = self._call("reduce_scatter", validate, timeout)
         if call is None:
-            return self._reduce_scatter(x, op, dims, chunk_bytes, backend, None)
+            return self._reduce_scatter(x, op, out, dims, chunk_bytes, backend, None)
         with call:
-            return self._reduce_scatter(x, op, dims, chunk_bytes, backend, call)
+            return self._reduce_scatter(x, op, out, dims, chunk_bytes, backend, call)
 
-    def _rs_fast(self, x, op):
-        """A reduce_scatter the tuner has settled on shared memory: straight to the window, or None.
+    def _rs_fast(self, x, op, out):
+        """A reduce_scatter the tuner has settled on MPI or shared memory: straight to it, or None.
 
         Like ``_small_fast``: the same decision as the full path, cached per
         (op, dtype, count) once settled, with the argument checks done the
@@ -686,101 +716,241 @@ class Communicator:
             except (TypeError, ValueError):
                 return None  # the full path raises the error
             nbytes = x.size * dtype.itemsize
-            algo, cands = self._shard_choices(nbytes, False, None)
+            avg = opname == "avg"
+            redop = "sum" if avg else opname
+            algo, cands = self._shard_choices(nbytes, False, None, self._rs_mpi_ok(dtype, redop, x.size))
             if cands is not None:
                 algo = self._shard_tuners["reduce_scatter"].decided(nbytes, cands)
                 if algo is None:  # still measured
                     return None
-            avg = opname == "avg"
-            hit = False if algo != "shm" else (self._all_shards(x.size, None), "sum" if avg else opname,
-                                               self.size if avg else None, backend_for(x).reduce)
+            bounds = self._all_shards(x.size, None)
+            if algo == "shm":
+                hit = ("shm", bounds, redop, self.size if avg else None, backend_for(x).reduce)
+            elif algo == "mpi":
+                counts = [hi - lo for lo, hi in bounds]
+                hit = ("mpi", bounds, None if len(set(counts)) == 1 else counts, _mpi_op(redop), avg)
+            else:
+                hit = False
             if len(self._rs_fast_cache) >= 4096:
                 self._rs_fast_cache.clear()
             self._rs_fast_cache[key] = hit
         if hit is False:
             return None
-        bounds, redop, avg_p, reduce = hit
-        lo, hi = bounds[self.rank]
-        shard = np.empty(hi - lo, x.dtype)
-        self._shm_collectives().reduce_scatter(x.reshape(-1), shard, bounds, redop, reduce, avg_p=avg_p)
-        self.last_algorithm = "shm"
+        lo, hi = hit[1][self.rank]
+        if out is None:
+            shard = np.empty(hi - lo, x.dtype)
+        elif _plain_out(out, x, hi - lo):
+            shard = out
+        else:
+            return None  # the full path says what is wrong with out
+        src = x if x.ndim == 1 else x.reshape(-1)
+        if hit[0] == "mpi":
+            if hit[2] is None:  # equal shards: MPI_Reduce_scatter_block (Open MPI runs other algorithms for it)
+                self.comm.Reduce_scatter_block(src, shard, hit[3])
+            else:
+                self.comm.Reduce_scatter(src, shard, hit[2], hit[3])
+            if hit[4]:
+                _scale_inplace(shard, self.size)
+        else:
+            self._shm_collectives().reduce_scatter(src, shard, hit[1], hit[2], hit[4], avg_p=hit[3])
+        self.last_algorithm = hit[0]
         return shard
 
-    def _reduce_scatter(self, x, op, dims, chunk_bytes, backend, call):
+    def _reduce_scatter(self, x, op, out, dims, chunk_bytes, backend, call):
         opname, be, dtype, chunk = self._prepare(x, op, chunk_bytes, dims, backend)
         src, _ = self._flat_input(be, x)
         count = src.shape[0]
         plan = self._shard_plan(dims)
+        if out is not None:
+            lo, hi = self._all_shards(count, dims)[self.rank]
+            _check_shard_out(be, out, x, dtype, hi - lo, "reduce_scatter")
+        avg = opname == "avg"
+        redop = "sum" if avg else opname
+        deadline = None if call is None else call.deadline
 
         def run(algo):
             if call is not None:
                 call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=chunk, path=algo)
             self.last_algorithm = algo
-            if algo == "shm":
+            if algo in ("shm", "mpi"):
                 bounds = self._all_shards(count, dims)
                 lo, hi = bounds[self.rank]
-                shard = be.empty(hi - lo, dtype)
-                avg = opname == "avg"
-                self._shm_collectives().reduce_scatter(src, shard, bounds, "sum" if avg else opname, be.reduce,
-                                                       avg_p=self.size if avg else None,
-                                                       deadline=None if call is None else call.deadline)
+                shard = be.empty(hi - lo, dtype) if out is None else out
+                if algo == "shm":
+                    self._shm_collectives().reduce_scatter(src, shard, bounds, redop, be.reduce,
+                                                           avg_p=self.size if avg else None, deadline=deadline)
+                    return shard
+                counts = [b - a for a, b in bounds]
+                mop = _mpi_op(redop)
+                if len(set(counts)) == 1:  # equal shards: the block variant, which Open MPI runs differently
+                    if deadline is None:
+                        self.comm.Reduce_scatter_block(src, shard, mop)
+                    else:
+                        deadline.wait_mpi(self.comm.Ireduce_scatter_block(src, shard, mop), "MPI_Ireduce_scatter_block")
+                elif deadline is None:
+                    self.comm.Reduce_scatter(src, shard, counts, mop)
+                else:
+                    deadline.wait_mpi(self.comm.Ireduce_scatter(src, shard, counts, mop), "MPI_Ireduce_scatter")
+                if avg:
+                    _scale_inplace(shard, self.size)
                 return shard
             sched = self._schedule(count, plan, "rs")
             work = self._scratch(be, dtype, count)
             self._run_ring(sched, src, work, opname, be, dtype, chunk, call)
             lo, hi = sched.shard
-            shard = be.empty(hi - lo, dtype)
+            shard = be.empty(hi - lo, dtype) if out is None else out
             be.copy(shard, work[lo:hi])
             return shard
 
-        return self._shard_path("reduce_scatter", count * dtype.itemsize, be.device, dims, run)
+        mpi = not be.device and dims is None and self._rs_mpi_ok(dtype, redop, count)
+        return self._shard_path("reduce_scatter", count * dtype.itemsize, be.device, dims, run, mpi)
 
-    def allgather(self, shard, *, dims=None, chunk_bytes=None, backend=None, validate=None, timeout=None):
+    def allgather(self, shard, *, count=None, out=None, dims=None, chunk_bytes=None, backend=None, validate=None,
+                  timeout=None):
         """Concatenate every rank's shard into the whole buffer (a new 1-D array on every rank).
 
-        Rank r's shard goes to ``shard_range(count, dims, r)`` where ``count``
-        is the sum of the shard lengths; the lengths must be the ones that
-        ``reduce_scatter`` produces (checked on every rank).  ``validate``
-        (dtype, dims and chunk; the lengths are always checked) and
+        Rank r's shard goes to ``shard_range(count, dims, r)``; the lengths
+        must be the ones that ``reduce_scatter`` produces.  ``count``: the
+        elements of the whole buffer, the same on every rank (``validate``
+        checks that); given, each rank checks its own shard's length locally
+        and no lengths are exchanged; None: the ranks first allgather their
+        shard lengths, derive ``count`` and check every length.  ``out``: a
+        contiguous 1-D array of ``count`` elements of the shard's dtype,
+        backend and device, not overlapping it, to gather into (a loop of
+        calls then allocates nothing); it also gives ``count`` when that is
+        None.  ``validate`` (dtype, dims, chunk and ``count``) and
         ``timeout`` as for ``allreduce``.
         """
+        if count is None and out is not None:
+            count = _size(out)
+        if count is not None and type(shard) is np.ndarray and self._plain_call(dims, chunk_bytes, backend, validate,
+                                                                                  timeout):
+            done = self._ag_fast(shard, count, out)
+            if done is not None:
+                return done
         call = self._call("allgather", validate, timeout)
         if call is None:
-            return self._allgather(shard, dims, chunk_bytes, backend, None)
+            return self._allgather(shard, count, out, dims, chunk_bytes, backend, None)
         with call:
-            return self._allgather(shard, dims, chunk_bytes, backend, call)
+            return self._allgather(shard, count, out, dims, chunk_bytes, backend, call)
 
-    def _allgather(self, shard, dims, chunk_bytes, backend, call):
+    def _ag_fast(self, shard, count, out):
+        """An allgather with ``count`` given, settled on MPI or shared memory: straight to it, or None."""
+        if not shard.flags.c_contiguous or not shard.dtype.isnative or count.__class__ is not int:
+            return None
+        key = (shard.dtype, shard.size, count)
+        hit = self._ag_fast_cache.get(key)
+        if hit is None:
+            try:
+                dtype = check_dtype(shard.dtype)
+            except (TypeError, ValueError):
+                return None  # the full path raises the error
+            bounds = self._all_shards(count, None) if count >= 0 else None
+            if bounds is None or bounds[self.rank][1] - bounds[self.rank][0] != shard.size:
+                return None  # the full path raises the error
+            nbytes = count * dtype.itemsize
+            algo, cands = self._shard_choices(nbytes, False, None, self._ag_mpi_ok(count, nbytes))
+            if cands is not None:
+                algo = self._shard_tuners["allgather"].decided(nbytes, cands)
+                if algo is None:  # still measured
+                    return None
+            if algo == "shm":
+                hit = ("shm", bounds)
+            elif algo == "mpi":
+                item = dtype.itemsize
+                sizes = [(b - a) * item for a, b in bounds]
+                # MPI's own types go as they are; others (bfloat16, float16) as bytes.
+                hit = ("mpi", None if len(set(sizes)) == 1 else sizes, [a * item for a, _ in bounds],
+                       dtype not in _MPI_NATIVE)
+            else:
+                hit = False
+            if len(self._ag_fast_cache) >= 4096:
+                self._ag_fast_cache.clear()
+            self._ag_fast_cache[key] = hit
+        if hit is False:
+            return None
+        if out is None:
+            out = np.empty(count, shard.dtype)
+        elif not _plain_out(out, shard, count):
+            return None  # the full path says what is wrong with out
+        src = shard if shard.ndim == 1 else shard.reshape(-1)
+        if hit[0] == "mpi":
+            send, recv = (src.view(np.uint8), out.view(np.uint8)) if hit[3] else (src, out)
+            if hit[1] is None:  # equal shards: MPI_Allgather, which Open MPI runs faster than Allgatherv
+                self.comm.Allgather(send, recv)
+            else:
+                self.comm.Allgatherv(send.view(np.uint8), [recv.view(np.uint8), hit[1], hit[2], _MPI_OPS["BYTE"]])
+        else:
+            self._shm_collectives().allgather(src, out, hit[1])
+        self.last_algorithm = hit[0]
+        return out
+
+    def _allgather(self, shard, count, out, dims, chunk_bytes, backend, call):
         _, be, dtype, chunk = self._prepare(shard, "sum", chunk_bytes, dims, backend)
         src, _ = self._flat_input(be, shard)
-        lengths = np.empty(self.size, dtype=np.int64)
-        if call is None:
-            self.comm.Allgather(np.array([src.shape[0]], dtype=np.int64), lengths)
+        if count is None:
+            lengths = np.empty(self.size, dtype=np.int64)
+            if call is None:
+                self.comm.Allgather(np.array([src.shape[0]], dtype=np.int64), lengths)
+            else:
+                call.agree(count=None, dtype=dtype, op=None, dims=dims, chunk=chunk, path="ring")
+                call.mpi_allgather(self.comm, np.array([src.shape[0]], dtype=np.int64), lengths)
+            count = int(lengths.sum())
+            expect = self._all_shards(count, dims)
+            bad = [r for r in range(self.size) if expect[r][1] - expect[r][0] != lengths[r]]
+            if bad:
+                detail = ", ".join(f"rank {r}: {lengths[r]} (expected {expect[r][1] - expect[r][0]})" for r in bad[:8])
+                raise ValueError(f"allgather: shard lengths do not match shard_range of {count} elements: {detail}")
         else:
-            call.agree(count=None, dtype=dtype, op=None, dims=dims, chunk=chunk, path="ring")
-            call.mpi_allgather(self.comm, np.array([src.shape[0]], dtype=np.int64), lengths)
-        count = int(lengths.sum())
+            try:
+                count = operator.index(count)
+            except TypeError:
+                raise TypeError(f"allgather: count must be an integer, not {type(count).__name__}") from None
+            if count < 0:
+                raise ValueError(f"allgather: count must be >= 0, got {count}")
+            expect = self._all_shards(count, dims)
+            lo, hi = expect[self.rank]
+            if src.shape[0] != hi - lo:  # known here, before any communication
+                raise ValueError(f"allgather: this rank's shard has {src.shape[0]} elements but shard_range of "
+                                 f"{count} elements gives it {hi - lo}")
+            if out is not None:
+                _check_shard_out(be, out, shard, dtype, count, "allgather")
+            if call is not None:
+                call.agree(count=count, dtype=dtype, op=None, dims=dims, chunk=chunk, path="ring")
         plan = self._shard_plan(dims)
-        expect = self._all_shards(count, dims)
-        bad = [r for r in range(self.size) if expect[r][1] - expect[r][0] != lengths[r]]
-        if bad:
-            detail = ", ".join(f"rank {r}: {lengths[r]} (expected {expect[r][1] - expect[r][0]})" for r in bad[:8])
-            raise ValueError(f"allgather: shard lengths do not match shard_range of {count} elements: {detail}")
+        deadline = None if call is None else call.deadline
 
         def run(algo):
             self.last_algorithm = algo
-            out = be.empty(count, dtype)
+            dst = be.empty(count, dtype) if out is None else out
             if algo == "shm":
-                self._shm_collectives().allgather(src, out, expect, deadline=None if call is None else call.deadline)
-                return out
+                self._shm_collectives().allgather(src, dst, expect, deadline=deadline)
+                return dst
+            if algo == "mpi":
+                item = dtype.itemsize
+                sizes = [(b - a) * item for a, b in expect]
+                send = src.view(np.uint8)
+                if len(set(sizes)) == 1:  # equal shards: MPI_Allgather, which Open MPI runs faster than Allgatherv
+                    recv, name, blocking, nonblocking = dst.view(np.uint8), "MPI_Iallgather", \
+                        self.comm.Allgather, self.comm.Iallgather
+                else:
+                    recv = [dst.view(np.uint8), sizes, [a * item for a, _ in expect], _MPI_OPS["BYTE"]]
+                    name, blocking, nonblocking = "MPI_Iallgatherv", self.comm.Allgatherv, self.comm.Iallgatherv
+                if deadline is None:
+                    blocking(send, recv)
+                else:
+                    deadline.wait_mpi(nonblocking(send, recv), name)
+                return dst
             sched = self._schedule(count, plan, "ag")
             lo, hi = sched.shard
-            be.copy(out[lo:hi], src)
-            execute(sched, out, out, "sum", backend=be, transport=self._transport(be), chunk=chunk, slots=[],
-                    avg_p=None, deadline=None if call is None else call.deadline)
-            return out
+            be.copy(dst[lo:hi], src)
+            execute(sched, dst, dst, "sum", backend=be, transport=self._transport(be), chunk=chunk, slots=[],
+                    avg_p=None, deadline=deadline)
+            return dst
 
-        return self._shard_path("allgather", count * dtype.itemsize, be.device, dims, run)
+        nbytes = count * dtype.itemsize
+        mpi = not be.device and dims is None and self._ag_mpi_ok(count, nbytes)
+        return self._shard_path("allgather", nbytes, be.device, dims, run, mpi)
 
 
 def backend_input_numpy(x):
@@ -823,6 +993,31 @@ def _check_out(be, out, x, dtype):
         raise ValueError(f"out has shape {tuple(out.shape)} but the input has {tuple(x.shape)}")
     if be.device_id(out) != be.device_id(x):
         raise ValueError(f"out is on device {be.device_id(out)} but the input on {be.device_id(x)}")
+
+
+def _plain_out(out, x, n):
+    """Whether ``out`` is a numpy array the fast paths can write ``n`` elements of ``x``'s dtype into."""
+    return (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == (n,) and out.flags.c_contiguous
+            and out.flags.writeable and not np.may_share_memory(out, x))
+
+
+def _check_shard_out(be, out, x, dtype, n, what):
+    """``out`` of reduce_scatter / allgather: 1-D, ``n`` elements, ``x``'s dtype, backend and device, contiguous,
+    writeable and apart from ``x``; raised before any communication (every rank checks its own)."""
+    ob = backend_for(out)
+    if ob is not be:
+        raise TypeError(f"{what}: out is a {ob.name} array but the input is a {be.name} array")
+    if ob.dtype(out) != dtype:
+        raise TypeError(f"{what}: out has dtype {dtype_name(ob.dtype(out))} but the input has {dtype_name(dtype)}")
+    if tuple(out.shape) != (n,):
+        raise ValueError(f"{what}: out has shape {tuple(out.shape)} but this rank's result is ({n},)")
+    if be.device_id(out) != be.device_id(x):
+        raise ValueError(f"{what}: out is on device {be.device_id(out)} but the input on {be.device_id(x)}")
+    if type(out) is np.ndarray:
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"{what}: out must be a contiguous, writeable array")
+        if type(x) is np.ndarray and np.may_share_memory(out, x):
+            raise ValueError(f"{what}: out overlaps the input")
 
 
 def _positive(name, v):

@@ -116,6 +116,105 @@ def test_reduce_scatter_allgather_roundtrip(dims, n, op):
     assert_close(full, inputs, op, np.float64)
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", OPS)
+def test_reduce_scatter_and_allgather_through_mpis_own_calls(dtype, op):
+    """small_bytes above every size: MPI_Reduce_scatter / MPI_Allgatherv wherever they compute the call.
+
+    reduce_scatter goes to MPI for MPI's types and ops (float max/min and
+    bfloat16/float16 keep the ring); allgather moves bytes, so MPI takes
+    every dtype.  Results match the ring's: allgather bit for bit, the
+    reduction as the rank-order fold allows (MPI may add in another order).
+    """
+    from ddlkernels._comm import _MPI_NATIVE
+
+    native = np.dtype(dtype) in _MPI_NATIVE
+    redop = "sum" if op == "avg" else op
+    mpi_rs = P > 1 and native and (redop in ("sum", "prod") or np.dtype(dtype).kind in "iu")
+    with ddlkernels.Communicator(COMM, small_bytes=1 << 40) as mpi, \
+            ddlkernels.Communicator(COMM, small_bytes=0, shm=False) as ring:
+        for n in (0, 1, max(P - 1, 0), P + 1, 4 * P, 97, 4099, 1024 * P):  # unequal and equal shards
+            x = rank_data(n, RANK, P, dtype, salt=5)
+            keep = x.copy()
+            inputs = gather_inputs(x)
+            lo, hi = mpi.shard_range(n)
+            for _ in range(2):  # the full path, then the settled fast path
+                shard = mpi.reduce_scatter(x, op)
+                assert mpi.last_algorithm == ("mpi" if mpi_rs else "ring"), (n, mpi.last_algorithm)
+                assert shard.dtype == x.dtype and shard.shape == (hi - lo,)
+                assert np.array_equal(x.view(np.uint8), keep.view(np.uint8)), "input modified"
+                assert_close(shard, [a[lo:hi] for a in inputs], op, dtype, f"reduce_scatter n={n}")
+                assert_same_on_all_ranks(COMM, mpi.allgather(shard), f"allgather n={n}")
+                assert mpi.last_algorithm == ("mpi" if P > 1 else "ring")
+                want = ring.allgather(shard)
+                for count in (None, n):
+                    got = mpi.allgather(shard, count=count)
+                    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"allgather n={n} count={count}"
+    if P > 1 and mpi_rs:
+        assert any(h and h[0] == "mpi" for h in mpi._rs_fast_cache.values()), "reduce_scatter fast path not taken"
+    if P > 1:
+        assert any(h and h[0] == "mpi" for h in mpi._ag_fast_cache.values()), "allgather fast path not taken"
+
+
+def test_allgather_count_is_checked_before_communicating():
+    x = rank_data(10 * P + 3, RANK, P, np.float32)
+    with ddlkernels.Communicator(COMM) as dc:
+        shard = dc.reduce_scatter(x)
+        assert np.array_equal(dc.allgather(shard, count=x.size), dc.allgather(shard))
+        with pytest.raises(TypeError, match="count must be an integer"):
+            dc.allgather(shard, count=1.5)
+        with pytest.raises(ValueError, match="count must be >= 0"):
+            dc.allgather(shard, count=-1)
+        # Too many elements: at least rank 0's shard is too short; with validate every rank hears of it.
+        with pytest.raises(ValueError, match="shard"):
+            dc.allgather(shard, count=x.size + 1, validate=True)
+        with pytest.raises(ValueError, match="shard"):  # the same count everywhere: every rank knows locally
+            dc.allgather(shard, count=x.size + P)
+        assert np.array_equal(dc.allgather(shard, count=np.int64(x.size)), dc.allgather(shard))
+
+
+@pytest.mark.parametrize("small_bytes", [None, 0, 1 << 40], ids=["tuned", "ring", "mpi"])
+def test_reduce_scatter_and_allgather_write_into_out(small_bytes):
+    """out=: the result lands there (fast and full paths alike), nothing else is written, and a bad out
+    raises on every rank before any communication."""
+    n = 50 * P + 3
+    x = rank_data(n, RANK, P, np.int64, salt=9)
+    inputs = gather_inputs(x)
+    with ddlkernels.Communicator(COMM, small_bytes=small_bytes) as dc:
+        lo, hi = dc.shard_range(n)
+        want = sum(a[lo:hi] for a in inputs)
+        for validate in (False, True, False, False):  # full path (trials, checks), then settled fast paths
+            buf = np.full(hi - lo + 2, -7, np.int64)
+            out = buf[1:-1]
+            assert dc.reduce_scatter(x, out=out, validate=validate) is out
+            assert np.array_equal(out, want) and buf[0] == buf[-1] == -7
+            whole = np.full(n, -7, np.int64)
+            assert dc.allgather(out, out=whole, validate=validate) is whole
+            assert np.array_equal(whole, sum(inputs))
+            again = np.empty(n, np.int64)
+            assert dc.allgather(out, count=n, out=again) is again and np.array_equal(again, whole)
+        shard = want.copy()
+        bad = [
+            (np.empty(hi - lo, np.int32), TypeError, "dtype"),
+            (np.empty(hi - lo + 1, np.int64), ValueError, "shape"),
+            (np.empty((hi - lo, 1), np.int64), ValueError, "shape"),
+            (np.empty(2 * (hi - lo), np.int64)[::2], ValueError, "contiguous"),
+        ]
+        for o, exc, msg in bad:
+            with pytest.raises(exc, match=msg):
+                dc.reduce_scatter(x, out=o)
+        with pytest.raises(ValueError, match="overlaps"):
+            dc.reduce_scatter(x, out=x[: hi - lo])
+        with pytest.raises(TypeError, match="dtype"):
+            dc.allgather(shard, out=np.empty(n, np.float64))
+        with pytest.raises(ValueError, match="shape"):
+            dc.allgather(shard, count=n, out=np.empty(n + 1, np.int64))
+        whole = np.empty(n, np.int64)
+        with pytest.raises(ValueError, match="overlaps"):
+            dc.allgather(whole[lo:hi], out=whole)
+        assert np.array_equal(dc.allgather(shard, out=np.empty(n, np.int64)), sum(inputs))  # still usable
+
+
 def test_flat_ring_shards_are_rank_ordered():
     n = 10 * P + 3
     bounds = [ddlkernels.shard_range(n, dims=(P,), rank=r) for r in range(P)]

@@ -331,6 +331,6 @@ def test_communicator_reduce_scatter_and_allgather_take_the_window(forced):
     assert np.array_equal(shard, full[lo:hi])
     back = forced.allgather(shard)
     assert forced.last_algorithm == "shm" and np.array_equal(back, full)
-    with ddlkernels.Communicator(COMM, shm=False) as ring:
+    with ddlkernels.Communicator(COMM, shm=False, small_bytes=0) as ring:
         assert_close(ring.reduce_scatter(x, "avg"), [a[lo:hi] for a in COMM.allgather(x)], "avg", np.float32)
         assert ring.last_algorithm == "ring"

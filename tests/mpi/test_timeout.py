@@ -75,6 +75,30 @@ def test_timeout_in_the_argument_check_and_allgather():
         assert "MPI_Iallgather" in str(err)
 
 
+@needs_two
+@pytest.mark.parametrize("n", [4 * P, 4 * P + 1], ids=["equal-shards", "unequal-shards"])
+def test_timeout_on_mpis_own_reduce_scatter_and_allgather(n):
+    """small_bytes fixed above the size: MPI's own calls, polled; a missing rank names the call."""
+
+    def rs(c):
+        c.small_bytes = 1 << 30
+        c.reduce_scatter(np.ones(n, np.float64))
+
+    def ag(c):
+        c.small_bytes = 1 << 30
+        lo, hi = c.shard_range(n)
+        c.allgather(np.ones(hi - lo), count=n)
+
+    block = "_block" if n % P == 0 else ""
+    err = missing_rank(rs)
+    if RANK != ODD:
+        assert f"waiting to complete MPI_Ireduce_scatter{block} (a rank has not joined)" in str(err), str(err)
+    err = missing_rank(ag)
+    if RANK != ODD:
+        want = "MPI_Iallgather " if n % P == 0 else "MPI_Iallgatherv"
+        assert f"waiting to complete {want}" in str(err) + " ", str(err)
+
+
 def test_results_with_a_timeout_that_does_not_expire():
     comm = ddlkernels.Communicator(timeout=120)
     for n, dims, dt in [(0, None, np.float32), (5, None, np.float64), (4097, (P,), np.float16), (30011, None, np.int64)]:
