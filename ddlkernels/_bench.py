@@ -301,14 +301,17 @@ def _make_rs_common(comm, count, dtype, op):
 
 
 def _ddl_rs_run(st):
-    st["res"] = st["dc"].reduce_scatter(st["x"], st["op"])
+    # Into a reused output, as the MPI line does: a loop of calls allocates nothing.
+    st["res"] = st["dc"].reduce_scatter(st["x"], st["op"], out=st["out"])
 
 
 def _ddl_rs_wrong(st):
     got = st.pop("res", None)
-    if got is None or len(got) != len(st["expect"]):
+    if got is not st["out"]:
         return len(st["expect"]) or 1
-    return _count_wrong(got, st["expect"]) + _count_wrong(st["x"], st["pristine"])
+    n = _count_wrong(st["x"], st["pristine"]) + _count_wrong(got, st["expect"])
+    st["out"].fill(SENTINEL)
+    return n
 
 
 def _mpi_rs_make(comm, count, dtype, op, inplace=False):
@@ -358,14 +361,18 @@ def _gathered(comm, count, dtype, bounds):
 
 
 def _ddl_ag_run(st):
-    st["res"] = st["dc"].allgather(st["shard"])
+    # Into a reused output, as the MPI line does; its size gives the count, as after a reduce_scatter of a
+    # known buffer, which spares the call the exchange of shard lengths (Communicator.allgather).
+    st["res"] = st["dc"].allgather(st["shard"], out=st["out"])
 
 
 def _ddl_ag_wrong(st):
     got = st.pop("res", None)
-    if got is None or len(got) != len(st["expect"]):
+    if got is not st["out"]:
         return len(st["expect"]) or 1
-    return _count_wrong(got, st["expect"]) + _count_wrong(st["shard"], st["pristine"])
+    n = _count_wrong(got, st["expect"]) + _count_wrong(st["shard"], st["pristine"])
+    st["out"].fill(SENTINEL)
+    return n
 
 
 def _mpi_ag_make(comm, count, dtype, op, inplace=False):
@@ -612,11 +619,12 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
                     st["dc"] = dc = _DDL.get(comm, _o)
                     lo, hi = dc.shard_range(count)
                     st["expect"] = st["full"][lo:hi]
+                    st["out"] = np.full(hi - lo, SENTINEL, dtype=dtype)
                     return st
 
                 out.append(Collective(_ddl_label(opts), _rs_factor, make, _ddl_rs_run, _ddl_rs_wrong,
                                       path=lambda st: st["dc"].last_algorithm or "",
-                                      settling=lambda st: st["dc"].tuning(st["x"], collective="reduce_scatter"),
+                                      settling=lambda st: st["dc"].tuning(st["x"], st["op"], collective="reduce_scatter"),
                                       unsupported=lambda d, o, inplace: "no in-place reduce_scatter API"
                                       if inplace else None))
             else:
@@ -626,7 +634,8 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
                     bounds = [dc.shard_range(count, rank=q) for q in range(comm.Get_size())]
                     full = _gathered(comm, count, dtype, bounds)
                     lo, hi = bounds[comm.Get_rank()]
-                    return {"dc": dc, "shard": full[lo:hi].copy(), "pristine": full[lo:hi].copy(), "expect": full}
+                    return {"dc": dc, "shard": full[lo:hi].copy(), "pristine": full[lo:hi].copy(), "expect": full,
+                            "out": np.full(count, SENTINEL, dtype=dtype)}
 
                 out.append(Collective(_ddl_label(opts), _rs_factor, make, _ddl_ag_run, _ddl_ag_wrong,
                                       path=lambda st: st["dc"].last_algorithm or "",
