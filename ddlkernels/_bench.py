@@ -717,7 +717,7 @@ def _time_one(comm, fn, state, batch=1):
 #: Most calls one timed sample may batch (``min_sample_s``).
 MAX_BATCH = 1000
 #: Most extra warmup calls spent letting ddlkernels' tuner settle (with three
-#: candidates it needs 60 calls below 256 KiB, 24 above: ddlkernels._tuner.tuning_calls).
+#: candidates it needs 60 calls below 256 KiB, 48 above: ddlkernels._tuner.tuning_calls).
 MAX_SETTLE = 100
 
 

@@ -72,7 +72,14 @@ __all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "TRIALS", "SMALL_TRIALS", "MAR
 # never came close to the ring at 32 MiB and above.
 MPI_BELOW = 256 << 10
 RING_FROM = 32 << 20
-TRIALS = 6
+#: From MPI_BELOW: timed calls per candidate, in blocks of 3, so 4 blocks each.
+#: With 6 (2 blocks), one block hit by a burst of other work (4 ranks on 2
+#: cores, a kernel thread taking a core) moved the median enough to settle
+#: 8 MiB at 4 ranks on MPI_Allreduce, which then ran 5.77 ms; the shared-memory
+#: allreduce took 3.05 ms at 8 MiB in the run just before (bench/results at
+#: 202f01d, allreduce_np4_float32{_repeat,}).
+#: Once per size bucket: 48 calls with three candidates, ~0.3 s at 8 MiB there.
+TRIALS = 12
 #: Below MPI_BELOW calls cost microseconds and their times are noisy (each
 #: includes the wait for the last rank to arrive), so more trials are cheap
 #: and needed.
