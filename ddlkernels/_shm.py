@@ -28,7 +28,7 @@ operand of an in-place call before its turn.
 
 Compared with a ring over MPI's shared-memory transport, nothing is chunked
 into messages, no rank waits on a neighbour's send, and the data is touched a
-fixed ~4.5 times its size per rank (stage, reduce, publish, gather) whatever
+fixed ~4.5 times its size per rank (stage, reduce, copy out, gather) whatever
 p is.  Messages longer than one piece go piece by piece: a piece of
 ``PIECE_BYTES`` keeps a rank's working set in its core's cache (measured on
 the 2-core machine by ``bench/shm_pieces.py``: 1 MiB pieces were the fastest,

@@ -78,7 +78,7 @@ RING_FROM = 32 << 20
 #: 8 MiB at 4 ranks on MPI_Allreduce, which then ran 5.77 ms; the shared-memory
 #: allreduce took 3.05 ms at 8 MiB in the run just before (bench/results at
 #: 202f01d, allreduce_np4_float32{_repeat,}).
-#: Once per size bucket: 48 calls with three candidates, ~0.3 s at 8 MiB there.
+#: The cost is paid once per size bucket: 48 calls with three candidates.
 TRIALS = 12
 #: Below MPI_BELOW calls cost microseconds and their times are noisy (each
 #: includes the wait for the last rank to arrive), so more trials are cheap
