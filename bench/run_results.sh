@@ -42,6 +42,10 @@ for rep in "" _repeat; do
 done
 run allreduce_np2_float32_inplace "$MPIRUN" -n 2 "$PY" bench/allreduce.py "${SWEEP[@]}" --place in --impls ddlkernels,ring,mpi,link \
   --json "$OUT/allreduce_np2_float32_inplace.json" --plot "$OUT/allreduce_np2_float32_inplace.png"
+# Half precision (the compiled float16/bfloat16 kernels of ddlkernels/_half.py).  MPI has no bfloat16
+# type, so that MPI line is skipped.
+run allreduce_np2_half "$MPIRUN" -n 2 "$PY" bench/allreduce.py -b 64K -e 64M -f 4 -n "$ITERS" -w "$WARMUP" -d float16,bfloat16 \
+  -o sum --no-progress --impls ddlkernels,ring,mpi,link --json "$OUT/allreduce_np2_half.json" --plot "$OUT/allreduce_np2_half.png"
 # Pipeline chunk size (ring forced at every size), one line per chunk, against the link.
 run chunk_np2 "$MPIRUN" -n 2 "$PY" bench/allreduce.py -b 1M -e 64M -f 4 -n "$ITERS" -w 3 --no-progress \
   --impls ddlkernels,link --small-bytes 0 --chunk-bytes 256K,1M,4M,16M \
