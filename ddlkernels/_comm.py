@@ -96,7 +96,7 @@ class Communicator:
         self.chunk_bytes = _positive("chunk_bytes", env.chunk_bytes if chunk_bytes is None else chunk_bytes)
         small = env.small_bytes if small_bytes is None else small_bytes
         self.small_bytes = None if small is None else _nonneg("small_bytes", small)
-        self._tuner = SizeTuner()
+        self._tuner = SizeTuner(watch=True)  # large settled sizes re-measured when their calls slow down
         #: reduce_scatter and allgather: the ring or (one node) shared memory, measured per size
         self._shard_tuners = {"reduce_scatter": SizeTuner(), "allgather": SizeTuner()}
         self.window = _positive("window", env.window if window is None else window)
@@ -386,7 +386,9 @@ class Communicator:
             dst = out
         else:
             return None
-        algo, how, avg = hit  # how: the MPI op, or for "shm" the op's name or a ShmAllreduce.small_fn
+        algo, how, avg, watch = hit  # how: the MPI op, or for "shm" the op's name or a ShmAllreduce.small_fn
+        if watch is not None:  # a watched size (ddlkernels._tuner.WATCH_FROM): time the call for the tuner
+            t0 = perf_counter()
         if algo == "shm":
             if how.__class__ is str:
                 self._shm.run(x.reshape(-1), dst.reshape(-1), how, None)
@@ -399,18 +401,25 @@ class Communicator:
         if avg:
             _scale_inplace(dst, self.size)
         self.last_algorithm = algo
+        if watch is not None and self._tuner.observe(self.comm, x.nbytes, watch, perf_counter() - t0, inplace):
+            self._fast.clear()  # measured again: every rank reopened the size at once
         return dst
 
     def _fast_entry(self, op, dt, nbytes, inplace):
-        """``(algorithm, how, avg?)`` of the fast path for this op, dtype and size; False (settled on the full
-        path) or None (not settled, or not a fast-path case).  Settled answers are cached."""
+        """``(algorithm, how, avg?, watch)`` of the fast path for this op, dtype and size; False (settled on
+        the full path) or None (not settled, or not a fast-path case).  Settled answers are cached.  ``watch``:
+        the tuner's candidates when the size is watched (its calls go to ``SizeTuner.observe``), else None."""
         entry = _FAST_TABLE.get((op, dt.char)) if op.__class__ is str else None
         if entry is None or not dt.isnative or self._shm_mode:
             return None
+        watch = None
         if self.small_bytes is None:
-            algo = self._tuner.decided(nbytes, candidates(nbytes, shm=self._shm_mode is not None), inplace)
+            cands = candidates(nbytes, shm=self._shm_mode is not None)
+            algo = self._tuner.decided(nbytes, cands, inplace)
             if algo is None:  # still measured
                 return None
+            if self._tuner.watched(nbytes, cands, inplace):
+                watch = cands
         elif nbytes < self.small_bytes:
             algo = "mpi"
         else:
@@ -418,11 +427,11 @@ class Communicator:
         if len(self._fast) >= 4096:  # a job with ever new sizes must not grow this without bound
             self._fast.clear()
         if algo in ("mpi", "nbc"):
-            hit = (algo, entry[0], entry[1])
+            hit = (algo, entry[0], entry[1], watch)
         elif algo == "shm" and not entry[1]:  # "avg" takes the full path
             if self._shm is None or not self._shm.allocated:
                 return None  # the full path sets the window up (collectively); ask again after it
-            hit = (algo, self._shm.small_fn(dt, nbytes // dt.itemsize, op) or op, False)
+            hit = (algo, self._shm.small_fn(dt, nbytes // dt.itemsize, op) or op, False, watch)
         else:
             hit = False
         self._fast[op, dt, nbytes, inplace] = hit
@@ -483,6 +492,8 @@ class Communicator:
 
         The same on every rank.  Benchmarks call until it is False, so that
         timed iterations run the settled algorithm (``ddlkernels._tuner``).
+        From ``WATCH_FROM`` bytes a settled size becomes a trial again if its
+        calls slow down by ``DRIFT`` (``SizeTuner.observe``).
         ``collective="reduce_scatter"`` or ``"allgather"`` asks the same of
         those collectives for a whole buffer like ``x`` (for allgather: the
         gathered size, not the shard's).
@@ -564,6 +575,12 @@ class Communicator:
             t0 = perf_counter()
             self._allreduce_path(algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
             self._tuner.record(self.comm, nbytes, cands, algo, perf_counter() - t0, inplace)
+        elif cands is not None and self._tuner.watched(nbytes, cands, inplace):
+            # Every call of a watched size is counted, here or in _small_fast, on every rank alike.
+            t0 = perf_counter()
+            self._allreduce_path(algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
+            if self._tuner.observe(self.comm, nbytes, cands, perf_counter() - t0, inplace):
+                self._fast.clear()
         else:
             self._allreduce_path(algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
 

@@ -48,6 +48,20 @@ otherwise.  (The median, not the minimum: what a training loop pays is the
 typical call, and on shared or oversubscribed cores the best call is rarely
 typical.)
 
+A settled choice is not final from ``WATCH_FROM`` bytes (allreduce): the
+machine it was measured on can change under it.  On the 2-core machine the
+two cores switch, minutes apart, between a state where the shared-memory
+allreduce is the fastest and one where the ring over MPI's transport is: in
+the MPICH sweep of bench/results at b793e64 the tuner had settled 64 MiB on
+the window, which then ran 11.2 ms while the ring took 7.2 ms in the same
+run.  So every rank keeps timing the calls of a watched bucket, and every
+``WATCH_CALLS`` of them one 8-byte ``MPI_Allreduce(MAX)`` of the ranks'
+median time compares it with the time that won the trials: ``DRIFT`` times
+slower, and the bucket is measured again (all ranks at once, since they all
+see the same maximum).  A re-measurement that keeps the same algorithm
+doubles the interval to the next check, so a loop whose calls are merely
+slower now (more load, not another winner) pays for trials rarely.
+
 ``reduce_scatter`` and ``allgather`` have tuners of their own
 (``Communicator._shard_tuners``) with the candidates "ring" and, on one
 node, "shm", measured the same way.
@@ -64,8 +78,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN", "margin", "candidates",
-           "trials", "block",
-           "tuning_calls"]
+           "trials", "block", "tuning_calls", "WATCH_FROM", "WATCH_CALLS", "DRIFT"]
 
 # Measured on the 2-core machine (bench/results, the main job): the ring never
 # beat MPI's own allreduce below 1 MiB at 2 or 4 ranks, and MPI's allreduce
@@ -97,6 +110,28 @@ MARGIN = 1.1
 #: With 10 %, trials at 4 KiB and 4 ranks kept MPI's call although the
 #: shared-memory allreduce ran 1.4x faster once chosen (bench/results).
 SMALL_MARGIN = 1.05
+
+
+#: Settled buckets from this size are watched (see the module comment).  A
+#: call here costs 100 us or more, so timing it and one small allreduce per
+#: WATCH_CALLS calls are noise; below, calls are latency-bound and the fast
+#: path's few microseconds are the product.
+WATCH_FROM = 1 << 20
+#: Calls between two checks of a watched bucket (doubled after each
+#: re-measurement that kept the algorithm).
+WATCH_CALLS = 64
+#: How many times slower than its winning trials a watched bucket's calls
+#: must run to be measured again.
+DRIFT = 1.5
+
+
+class _Settled:
+    """A watched bucket's choice: the algorithm, the time it won with, the calls timed since the last check."""
+
+    __slots__ = ("algorithm", "won_in", "every", "times")
+
+    def __init__(self, algorithm, won_in, every):
+        self.algorithm, self.won_in, self.every, self.times = algorithm, won_in, every, []
 
 
 def margin(nbytes: int) -> float:
@@ -145,8 +180,12 @@ class SizeTuner:
     placement's winner says little about the other's.
     """
 
-    def __init__(self):
+    def __init__(self, watch: bool = False):
+        #: key -> None/dict while measuring, the algorithm (str) or a _Settled once chosen
         self._state: dict[tuple, object] = {}
+        self.watch = watch  # re-measure settled buckets from WATCH_FROM bytes when their calls slow down
+        self._every: dict[tuple, int] = {}  # key -> calls between checks (grows when a re-measurement agrees)
+        self._before: dict[tuple, str] = {}  # key -> the algorithm a re-measurement started from
 
     @staticmethod
     def bucket(nbytes: int) -> int:
@@ -161,6 +200,8 @@ class SizeTuner:
         st = self._state.get(key)
         if isinstance(st, str):
             return st, False
+        if isinstance(st, _Settled):
+            return st.algorithm, False
         if len(cands) == 1:
             return cands[0], False
         if st is None:
@@ -173,7 +214,38 @@ class SizeTuner:
         st = self._state.get(self._key(nbytes, cands, inplace))
         if isinstance(st, str):
             return st
+        if isinstance(st, _Settled):
+            return st.algorithm
         return cands[0] if len(cands) == 1 else None
+
+    def watched(self, nbytes: int, cands: tuple[str, ...], inplace: bool = False) -> bool:
+        """Whether calls of this settled bucket must be passed to ``observe``."""
+        return isinstance(self._state.get(self._key(nbytes, cands, inplace)), _Settled)
+
+    def observe(self, comm, nbytes: int, cands: tuple[str, ...], seconds: float, inplace: bool = False) -> bool:
+        """Count one call of a watched bucket, lasting ``seconds`` here; True when the bucket was reopened.
+
+        Collective every ``every``-th call (one small ``MPI_Allreduce``): every
+        rank must pass every call of the bucket, as every rank makes it.
+        """
+        key = self._key(nbytes, cands, inplace)
+        st = self._state.get(key)
+        if not isinstance(st, _Settled):
+            return False
+        st.times.append(seconds)
+        if len(st.times) < st.every:
+            return False
+        from mpi4py import MPI
+
+        now = np.array([np.median(st.times)], dtype=np.float64)
+        st.times.clear()
+        comm.Allreduce(MPI.IN_PLACE, now, MPI.MAX)
+        if now[0] <= DRIFT * st.won_in:
+            return False
+        self._before[key] = st.algorithm
+        self._every[key] = st.every
+        del self._state[key]  # measured again from the next call, on every rank
+        return True
 
     def settle(self, nbytes: int, cands: tuple[str, ...], algorithm: str, inplace: bool = False) -> None:
         """Fix the choice for ``nbytes`` without measuring (every rank must do the same)."""
@@ -193,7 +265,14 @@ class SizeTuner:
             best = np.array([np.median(st["times"][c]) for c in cands], dtype=np.float64)
             comm.Allreduce(MPI.IN_PLACE, best, MPI.MAX)
             challenger = 1 + int(np.argmin(best[1:]))
-            self._state[key] = cands[challenger] if best[challenger] * margin(nbytes) < best[0] else cands[0]
+            win = challenger if best[challenger] * margin(nbytes) < best[0] else 0
+            if self.watch and nbytes >= WATCH_FROM:
+                every = WATCH_CALLS
+                if key in self._before:  # a re-measurement: the same winner means only slower calls, check less often
+                    every = 2 * self._every[key] if self._before.pop(key) == cands[win] else WATCH_CALLS
+                self._state[key] = _Settled(cands[win], float(best[win]), every)
+            else:
+                self._state[key] = cands[win]
 
     def decisions(self) -> dict[str, str]:
         """Size range (candidates when several sets were used; "in place") -> algorithm, for reports."""
@@ -202,5 +281,5 @@ class SizeTuner:
         for (key, cands, inplace), st in sorted(self._state.items()):
             lo, hi = (1 << (key - 1)) if key else 0, (1 << key)
             label = f"[{lo}, {hi}) B" + (f" of {'/'.join(cands)}" if len(sets) > 1 else "") + (" in place" if inplace else "")
-            out[label] = st if isinstance(st, str) else "measuring"
+            out[label] = st if isinstance(st, str) else st.algorithm if isinstance(st, _Settled) else "measuring"
         return out

@@ -109,3 +109,87 @@ def test_in_place_and_out_of_place_are_measured_apart():
             t.record(OneRank(), 1 << 20, cands, algo, secs[algo], inplace)
     assert t.decided(1 << 20, cands) == "shm" and t.decided(1 << 20, cands, True) == "mpi"
     assert t.decisions() == {"[1048576, 2097152) B": "shm", "[1048576, 2097152) B in place": "mpi"}
+
+
+class MaxOf:
+    """A deciding/checking ``Allreduce(IN_PLACE, x, MAX)`` that also sees another rank's value ``other``."""
+
+    def __init__(self, other):
+        self.other = other
+        self.calls = 0
+
+    def Allreduce(self, sendbuf, recvbuf, op):
+        self.calls += 1
+        buf = recvbuf if hasattr(recvbuf, "shape") else sendbuf
+        np.maximum(buf, self.other, out=buf)
+
+
+def settle_watched(t, cands, seconds, nbytes):
+    while True:
+        algo, trial = t.choose(nbytes, cands)
+        if not trial:
+            return algo
+        t.record(OneRank(), nbytes, cands, algo, seconds[algo])
+
+
+def test_watched_bucket_is_measured_again_when_its_calls_slow_down():
+    from ddlkernels._tuner import DRIFT, WATCH_CALLS, WATCH_FROM
+
+    cands, nb = ("ring", "shm"), WATCH_FROM
+    t = SizeTuner(watch=True)
+    assert settle_watched(t, cands, {"ring": 1.0, "shm": 0.5}, nb) == "shm"
+    assert t.watched(nb, cands) and t.decided(nb, cands) == "shm"
+    # As fast as it won: one check per WATCH_CALLS calls, nothing reopens.
+    comm = MaxOf(0.0)
+    for _ in range(3 * WATCH_CALLS):
+        assert not t.observe(comm, nb, cands, 0.5)
+    assert comm.calls == 3 and t.decided(nb, cands) == "shm"
+    # Slower, but within DRIFT: still settled.
+    for _ in range(WATCH_CALLS):
+        assert not t.observe(comm, nb, cands, 0.5 * DRIFT * 0.99)
+    # Another rank's calls slowed down (the check takes the maximum): every rank reopens at the same call.
+    comm = MaxOf(0.5 * DRIFT * 1.2)
+    reopened = [t.observe(comm, nb, cands, 0.5) for _ in range(WATCH_CALLS)]
+    assert reopened == [False] * (WATCH_CALLS - 1) + [True]
+    assert t.decided(nb, cands) is None and t.choose(nb, cands)[1]  # trials again
+    # The machine changed its mind: the ring wins now, and is watched from the start interval.
+    assert settle_watched(t, cands, {"ring": 0.6, "shm": 1.2}, nb) == "ring"
+    comm = MaxOf(0.0)
+    for _ in range(WATCH_CALLS - 1):
+        t.observe(comm, nb, cands, 0.6)
+    assert comm.calls == 0 and not t.observe(comm, nb, cands, 0.6) and comm.calls == 1
+
+
+def test_a_remeasurement_that_keeps_the_winner_checks_half_as_often():
+    from ddlkernels._tuner import WATCH_CALLS, WATCH_FROM
+
+    cands, nb = ("ring", "shm"), 4 * WATCH_FROM
+    t = SizeTuner(watch=True)
+    settle_watched(t, cands, {"ring": 1.0, "shm": 0.5}, nb)
+    slow = MaxOf(0.0)
+    assert [t.observe(slow, nb, cands, 2.0) for _ in range(WATCH_CALLS)][-1]
+    assert settle_watched(t, cands, {"ring": 4.0, "shm": 2.0}, nb) == "shm"  # everything slower; same winner
+    comm = MaxOf(0.0)
+    for _ in range(2 * WATCH_CALLS - 1):
+        t.observe(comm, nb, cands, 2.0)
+    assert comm.calls == 0
+    t.observe(comm, nb, cands, 2.0)
+    assert comm.calls == 1
+
+
+def test_not_watched_below_watch_from_when_fixed_or_when_off():
+    from ddlkernels._tuner import WATCH_FROM
+
+    cands = ("ring", "shm")
+    t = SizeTuner(watch=True)
+    settle_watched(t, cands, {"ring": 1.0, "shm": 0.5}, WATCH_FROM - 1)
+    assert not t.watched(WATCH_FROM - 1, cands)
+    assert not t.observe(MaxOf(9.0), WATCH_FROM - 1, cands, 9.0)
+    t.settle(WATCH_FROM, cands, "ring")  # fixed by the caller, not measured: never reopened
+    assert not t.watched(WATCH_FROM, cands)
+    off = SizeTuner()
+    settle_watched(off, cands, {"ring": 1.0, "shm": 0.5}, WATCH_FROM)
+    assert not off.watched(WATCH_FROM, cands) and off.decided(WATCH_FROM, cands) == "shm"
+    w = SizeTuner(watch=True)
+    settle_watched(w, cands, {"ring": 1.0, "shm": 0.5}, WATCH_FROM)
+    assert list(w.decisions().values()) == ["shm"]  # reports name a watched bucket's algorithm

@@ -314,6 +314,55 @@ def test_small_sizes_measure_mpi_blocking_against_nonblocking_and_agree(nbytes):
     assert np.array_equal(x, rank_data(nbytes // 8, RANK, P, np.float64)), "input modified"
 
 
+def test_a_watched_size_is_measured_again_on_every_rank_at_once():
+    """From WATCH_FROM bytes a settled size is re-checked every WATCH_CALLS calls; a slowdown reopens it.
+
+    Even ranks take the fast path (a contiguous input and out=), odd ranks the
+    full one (a strided input, reduced through a copy): both must count every
+    call, or the ranks would check -- a collective -- at different calls.
+    """
+    from ddlkernels._tuner import WATCH_CALLS, WATCH_FROM, _Settled, tuning_calls
+
+    count = WATCH_FROM // 8
+    x = rank_data(count, RANK, P, np.float64)
+    inputs = gather_inputs(x)
+    wide = np.zeros(2 * count)
+    wide[::2] = x
+    strided = wide[::2]
+    out = np.empty_like(x)
+    with ddlkernels.Communicator(COMM) as dc:
+        if P == 1:
+            pytest.skip("one rank: nothing to choose between")
+        cands = {"mpi", "ring"} | ({"shm"} if dc._shm_mode is not None else set())
+        n = tuning_calls(x.nbytes, len(cands))
+
+        def calls(k):
+            seen = []
+            for i in range(k):
+                y = dc.allreduce(strided, "sum") if RANK % 2 else dc.allreduce(x, "sum", out=out)
+                assert_close(y, inputs, "sum", np.float64, f"call {i}")
+                seen.append(dc.last_algorithm)
+            return seen
+
+        seen = calls(n)
+        assert set(seen) == cands and not dc.tuning(x), seen
+        settled = [v for v in dc._tuner._state.values() if isinstance(v, _Settled)]
+        assert len(settled) == 1
+        # As if the machine had slowed down since the trials: the next check finds the calls too slow.
+        # (Set alike on every rank, as the agreed trial time is.)
+        settled[0].won_in = 1e-9
+        after = calls(WATCH_CALLS)
+        assert len(set(after)) == 1, after  # the settled algorithm until the check, which reopens
+        assert dc.tuning(x) and dc.tuning(strided)
+        again = calls(n + 2)
+        assert set(again[:n]) == cands and len(set(again[n:])) == 1, again
+        assert not dc.tuning(x)
+        seen += after + again
+        every = COMM.allgather(seen)
+        assert all(s == every[0] for s in every), "every rank ran the same algorithm in every call"
+    assert np.array_equal(strided, x) and np.array_equal(x, rank_data(count, RANK, P, np.float64)), "input modified"
+
+
 def test_measured_choice_is_the_same_on_every_rank_and_always_correct():
     """small_bytes=None: trials go round MPI, the ring and (one node) shm, then one agreed choice per size bucket."""
     from ddlkernels._tuner import MPI_BELOW, tuning_calls
