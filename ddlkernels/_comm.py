@@ -98,7 +98,7 @@ class Communicator:
         self.small_bytes = None if small is None else _nonneg("small_bytes", small)
         self._tuner = SizeTuner(watch=True)  # large settled sizes re-measured when their calls slow down
         #: reduce_scatter and allgather: the ring or (one node) shared memory, measured per size
-        self._shard_tuners = {"reduce_scatter": SizeTuner(), "allgather": SizeTuner()}
+        self._shard_tuners = {"reduce_scatter": SizeTuner(watch=True), "allgather": SizeTuner(watch=True)}
         self.window = _positive("window", env.window if window is None else window)
         self.cuda_aware_override = env.cuda_aware if cuda_aware is None else bool(cuda_aware)
         self.validate = env.validate if validate is None else bool(validate)
@@ -550,7 +550,12 @@ class Communicator:
         tuner = self._shard_tuners[kind]
         algo, trial = tuner.choose(nbytes, cands)
         if not trial:
-            return run(algo)
+            if not tuner.watched(nbytes, cands):
+                return run(algo)
+            t0 = perf_counter()  # a watched size (ddlkernels._tuner.WATCH_FROM): every call counted
+            result = run(algo)
+            tuner.observe(self.comm, nbytes, cands, perf_counter() - t0)
+            return result
         t0 = perf_counter()
         result = run(algo)
         tuner.record(self.comm, nbytes, cands, algo, perf_counter() - t0)
@@ -740,6 +745,8 @@ class Communicator:
                 algo = self._shard_tuners["reduce_scatter"].decided(nbytes, cands)
                 if algo is None:  # still measured
                     return None
+                if self._shard_tuners["reduce_scatter"].watched(nbytes, cands):
+                    algo = None  # a watched size: the full path times it for the tuner (_shard_path)
             bounds = self._all_shards(x.size, None)
             if algo == "shm":
                 hit = ("shm", bounds, redop, self.size if avg else None, backend_for(x).reduce)
@@ -871,6 +878,8 @@ class Communicator:
                 algo = self._shard_tuners["allgather"].decided(nbytes, cands)
                 if algo is None:  # still measured
                     return None
+                if self._shard_tuners["allgather"].watched(nbytes, cands):
+                    algo = None  # a watched size: the full path times it for the tuner (_shard_path)
             if algo == "shm":
                 hit = ("shm", bounds)
             elif algo == "mpi":

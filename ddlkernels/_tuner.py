@@ -63,8 +63,9 @@ doubles the interval to the next check, so a loop whose calls are merely
 slower now (more load, not another winner) pays for trials rarely.
 
 ``reduce_scatter`` and ``allgather`` have tuners of their own
-(``Communicator._shard_tuners``) with the candidates "ring" and, on one
-node, "shm", measured the same way.
+(``Communicator._shard_tuners``) with the candidates MPI's own call (where
+it computes the call), "ring" and, on one node, "shm", measured and watched
+the same way (a watched size takes their full path, which times it).
 
 Every rank makes the same sequence of calls with the same sizes (a
 collective requires it), so every rank reaches the deciding allreduce in the

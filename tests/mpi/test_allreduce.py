@@ -363,6 +363,62 @@ def test_a_watched_size_is_measured_again_on_every_rank_at_once():
     assert np.array_equal(strided, x) and np.array_equal(x, rank_data(count, RANK, P, np.float64)), "input modified"
 
 
+@pytest.mark.parametrize("kind", ["reduce_scatter", "allgather"])
+def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind):
+    """The same watch for the shard collectives: even ranks on the fast path, odd ranks on the full one."""
+    from ddlkernels._tuner import WATCH_CALLS, WATCH_FROM, _Settled, tuning_calls
+
+    count = WATCH_FROM // 8
+    x = rank_data(count, RANK, P, np.float64)
+    inputs = gather_inputs(x)
+    expect = np.sum(np.stack(inputs), axis=0)
+    wide = np.zeros(2 * count)
+    wide[::2] = x
+    strided = wide[::2]
+    with ddlkernels.Communicator(COMM) as dc:
+        if P == 1:
+            pytest.skip("one rank: nothing to choose between")
+        lo, hi = dc.shard_range(count)
+        shard = x[lo:hi].copy()
+        wide_shard = np.zeros(2 * (hi - lo))
+        wide_shard[::2] = shard
+        strided_shard = wide_shard[::2]  # not contiguous: the full path
+        full = np.empty(count)
+        for r in range(P):
+            full[slice(*dc.shard_range(count, rank=r))] = inputs[r][slice(*dc.shard_range(count, rank=r))]
+        out = np.empty(hi - lo) if kind == "reduce_scatter" else np.empty(count)
+        tuner = dc._shard_tuners[kind]
+
+        def calls(k):
+            seen = []
+            for i in range(k):
+                if kind == "reduce_scatter":
+                    y = dc.reduce_scatter(strided, "sum") if RANK % 2 else dc.reduce_scatter(x, "sum", out=out)
+                    assert np.allclose(y, expect[lo:hi], rtol=1e-12, atol=0), f"call {i}"
+                else:
+                    y = (dc.allgather(strided_shard, count=count) if RANK % 2
+                         else dc.allgather(shard, count=count, out=out))
+                    assert np.array_equal(y, full), f"call {i}"
+                seen.append(dc.last_algorithm)
+            return seen
+
+        seen = []
+        while dc.tuning(x, collective=kind):
+            seen += calls(1)
+        n = len(seen)
+        assert n and n == COMM.bcast(n)
+        settled = [v for v in tuner._state.values() if isinstance(v, _Settled)]
+        assert len(settled) == 1
+        settled[0].won_in = 1e-9  # as if the machine had slowed down (alike on every rank)
+        after = calls(WATCH_CALLS)
+        assert len(set(after)) == 1, after
+        assert dc.tuning(x, collective=kind)
+        again = calls(n + 2)
+        assert not dc.tuning(x, collective=kind) and len(set(again[:n])) > 1, again
+        every = COMM.allgather(seen + after + again)
+        assert all(s == every[0] for s in every), "every rank ran the same algorithm in every call"
+
+
 def test_measured_choice_is_the_same_on_every_rank_and_always_correct():
     """small_bytes=None: trials go round MPI, the ring and (one node) shm, then one agreed choice per size bucket."""
     from ddlkernels._tuner import MPI_BELOW, tuning_calls
