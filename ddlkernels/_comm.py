@@ -20,6 +20,7 @@ from ._dtypes import acc_dtype, check_dtype, dtype_name, normalize_op
 from ._engine import ALIGN_PAD, Segments, execute
 from ._schedule import Plan, build_schedule, shard_bounds, validate_dims
 from ._transport import HostTransport
+from . import _hier
 from ._shm import ShmAllreduce, one_node
 from ._tuner import SizeTuner, candidates
 from ._validate import Call
@@ -129,6 +130,17 @@ class Communicator:
         #: None: no shared-memory allreduce; else whether it is forced (True) or a tuner candidate (False)
         self._shm_mode = None if (shm is False or not on_one_node) else bool(shm)
         self._shm = None  # ShmAllreduce, created on first use
+        # Several nodes of equal size (one more collective, only then): the
+        # hierarchical allreduce is a tuner candidate (ddlkernels._hier).
+        self._hier_node = None
+        if shm is not False and self.size > 1 and not on_one_node:
+            node = _hier.node_split(self.comm)
+            if _hier.uniform_nodes(self.comm, node):
+                self._hier_node = node
+            else:
+                node.Free()
+        self._hier_ok = self._hier_node is not None
+        self._hier = None  # HierAllreduce, created on first use
         # The small-message fast path applies when no per-communicator check
         # (validation, timeout) has to run around the call.
         self._fast_ok = self.size > 1 and not self.validate and self.timeout is None
@@ -157,6 +169,12 @@ class Communicator:
             self._fast.clear()  # it may hold functions of the window freed here
             self._shm.free()
             self._shm = None
+        if self._hier is not None:
+            self._hier.free()  # frees the node communicator too
+            self._hier = self._hier_node = None
+        elif self._hier_node is not None:
+            self._hier_node.Free()
+            self._hier_node = None
         self._buffers.clear()
         if self.comm is not None:
             self.comm.Free()
@@ -414,7 +432,7 @@ class Communicator:
             return None
         watch = None
         if self.small_bytes is None:
-            cands = candidates(nbytes, shm=self._shm_mode is not None)
+            cands = candidates(nbytes, shm=self._shm_mode is not None, hier=self._hier_ok)
             algo = self._tuner.decided(nbytes, cands, inplace)
             if algo is None:  # still measured
                 return None
@@ -461,7 +479,7 @@ class Communicator:
             return out
         return be.like(dst, x)
 
-    def _choices(self, nbytes, device, dtype, redop, dims):
+    def _choices(self, nbytes, device, dtype, redop, dims, avg=False):
         """``(algorithm, None)`` when the path is fixed, ``(None, candidates)`` when the tuner measures."""
         # MPI's MAX/MIN on floats drop a NaN depending on the order of operands
         # (Open MPI computes a > b ? a : b); numpy's maximum/minimum, and so the
@@ -477,9 +495,13 @@ class Communicator:
         use_shm = self._shm_mode is not None and not device and dims is None
         if use_shm and self._shm_mode:
             return "shm", None
+        # Across nodes: the same, inside each node (not float16/bfloat16 "avg",
+        # whose scale the backend fuses into the last sum before rounding).
+        use_hier = (self._hier_ok and not device and dims is None
+                    and not (avg and dtype.itemsize == 2 and dtype.kind != "i"))
         if self.small_bytes is None:
-            if use_mpi or use_shm:
-                return None, candidates(nbytes, mpi=use_mpi, shm=use_shm)
+            if use_mpi or use_shm or use_hier:
+                return None, candidates(nbytes, mpi=use_mpi, shm=use_shm, hier=use_hier)
         elif use_mpi and nbytes < self.small_bytes:
             return "mpi", None
         return "ring", None
@@ -507,7 +529,7 @@ class Communicator:
             _, cands = self._shard_choices(nbytes, be.device, None, mpi)
             return cands is not None and self._shard_tuners[collective].decided(nbytes, cands) is None
         redop = "sum" if opname == "avg" else opname
-        _, cands = self._choices(nbytes, be.device, dtype, redop, None)
+        _, cands = self._choices(nbytes, be.device, dtype, redop, None, opname == "avg")
         return cands is not None and self._tuner.decided(nbytes, cands, inplace) is None
 
     def _shard_choices(self, nbytes, device, dims, mpi=False):
@@ -572,7 +594,7 @@ class Communicator:
         avg = opname == "avg"
         redop = "sum" if avg else opname
         trial = False
-        algo, cands = self._choices(nbytes, be.device, dtype, redop, dims)
+        algo, cands = self._choices(nbytes, be.device, dtype, redop, dims, avg)
         inplace = src is dst
         if cands is not None:
             algo, trial = self._tuner.choose(nbytes, cands, inplace)
@@ -598,6 +620,16 @@ class Communicator:
             self.last_algorithm = algo
             self._shm_collectives().run(src, dst, redop, be.reduce, avg_p=self.size if avg else None,
                                         deadline=None if call is None else call.deadline)
+            return
+        if algo == "hier":
+            self.last_algorithm = algo
+            if src.__class__ is Segments:  # its reduce-scatter reads one buffer: pack first
+                src.copy_to(dst, 0, count)
+                src = dst
+            if self._hier is None:  # collective: every rank chose "hier" for this same call
+                self._hier = _hier.HierAllreduce(self.comm, self._hier_node, timeout=self.timeout)
+            self._hier.run(src, dst, redop, be.reduce, avg_p=self.size if avg else None,
+                           deadline=None if call is None else call.deadline)
             return
         if algo != "ring":
             self.last_algorithm = algo

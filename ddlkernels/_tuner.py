@@ -1,6 +1,6 @@
 """Pick the allreduce algorithm per message size, from measurement, the same on every rank.
 
-Four algorithms compute the same result (host arrays):
+Five algorithms compute the same result (host arrays):
 
 * ``"mpi"``  -- MPI's own blocking ``MPI_Allreduce``;
 * ``"nbc"``  -- MPI's own nonblocking ``MPI_Iallreduce`` + ``Wait``.  Open MPI
@@ -11,7 +11,10 @@ Four algorithms compute the same result (host arrays):
   job -e 256K``); with 2 ranks it never won its trials;
 * ``"ring"`` -- this library's multi-dimensional ring;
 * ``"shm"``  -- the shared-memory window allreduce (``ddlkernels._shm``),
-  a candidate only when every rank shares one node.
+  a candidate only when every rank shares one node;
+* ``"hier"`` -- the window inside each node and an allreduce of one shard
+  across nodes (``ddlkernels._hier``), a candidate when the ranks span
+  several nodes that all hold the same number (2 or more) of them.
 
 "mpi" and "nbc" are candidates only for MPI's own types and ops whose NaN
 handling matches numpy's (see ``Communicator._choices``).  Small
@@ -158,13 +161,14 @@ def tuning_calls(nbytes: int, ncands: int) -> int:
     return ncands * (t + t // b)
 
 
-def candidates(nbytes: int, *, mpi: bool = True, shm: bool = False) -> tuple[str, ...]:
+def candidates(nbytes: int, *, mpi: bool = True, shm: bool = False, hier: bool = False) -> tuple[str, ...]:
     """The algorithms measured for a message of ``nbytes``, the incumbent first.
 
     ``mpi``: MPI's own calls can compute this reduction; ``shm``: the
-    shared-memory allreduce is available (all ranks on one node).
+    shared-memory allreduce is available (all ranks on one node); ``hier``:
+    the hierarchical one is (several nodes of equal size, ``ddlkernels._hier``).
     """
-    extra = ("shm",) if shm else ()
+    extra = ("shm",) * bool(shm) + ("hier",) * bool(hier)
     if not mpi or nbytes >= RING_FROM:
         return ("ring",) + extra
     if nbytes < MPI_BELOW:

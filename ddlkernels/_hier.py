@@ -1,0 +1,131 @@
+"""Hierarchical allreduce: shared memory inside each node, an allreduce of one shard across nodes.
+
+PowerAI DDL's point is that the fastest links should carry the most data.
+Across several nodes the fastest "link" is a node's own memory, and on one
+node ``ddlkernels._shm`` already beats a ring over MPI's shared-memory
+transport.  This module uses it as the innermost dimension of a 2-D
+allreduce, for jobs whose nodes all hold the same number of ranks k::
+
+    reduce-scatter   inside each node, through the shared window: local rank j
+                     ends with the node's partial sum of shard j (1/k of the data)
+    allreduce        shard j across the nodes, among the ranks whose local rank
+                     is j, by a Communicator of their own (MPI's call or the
+                     ring, measured by its tuner): 1/k of the data crosses nodes
+    allgather        inside each node, through the window
+
+Worked example, 2 nodes x 2 ranks, 8 elements, global ranks 0,1 on node A
+and 2,3 on node B::
+
+    node A: shard 0 = x0[0:4] + x1[0:4]  (local rank 0, rank 0)
+            shard 1 = x0[4:8] + x1[4:8]  (local rank 1, rank 1)
+    node B: shard 0 = x2[0:4] + x3[0:4]  (rank 2),  shard 1 = ... (rank 3)
+    across: ranks 0 and 2 allreduce shard 0; ranks 1 and 3 shard 1
+    gather: every rank copies both shards of its node into its output
+
+Each element is summed within a node in local-rank order, then across nodes
+by one allreduce whose result is the same bits on every rank that computes
+it; the allgather only copies, so every rank ends with the same bits.  The
+order differs from the flat ring's, as the tuner's other choices do.
+"avg" is the sum scaled once at the end (float16 and bfloat16 excepted:
+their backend scales before the one rounding, so they take the other paths).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._shm import ShmAllreduce
+
+__all__ = ["HierAllreduce", "node_split", "uniform_nodes"]
+
+
+def node_split(comm):
+    """``comm`` split into nodes: ranks that share memory (collective)."""
+    from mpi4py import MPI
+
+    return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+
+
+def uniform_nodes(comm, node) -> bool:
+    """Whether ``node`` (this rank's part of a split of ``comm``) spans more than one node, all of one size >= 2.
+
+    Collective over ``comm``; the same answer on every rank.
+    """
+    k = node.Get_size()
+    sizes = comm.allgather(k)
+    return min(sizes) == max(sizes) >= 2 and k < comm.Get_size()
+
+
+class HierAllreduce:
+    """The hierarchical allreduce of ``comm`` whose node split is ``node`` (collective to create and free).
+
+    ``node``: this rank's node communicator, a split of ``comm`` into groups
+    of equal size whose ranks share memory (``node_split``; the caller checked
+    ``uniform_nodes``).  ``cross_kwargs``: arguments of the Communicator
+    across nodes (``timeout``, ``validate``).
+    """
+
+    def __init__(self, comm, node, **cross_kwargs):
+        from ._comm import Communicator
+
+        self.comm = comm
+        self.node = node
+        self.k = node.Get_size()
+        self.local = node.Get_rank()
+        self.shm = ShmAllreduce(node)
+        # The ranks holding the same shard on every node, in global rank order.
+        cross = comm.Split(color=self.local, key=comm.Get_rank())
+        try:
+            self.cross = Communicator(cross, shm=False, **cross_kwargs)
+        finally:
+            cross.Free()  # the Communicator works on its own duplicate
+        self._bounds = {}
+        self._shards = {}
+
+    def free(self) -> None:
+        """Release the window and the communicators (collective)."""
+        self.shm.free()
+        self.cross.free()
+        self.node.Free()
+        self._shards.clear()
+
+    def bounds(self, n: int):
+        """The k node-local shards of ``n`` elements: ``[(lo, hi)]`` per local rank, in order."""
+        b = self._bounds.get(n)
+        if b is None:
+            q, m = divmod(n, self.k)
+            edges = [j * q + min(j, m) for j in range(self.k + 1)]
+            b = [(edges[j], edges[j + 1]) for j in range(self.k)]
+            if len(self._bounds) >= 64:  # a job with ever new sizes must not grow this without bound
+                self._bounds.clear()
+            self._bounds[n] = b
+        return b
+
+    def _shard(self, dtype, count):
+        buf = self._shards.get(dtype)
+        if buf is None or buf.shape[0] < count:
+            buf = self._shards[dtype] = np.empty(max(count, 1), dtype)
+        return buf[:count]
+
+    def run(self, src, dst, op, reduce, avg_p=None, deadline=None) -> None:
+        """``dst = op over all ranks of src`` (1-D host arrays of one dtype; ``src is dst`` allowed).
+
+        ``op``: "sum", "max", "min" or "prod"; ``avg_p``: divide the sum by it
+        at the end ("avg"; not for float16/bfloat16).  ``reduce``: the host
+        backend's ``reduce`` (used for the types numpy cannot add directly).
+        ``deadline``: a ``ddlkernels._wait.Deadline`` for the shared-memory
+        steps; the step across nodes has the cross Communicator's timeout.
+        """
+        n = src.shape[0]
+        bounds = self.bounds(n)
+        lo, hi = bounds[self.local]
+        shard = self._shard(src.dtype, hi - lo)
+        self.shm.reduce_scatter(src, shard, bounds, op, reduce, deadline=deadline)
+        self.cross.allreduce(shard, op, out=shard)
+        if avg_p is not None:
+            from ._comm import _scale_inplace
+
+            _scale_inplace(shard, avg_p)
+        # Nobody reads src after the reduce-scatter's last barrier: an
+        # in-place call may now overwrite it.
+        self.shm.allgather(shard, dst, bounds, deadline=deadline)
