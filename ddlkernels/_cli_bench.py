@@ -306,8 +306,8 @@ def _report(args, meta, rows):
                   f"per size: {_batches(rows)}), time per call")
         print(f"# busbw: {meta['busbw']}")
         print(f"# load average at start {st['loadavg'][0]:.2f}, at end {en['loadavg'][0]:.2f} on {st['cpus']} cpus; "
-              f"path: which algorithm ddlkernels ran (ring; shm = shared-memory window; mpi = MPI_Allreduce, "
-              f"nbc = MPI_Iallreduce; as its size tuner chose)")
+              f"path: which algorithm ddlkernels ran (ring; shm = shared-memory window; hier = window per node "
+              f"+ allreduce across nodes; mpi = MPI_Allreduce, nbc = MPI_Iallreduce; as its size tuner chose)")
         for (kind, dt, op, inplace), grp in _groups(rows).items():
             names = _names(grp)
             ddl = [n for n in names if n.startswith("ddlkernels")]
