@@ -719,6 +719,9 @@ MAX_BATCH = 1000
 #: Most extra warmup calls spent letting ddlkernels' tuner settle (with three
 #: candidates it needs 60 calls below 256 KiB, 48 above: ddlkernels._tuner.tuning_calls).
 MAX_SETTLE = 100
+#: Most times one timed sample is redone because the tuner reopened its size
+#: during it (then the last one counts, whatever ran).
+MAX_REDO = 3
 
 
 def _progress_bar(comm, total, progress):
@@ -772,7 +775,7 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
         count = _count_for(kind, nbytes // dt.itemsize, p)
         row = {"collective": kind, "bytes": count * dt.itemsize, "count": count, "dtype": dtype_name(dt),
                "op": op if kind != "allgather" else "-", "ranks": p, "inplace": inplace, "impls": {}}
-        active = []  # [impl, state, wrong, times]
+        active = []  # [impl, state, wrong, times, redone]
         for impl in impls:
             why = impl.unsupported(dt, op, inplace)
             if why:
@@ -780,7 +783,7 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
                 if bar is not None:
                     bar.update(1)
                 continue
-            active.append([impl, impl.make(comm, count, dt, op, inplace), 0, []])
+            active.append([impl, impl.make(comm, count, dt, op, inplace), 0, [], 0])  # impl, state, wrong, times, redone
         for a in active:
             impl, st = a[0], a[1]
             if bar is not None:
@@ -803,9 +806,24 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
 
         def timed(a):
             impl, st = a[0], a[1]
-            a[3].append(_time_one(comm, impl.run, st, batch))
-            if check:
-                a[2] += impl.wrong(st)
+            for _ in range(MAX_REDO + 1):
+                t = _time_one(comm, impl.run, st, batch)
+                if check:
+                    a[2] += impl.wrong(st)
+                if not impl.settling(st):
+                    break
+                # The tuner measures this size again (its watch saw the calls slow
+                # down: ddlkernels._tuner): settle again untimed, then time the
+                # sample anew, so that every timed sample runs a settled choice.
+                # settling() is the same on every rank, so all ranks redo alike.
+                a[4] += 1
+                for _ in range(MAX_SETTLE):
+                    if not impl.settling(st):
+                        break
+                    impl.run(st)
+                    if check:
+                        a[2] += impl.wrong(st)
+            a[3].append(t)
 
         if interleave:
             # One iteration of each implementation in turn: a burst of load from
@@ -817,7 +835,7 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
             for a in active:
                 for _ in range(iters):
                     timed(a)
-        for impl, st, wrong, times in active:
+        for impl, st, wrong, times, redone in active:
             wrong = comm.allreduce(wrong, op=MPI.SUM)
             tmin, tmed = min(times), float(np.median(times))
             nb = impl.algbw_bytes(row["bytes"], p)
@@ -829,7 +847,8 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
                 "busbw_GBps": algbw * impl.bus_factor(p),
                 "busbw_GBps_max": (nb / tmin / 1e9 if tmin > 0 else 0.0) * impl.bus_factor(p),
                 "wrong": int(wrong) if check else None,
-                "path": impl.path(st),
+                "path": impl.path(st) + (f" (re-measured {redone}x)" if redone else ""),
+                "remeasured": redone,
             }
             if bar is not None:
                 bar.update(1)

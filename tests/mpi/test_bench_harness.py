@@ -133,3 +133,24 @@ def test_busbw_definitions(comm):
         else:
             want = n / t / 1e9 * (2 * (p - 1) / p if p > 1 else 1)
         assert m["busbw_GBps"] == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("kind", COLLECTIVES)
+def test_a_size_measured_again_mid_line_is_settled_untimed_and_the_sample_redone(comm, kind, monkeypatch):
+    """The tuner's watch reopens a size during the timed samples: the harness settles it again and redoes the
+    sample, so every timed sample ran a settled choice; the row says how often.  DRIFT = 0 makes every check
+    reopen (checks then come every 64, 128, ... calls, as a re-measurement that keeps its winner backs off)."""
+    from ddlkernels import _tuner
+
+    if comm.Get_size() == 1:
+        pytest.skip("one rank: no tuner")
+    monkeypatch.setattr(_tuner, "DRIFT", 0.0)
+    monkeypatch.setattr(_tuner, "WATCH_CALLS", 8)
+    impls = make_impls(kind, which=("ddlkernels", "mpi"))
+    nbytes = _tuner.WATCH_FROM * comm.Get_size()  # watched for every collective (allgather: per shard too)
+    rows = run_sweep(comm, [nbytes], impls, iters=20, warmup=1, kind=kind, progress=False)
+    ddl = rows[0]["impls"]["ddlkernels"]
+    assert ddl["wrong"] == 0 and rows[0]["impls"][next(n for n in rows[0]["impls"] if n != "ddlkernels")]["wrong"] == 0
+    assert ddl["remeasured"] >= 1, ddl
+    assert "re-measured" in ddl["path"]
+    assert comm.allgather(ddl["remeasured"]) == [ddl["remeasured"]] * comm.Get_size()
