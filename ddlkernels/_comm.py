@@ -515,7 +515,7 @@ class Communicator:
         The same on every rank.  Benchmarks call until it is False, so that
         timed iterations run the settled algorithm (``ddlkernels._tuner``).
         From ``WATCH_FROM`` bytes a settled size becomes a trial again if its
-        calls slow down by ``DRIFT`` (``SizeTuner.observe``).
+        calls slow down past what its trials allow (``SizeTuner.observe``).
         ``collective="reduce_scatter"`` or ``"allgather"`` asks the same of
         those collectives for a whole buffer like ``x`` (for allgather: the
         gathered size, not the shard's).

@@ -51,19 +51,23 @@ otherwise.  (The median, not the minimum: what a training loop pays is the
 typical call, and on shared or oversubscribed cores the best call is rarely
 typical.)
 
-A settled choice is not final from ``WATCH_FROM`` bytes (allreduce): the
-machine it was measured on can change under it.  On the 2-core machine the
-two cores switch, minutes apart, between a state where the shared-memory
-allreduce is the fastest and one where the ring over MPI's transport is: in
-the MPICH sweep of bench/results at b793e64 the tuner had settled 64 MiB on
-the window, which then ran 11.2 ms while the ring took 7.2 ms in the same
-run.  So every rank keeps timing the calls of a watched bucket, and every
-``WATCH_CALLS`` of them one 8-byte ``MPI_Allreduce(MAX)`` of the ranks'
-median time compares it with the time that won the trials: ``DRIFT`` times
-slower, and the bucket is measured again (all ranks at once, since they all
-see the same maximum).  A re-measurement that keeps the same algorithm
-doubles the interval to the next check, so a loop whose calls are merely
-slower now (more load, not another winner) pays for trials rarely.
+A settled choice is not final from ``WATCH_FROM`` bytes: the machine it
+was measured on can change under it.  On the 2-core machine the two cores
+switch, minutes apart, between a state where the shared-memory allreduce is
+the fastest and one where the ring over MPI's transport is: in the MPICH
+sweep of bench/results at b793e64 the tuner had settled 64 MiB on the
+window, which then ran 11.2 ms while the ring took 7.2 ms in the same run.
+So every rank keeps timing the calls of a watched bucket, and at intervals
+one 8-byte ``MPI_Allreduce(MAX)`` of the ranks' median time compares it with
+the trials: the bucket is measured again (all ranks at once, since they all
+see the same maximum) when its calls now take longer than the runner-up
+took in the trials (by ``MARGIN``), or ``DRIFT`` times as long as they took
+themselves.  The interval is about ``CHECK_SECONDS`` of calls at the time
+that won, between ``WATCH_MIN_CALLS`` and ``WATCH_CALLS`` calls -- from the
+agreed trial time, so the same count on every rank.  A re-measurement that
+keeps the same algorithm doubles the interval (up to ``WATCH_MAX_CALLS``),
+so a loop whose calls are merely slower now (more load, not another
+winner) pays for trials rarely.
 
 ``reduce_scatter`` and ``allgather`` have tuners of their own
 (``Communicator._shard_tuners``) with the candidates MPI's own call (where
@@ -82,7 +86,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN", "margin", "candidates",
-           "trials", "block", "tuning_calls", "WATCH_FROM", "WATCH_CALLS", "DRIFT"]
+           "trials", "block", "tuning_calls", "WATCH_FROM", "WATCH_CALLS", "WATCH_MIN_CALLS", "WATCH_MAX_CALLS",
+           "CHECK_SECONDS", "DRIFT", "watch_interval"]
 
 # Measured on the 2-core machine (bench/results, the main job): the ring never
 # beat MPI's own allreduce below 1 MiB at 2 or 4 ranks, and MPI's allreduce
@@ -118,24 +123,36 @@ SMALL_MARGIN = 1.05
 
 #: Settled buckets from this size are watched (see the module comment).  A
 #: call here costs 100 us or more, so timing it and one small allreduce per
-#: WATCH_CALLS calls are noise; below, calls are latency-bound and the fast
-#: path's few microseconds are the product.
+#: check are noise; below, calls are latency-bound and the fast path's few
+#: microseconds are the product.
 WATCH_FROM = 1 << 20
-#: Calls between two checks of a watched bucket (doubled after each
-#: re-measurement that kept the algorithm).
+#: About this much time of calls between two checks of a watched bucket
+#: (one 8-byte allreduce, ~5-50 us here: under 0.3 %) ...
+CHECK_SECONDS = 0.02
+#: ... but at least this many calls (a median of fewer is noise) ...
+WATCH_MIN_CALLS = 4
+#: ... and at most this many (1 MiB: ~130 us per call).
 WATCH_CALLS = 64
+#: The interval, doubled after each re-measurement that kept the algorithm, stops growing here.
+WATCH_MAX_CALLS = 1024
 #: How many times slower than its winning trials a watched bucket's calls
-#: must run to be measured again.
+#: may run before it is measured again, whatever the runner-up took.
 DRIFT = 1.5
 
 
+def watch_interval(won_in: float) -> int:
+    """Calls between two checks of a bucket whose winner took ``won_in`` seconds per call in its trials."""
+    return int(min(WATCH_CALLS, max(WATCH_MIN_CALLS, -(-CHECK_SECONDS // max(won_in, 1e-9)))))
+
+
 class _Settled:
-    """A watched bucket's choice: the algorithm, the time it won with, the calls timed since the last check."""
+    """A watched bucket's choice: the algorithm, its trial time, when to re-measure, the calls since the last check."""
 
-    __slots__ = ("algorithm", "won_in", "every", "times")
+    __slots__ = ("algorithm", "won_in", "limit", "every", "times")
 
-    def __init__(self, algorithm, won_in, every):
-        self.algorithm, self.won_in, self.every, self.times = algorithm, won_in, every, []
+    def __init__(self, algorithm, won_in, limit, every):
+        # limit: the median call time past which the bucket is measured again
+        self.algorithm, self.won_in, self.limit, self.every, self.times = algorithm, won_in, limit, every, []
 
 
 def margin(nbytes: int) -> float:
@@ -245,7 +262,7 @@ class SizeTuner:
         now = np.array([np.median(st.times)], dtype=np.float64)
         st.times.clear()
         comm.Allreduce(MPI.IN_PLACE, now, MPI.MAX)
-        if now[0] <= DRIFT * st.won_in:
+        if now[0] <= st.limit:
             return False
         self._before[key] = st.algorithm
         self._every[key] = st.every
@@ -272,10 +289,14 @@ class SizeTuner:
             challenger = 1 + int(np.argmin(best[1:]))
             win = challenger if best[challenger] * margin(nbytes) < best[0] else 0
             if self.watch and nbytes >= WATCH_FROM:
-                every = WATCH_CALLS
+                won_in = float(best[win])
+                rival = min(float(b) for i, b in enumerate(best) if i != win)
+                every = watch_interval(won_in)
                 if key in self._before:  # a re-measurement: the same winner means only slower calls, check less often
-                    every = 2 * self._every[key] if self._before.pop(key) == cands[win] else WATCH_CALLS
-                self._state[key] = _Settled(cands[win], float(best[win]), every)
+                    if self._before.pop(key) == cands[win]:
+                        every = min(WATCH_MAX_CALLS, 2 * self._every[key])
+                # best[] is the agreed maximum over ranks: the same limit and interval on every rank.
+                self._state[key] = _Settled(cands[win], won_in, min(DRIFT * won_in, MARGIN * rival), every)
             else:
                 self._state[key] = cands[win]
 

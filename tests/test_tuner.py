@@ -132,49 +132,69 @@ def settle_watched(t, cands, seconds, nbytes):
         t.record(OneRank(), nbytes, cands, algo, seconds[algo])
 
 
+def _checks(t, comm, nb, cands, seconds, calls):
+    return [t.observe(comm, nb, cands, seconds) for _ in range(calls)]
+
+
 def test_watched_bucket_is_measured_again_when_its_calls_slow_down():
-    from ddlkernels._tuner import DRIFT, WATCH_CALLS, WATCH_FROM
+    from ddlkernels._tuner import DRIFT, WATCH_FROM, watch_interval
 
     cands, nb = ("ring", "shm"), WATCH_FROM
     t = SizeTuner(watch=True)
     assert settle_watched(t, cands, {"ring": 1.0, "shm": 0.5}, nb) == "shm"
     assert t.watched(nb, cands) and t.decided(nb, cands) == "shm"
-    # As fast as it won: one check per WATCH_CALLS calls, nothing reopens.
+    every = watch_interval(0.5)
+    # As fast as it won: one check per interval, nothing reopens.
     comm = MaxOf(0.0)
-    for _ in range(3 * WATCH_CALLS):
-        assert not t.observe(comm, nb, cands, 0.5)
+    assert not any(_checks(t, comm, nb, cands, 0.5, 3 * every))
     assert comm.calls == 3 and t.decided(nb, cands) == "shm"
-    # Slower, but within DRIFT: still settled.
-    for _ in range(WATCH_CALLS):
-        assert not t.observe(comm, nb, cands, 0.5 * DRIFT * 0.99)
+    # Slower, but within DRIFT (and the runner-up took twice as long): still settled.
+    assert not any(_checks(t, comm, nb, cands, 0.5 * DRIFT * 0.99, every))
     # Another rank's calls slowed down (the check takes the maximum): every rank reopens at the same call.
-    comm = MaxOf(0.5 * DRIFT * 1.2)
-    reopened = [t.observe(comm, nb, cands, 0.5) for _ in range(WATCH_CALLS)]
-    assert reopened == [False] * (WATCH_CALLS - 1) + [True]
+    comm = MaxOf(0.5 * DRIFT * 1.01)
+    assert _checks(t, comm, nb, cands, 0.5, every) == [False] * (every - 1) + [True]
     assert t.decided(nb, cands) is None and t.choose(nb, cands)[1]  # trials again
-    # The machine changed its mind: the ring wins now, and is watched from the start interval.
+    # The machine changed its mind: the ring wins now, watched at its own interval.
     assert settle_watched(t, cands, {"ring": 0.6, "shm": 1.2}, nb) == "ring"
     comm = MaxOf(0.0)
-    for _ in range(WATCH_CALLS - 1):
-        t.observe(comm, nb, cands, 0.6)
+    _checks(t, comm, nb, cands, 0.6, watch_interval(0.6) - 1)
     assert comm.calls == 0 and not t.observe(comm, nb, cands, 0.6) and comm.calls == 1
 
 
-def test_a_remeasurement_that_keeps_the_winner_checks_half_as_often():
-    from ddlkernels._tuner import WATCH_CALLS, WATCH_FROM
+def test_slower_than_the_runner_up_was_reopens_before_drift():
+    from ddlkernels._tuner import DRIFT, MARGIN, WATCH_FROM, watch_interval
 
+    cands, nb = ("ring", "shm"), WATCH_FROM
+    t = SizeTuner(watch=True)
+    settle_watched(t, cands, {"ring": 0.6, "shm": 0.5}, nb)  # shm won by 1.2x
+    now = 0.6 * MARGIN * 1.01  # past the ring's trial time (with margin), below DRIFT x shm's
+    assert now < DRIFT * 0.5
+    assert _checks(t, MaxOf(0.0), nb, cands, now, watch_interval(0.5))[-1]
+
+
+def test_the_interval_is_about_check_seconds_of_calls_and_backs_off():
+    from ddlkernels._tuner import CHECK_SECONDS, WATCH_CALLS, WATCH_FROM, WATCH_MAX_CALLS, WATCH_MIN_CALLS, watch_interval
+
+    assert watch_interval(CHECK_SECONDS / 10) == 10
+    assert watch_interval(1e-6) == WATCH_CALLS and watch_interval(10.0) == WATCH_MIN_CALLS
     cands, nb = ("ring", "shm"), 4 * WATCH_FROM
     t = SizeTuner(watch=True)
-    settle_watched(t, cands, {"ring": 1.0, "shm": 0.5}, nb)
-    slow = MaxOf(0.0)
-    assert [t.observe(slow, nb, cands, 2.0) for _ in range(WATCH_CALLS)][-1]
-    assert settle_watched(t, cands, {"ring": 4.0, "shm": 2.0}, nb) == "shm"  # everything slower; same winner
-    comm = MaxOf(0.0)
-    for _ in range(2 * WATCH_CALLS - 1):
-        t.observe(comm, nb, cands, 2.0)
-    assert comm.calls == 0
-    t.observe(comm, nb, cands, 2.0)
-    assert comm.calls == 1
+    w = 0.5
+    settle_watched(t, cands, {"ring": 2 * w, "shm": w}, nb)
+    key = t._key(nb, cands, False)
+    intervals = []
+    for _ in range(12):  # 3x slower every time, the same winner every time: the interval doubles up to its cap
+        intervals.append(t._state[key].every)
+        comm = MaxOf(0.0)
+        calls = 1
+        while not t.observe(comm, nb, cands, 3 * w):
+            calls += 1
+        assert calls == intervals[-1] and comm.calls == 1  # reopened at the first check
+        w *= 3
+        assert settle_watched(t, cands, {"ring": 2 * w, "shm": w}, nb) == "shm"
+    first = watch_interval(0.5)
+    assert intervals == [min(WATCH_MAX_CALLS, first * 2**i) for i in range(12)]
+    assert intervals[-1] == WATCH_MAX_CALLS
 
 
 def test_not_watched_below_watch_from_when_fixed_or_when_off():

@@ -315,13 +315,13 @@ def test_small_sizes_measure_mpi_blocking_against_nonblocking_and_agree(nbytes):
 
 
 def test_a_watched_size_is_measured_again_on_every_rank_at_once():
-    """From WATCH_FROM bytes a settled size is re-checked every WATCH_CALLS calls; a slowdown reopens it.
+    """From WATCH_FROM bytes a settled size is re-checked at intervals of calls; a slowdown reopens it.
 
     Even ranks take the fast path (a contiguous input and out=), odd ranks the
     full one (a strided input, reduced through a copy): both must count every
     call, or the ranks would check -- a collective -- at different calls.
     """
-    from ddlkernels._tuner import WATCH_CALLS, WATCH_FROM, _Settled, tuning_calls
+    from ddlkernels._tuner import WATCH_FROM, _Settled, tuning_calls
 
     count = WATCH_FROM // 8
     x = rank_data(count, RANK, P, np.float64)
@@ -350,8 +350,8 @@ def test_a_watched_size_is_measured_again_on_every_rank_at_once():
         assert len(settled) == 1
         # As if the machine had slowed down since the trials: the next check finds the calls too slow.
         # (Set alike on every rank, as the agreed trial time is.)
-        settled[0].won_in = 1e-9
-        after = calls(WATCH_CALLS)
+        settled[0].limit = 1e-9
+        after = calls(settled[0].every)
         assert len(set(after)) == 1, after  # the settled algorithm until the check, which reopens
         assert dc.tuning(x) and dc.tuning(strided)
         again = calls(n + 2)
@@ -366,7 +366,7 @@ def test_a_watched_size_is_measured_again_on_every_rank_at_once():
 @pytest.mark.parametrize("kind", ["reduce_scatter", "allgather"])
 def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind):
     """The same watch for the shard collectives: even ranks on the fast path, odd ranks on the full one."""
-    from ddlkernels._tuner import WATCH_CALLS, WATCH_FROM, _Settled, tuning_calls
+    from ddlkernels._tuner import WATCH_FROM, _Settled, tuning_calls
 
     count = WATCH_FROM // 8
     x = rank_data(count, RANK, P, np.float64)
@@ -409,8 +409,8 @@ def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind):
         assert n and n == COMM.bcast(n)
         settled = [v for v in tuner._state.values() if isinstance(v, _Settled)]
         assert len(settled) == 1
-        settled[0].won_in = 1e-9  # as if the machine had slowed down (alike on every rank)
-        after = calls(WATCH_CALLS)
+        settled[0].limit = 1e-9  # as if the machine had slowed down (alike on every rank)
+        after = calls(settled[0].every)
         assert len(set(after)) == 1, after
         assert dc.tuning(x, collective=kind)
         again = calls(n + 2)
