@@ -18,8 +18,9 @@ LLVM vectorises::
 
 float16 widens and narrows through LLVM's ``half`` type (one ``vcvtph2ps``
 / ``vcvtps2ph`` per vector on x86 with F16C).  bfloat16 is the top half of a
-float32: widening is a shift, narrowing rounds to nearest even and keeps a
-NaN a quiet NaN, as ml_dtypes does.  Worked example, float16 sum::
+float32: widening is a shift, narrowing rounds to nearest even, and a NaN
+becomes the quiet NaN of its sign (0x7FC0 / 0xFFC0), as ml_dtypes' cast
+does.  Worked example, float16 sum::
 
     a = 0x3C00 (1.0), b = 0x1000 (2**-11)
     widen:   1.0f and 0.00048828125f
