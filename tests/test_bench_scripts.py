@@ -41,6 +41,13 @@ def test_shm_costs_prints_every_line_and_checks_the_allreduce():
         assert all(f" {k} " in ln for k in ("link", "memcpy", "shm", "private")) and "shm busbw / link" in ln
 
 
+def test_tuner_watch_prints_rounds_and_checks_every_result():
+    out = run("bench/tuner_watch.py", "--bytes", "1M", "--seconds", "1", "--calls", "4")
+    rows = [ln.split() for ln in out.splitlines() if not ln.startswith("#")]
+    assert rows and all(len(r) == 6 and float(r[2]) > 0 and float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
+    assert "#wrong 0" in out.splitlines()[-1]
+
+
 def test_tuner_trials_prints_both_orders_for_every_rank():
     out = run("bench/tuner_trials.py", "--sizes", "4K")
     rows = [ln.split() for ln in out.splitlines() if not ln.startswith("#")]
