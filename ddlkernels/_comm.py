@@ -16,7 +16,7 @@ from time import perf_counter
 import numpy as np
 
 from . import _config
-from ._dtypes import acc_dtype, check_dtype, dtype_name, normalize_op
+from ._dtypes import acc_dtype, check_dtype, dtype_name, is_half, normalize_op
 from ._engine import ALIGN_PAD, Segments, execute
 from ._schedule import Plan, build_schedule, shard_bounds, validate_dims
 from ._transport import HostTransport
@@ -498,7 +498,7 @@ class Communicator:
         # Across nodes: the same, inside each node (not float16/bfloat16 "avg",
         # whose scale the backend fuses into the last sum before rounding).
         use_hier = (self._hier_ok and not device and dims is None
-                    and not (avg and dtype.itemsize == 2 and dtype.kind != "i"))
+                    and not (avg and is_half(dtype)))
         if self.small_bytes is None:
             if use_mpi or use_shm or use_hier:
                 return None, candidates(nbytes, mpi=use_mpi, shm=use_shm, hier=use_hier)

@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - ml_dtypes is a hard dependency in setu
     _ml_dtypes = None
     BFLOAT16 = None
 
-__all__ = ["OPS", "SUPPORTED_DTYPES", "normalize_op", "check_dtype", "acc_dtype", "dtype_name"]
+__all__ = ["OPS", "SUPPORTED_DTYPES", "normalize_op", "check_dtype", "acc_dtype", "dtype_name", "is_half"]
 
 #: The reduction operators, by name.  "avg" reduces as "sum" then scales.
 OPS = ("sum", "avg", "max", "min", "prod")
@@ -49,6 +49,12 @@ _OP_NAMES = {name: name for name in OPS}
 
 
 _SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
+_HALF_SET = frozenset(d for d in (np.dtype(np.float16), BFLOAT16) if d is not None)
+
+
+def is_half(dt) -> bool:
+    """float16 or bfloat16: stored in 16 bits, accumulated in float32 (see the module docstring)."""
+    return dt in _HALF_SET
 
 
 def dtype_name(dt) -> str:
@@ -93,6 +99,6 @@ def check_dtype(dt) -> np.dtype:
 def acc_dtype(dt) -> np.dtype:
     """The type pairwise reductions are computed in (see the module docstring)."""
     dt = np.dtype(dt)
-    if dt == np.float16 or (BFLOAT16 is not None and dt == BFLOAT16):
+    if is_half(dt):
         return np.dtype(np.float32)
     return dt

@@ -65,6 +65,8 @@ import tempfile
 
 import numpy as np
 
+from ._dtypes import is_half
+
 __all__ = ["ShmAllreduce", "PIECE_BYTES", "one_node"]
 
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
@@ -76,7 +78,7 @@ def _ufunc(dtype, op):
     float16 has a numpy loop but a slow one (``ddlkernels._half``), bfloat16
     none: both go through the backend's ``reduce``.
     """
-    return _UFUNC.get(op) if dtype.kind in "fiu" and dtype.itemsize > 2 else None
+    return _UFUNC.get(op) if dtype.kind in "fiu" and not is_half(dtype) else None
 
 #: Messages of fewer bytes go in one piece that every rank reduces whole,
 #: after a single barrier (``ShmAllreduce._whole``): p - 1 additions of the

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from .. import _half
-from .._dtypes import BFLOAT16, acc_dtype
+from .._dtypes import BFLOAT16, acc_dtype, is_half
 from . import Backend
 
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
@@ -82,7 +82,7 @@ class NumpyBackend(Backend):
         return a
 
     def wire(self, buf):
-        return buf.view(np.uint16) if buf.dtype.itemsize == 2 and buf.dtype.kind != "i" else buf
+        return buf.view(np.uint16) if is_half(buf.dtype) else buf
 
     def copy(self, dst, src):
         np.copyto(dst, src)
@@ -94,7 +94,7 @@ class NumpyBackend(Backend):
             raise ValueError("avg_p is only defined for the sum")
         # float16/bfloat16: one compiled pass (ddlkernels._half); numpy below
         # only where Numba is missing.
-        if dst.dtype.itemsize == 2 and dst.dtype.kind != "i":
+        if is_half(dst.dtype):
             if _half.reduce(op if avg_p is None else "avg", dst, a, b, None if avg_p is None else 1.0 / avg_p):
                 return
         ufunc = _UFUNC[op]
