@@ -753,6 +753,15 @@ class Communicator:
         with call:
             return self._reduce_scatter(x, op, out, dims, chunk_bytes, backend, call)
 
+    def _shard_fast_algo(self, kind, nbytes, cands):
+        """What a shard fast path may run for this settled size: the algorithm; None while it is still
+        measured; False for a watched size, whose calls the full path times for the tuner (``_shard_path``)."""
+        tuner = self._shard_tuners[kind]
+        algo = tuner.decided(nbytes, cands)
+        if algo is None:
+            return None
+        return False if tuner.watched(nbytes, cands) else algo
+
     def _rs_fast(self, x, op, out):
         """A reduce_scatter the tuner has settled on MPI or shared memory: straight to it, or None.
 
@@ -774,11 +783,9 @@ class Communicator:
             redop = "sum" if avg else opname
             algo, cands = self._shard_choices(nbytes, False, None, self._rs_mpi_ok(dtype, redop, x.size))
             if cands is not None:
-                algo = self._shard_tuners["reduce_scatter"].decided(nbytes, cands)
+                algo = self._shard_fast_algo("reduce_scatter", nbytes, cands)
                 if algo is None:  # still measured
                     return None
-                if self._shard_tuners["reduce_scatter"].watched(nbytes, cands):
-                    algo = None  # a watched size: the full path times it for the tuner (_shard_path)
             bounds = self._all_shards(x.size, None)
             if algo == "shm":
                 hit = ("shm", bounds, redop, self.size if avg else None, backend_for(x).reduce)
@@ -907,11 +914,9 @@ class Communicator:
             nbytes = count * dtype.itemsize
             algo, cands = self._shard_choices(nbytes, False, None, self._ag_mpi_ok(count, nbytes))
             if cands is not None:
-                algo = self._shard_tuners["allgather"].decided(nbytes, cands)
+                algo = self._shard_fast_algo("allgather", nbytes, cands)
                 if algo is None:  # still measured
                     return None
-                if self._shard_tuners["allgather"].watched(nbytes, cands):
-                    algo = None  # a watched size: the full path times it for the tuner (_shard_path)
             if algo == "shm":
                 hit = ("shm", bounds)
             elif algo == "mpi":
