@@ -784,16 +784,20 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
                     bar.update(1)
                 continue
             active.append([impl, impl.make(comm, count, dt, op, inplace), 0, [], 0])  # impl, state, wrong, times, redone
-        for a in active:
+        def settle(a, calls):
+            """``calls`` untimed calls, then more while the implementation's tuner is measuring (at most MAX_SETTLE)."""
             impl, st = a[0], a[1]
-            if bar is not None:
-                bar.set_postfix_str(f"{kind} {format_size(row['bytes'])} {impl.name}", refresh=False)
-            for k in range(warmup + MAX_SETTLE):
-                if k >= warmup and not impl.settling(st):
+            for k in range(calls + MAX_SETTLE):
+                if k >= calls and not impl.settling(st):
                     break
                 impl.run(st)
                 if check:
                     a[2] += impl.wrong(st)
+
+        for a in active:
+            if bar is not None:
+                bar.set_postfix_str(f"{kind} {format_size(row['bytes'])} {a[0].name}", refresh=False)
+            settle(a, warmup)
 
         batch = 1
         if min_sample_s > 0 and not inplace and active:
@@ -817,12 +821,7 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
                 # sample anew, so that every timed sample runs a settled choice.
                 # settling() is the same on every rank, so all ranks redo alike.
                 a[4] += 1
-                for _ in range(MAX_SETTLE):
-                    if not impl.settling(st):
-                        break
-                    impl.run(st)
-                    if check:
-                        a[2] += impl.wrong(st)
+                settle(a, 0)
             a[3].append(t)
 
         if interleave:
