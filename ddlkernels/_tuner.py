@@ -206,8 +206,7 @@ class SizeTuner:
         #: key -> None/dict while measuring, the algorithm (str) or a _Settled once chosen
         self._state: dict[tuple, object] = {}
         self.watch = watch  # re-measure settled buckets from WATCH_FROM bytes when their calls slow down
-        self._every: dict[tuple, int] = {}  # key -> calls between checks (grows when a re-measurement agrees)
-        self._before: dict[tuple, str] = {}  # key -> the algorithm a re-measurement started from
+        self._reopened: dict[tuple, _Settled] = {}  # key -> the choice a re-measurement started from
 
     @staticmethod
     def bucket(nbytes: int) -> int:
@@ -264,8 +263,7 @@ class SizeTuner:
         comm.Allreduce(MPI.IN_PLACE, now, MPI.MAX)
         if now[0] <= st.limit:
             return False
-        self._before[key] = st.algorithm
-        self._every[key] = st.every
+        self._reopened[key] = st
         del self._state[key]  # measured again from the next call, on every rank
         return True
 
@@ -292,9 +290,10 @@ class SizeTuner:
                 won_in = float(best[win])
                 rival = min(float(b) for i, b in enumerate(best) if i != win)
                 every = watch_interval(won_in)
-                if key in self._before:  # a re-measurement: the same winner means only slower calls, check less often
-                    if self._before.pop(key) == cands[win]:
-                        every = min(WATCH_MAX_CALLS, 2 * self._every[key])
+                before = self._reopened.pop(key, None)
+                if before is not None and before.algorithm == cands[win]:
+                    # A re-measurement that kept its winner: only slower calls, so check less often.
+                    every = min(WATCH_MAX_CALLS, 2 * before.every)
                 # best[] is the agreed maximum over ranks: the same limit and interval on every rank.
                 self._state[key] = _Settled(cands[win], won_in, min(DRIFT * won_in, MARGIN * rival), every)
             else:
