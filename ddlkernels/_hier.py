@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._schedule import split
 from ._shm import ShmAllreduce
 
 __all__ = ["HierAllreduce", "node_split", "uniform_nodes"]
@@ -93,9 +94,7 @@ class HierAllreduce:
         """The k node-local shards of ``n`` elements: ``[(lo, hi)]`` per local rank, in order."""
         b = self._bounds.get(n)
         if b is None:
-            q, m = divmod(n, self.k)
-            edges = [j * q + min(j, m) for j in range(self.k + 1)]
-            b = [(edges[j], edges[j + 1]) for j in range(self.k)]
+            b = [split(0, n, self.k, j) for j in range(self.k)]
             if len(self._bounds) >= 64:  # a job with ever new sizes must not grow this without bound
                 self._bounds.clear()
             self._bounds[n] = b
