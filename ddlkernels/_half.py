@@ -7,8 +7,8 @@ vectorised: on the 2-core machine ``bench/bench_reduce.py`` measured
 bfloat16 path at 13 %.  Gradients are often exchanged in these types, so
 this is where a host allreduce of them spent its time.
 
-Each kernel here is one loop that Numba compiles for the host CPU, and that
-LLVM vectorises::
+Each kernel is one loop that Numba compiles for the host CPU, and that LLVM
+vectorises (``ddlkernels._half_loops``, cached on disk)::
 
     dst[i] = narrow(widen(a[i]) + widen(b[i]))          sum
     dst[i] = narrow(widen(a[i]) * widen(b[i]))          prod
@@ -47,128 +47,14 @@ from ._dtypes import BFLOAT16
 __all__ = ["reduce", "available"]
 
 _F16 = np.dtype(np.float16)
-_LOCK = threading.RLock()  # available() compiles through _kernel()
-_KERNELS: dict = {}
+_LOCK = threading.RLock()  # available() compiles through _loops()
+_LOOPS: list = []  # [(apart, into_a, into_b)] once defined
 _STATE = {"ok": None}  # None: not tried yet; then True/False
 
 
-def _build(op: str, kind: str):
-    """``(apart(dst, a, b, s), into_a(dst, b, s), into_b(dst, a, s))`` for ``op`` on uint16 views of ``kind``.
-
-    ``kind``: "f16" or "bf16".  Numba compiles each on its first call.
-    """
-    from llvmlite import ir
-    from numba import njit, types
-    from numba.core.extending import intrinsic
-
-    if kind == "f16":
-
-        @intrinsic
-        def widen(typingctx, h):
-            def codegen(context, builder, sig, args):
-                return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-            return types.float32(types.uint16), codegen
-
-        @intrinsic
-        def narrow(typingctx, x):
-            # fptrunc: round to nearest even, overflow to infinity, NaN stays NaN.
-            def codegen(context, builder, sig, args):
-                return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-            return types.uint16(types.float32), codegen
-
-    else:
-
-        @intrinsic
-        def as_f32(typingctx, u):
-            def codegen(context, builder, sig, args):
-                return builder.bitcast(args[0], ir.FloatType())
-
-            return types.float32(types.uint32), codegen
-
-        @intrinsic
-        def as_u32(typingctx, x):
-            def codegen(context, builder, sig, args):
-                return builder.bitcast(args[0], ir.IntType(32))
-
-            return types.uint32(types.float32), codegen
-
-        @njit(inline="always")
-        def widen(h):
-            return as_f32(np.uint32(h) << np.uint32(16))
-
-        @njit(inline="always")
-        def narrow(x):
-            u = as_u32(x)
-            if x != x:  # a NaN becomes the quiet NaN of its sign, as ml_dtypes' cast does
-                return np.uint16(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
-            return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-
-    # Which NaN comes out when both operands are NaN is fixed here, not left
-    # to the order LLVM picks for the instruction: numpy's float16 loops and
-    # ml_dtypes' return the second operand's (b's), so a NaN b is returned
-    # (quieted: y + y).  avg is defined by the backend as numpy's float32
-    # a + b (``NumpyBackend.reduce``), which returns a's.
-    if op == "sum":
-
-        def combine(ha, hb, scale):
-            x, y = widen(ha), widen(hb)
-            return narrow(y + y if y != y else x + y)
-
-    elif op == "prod":
-
-        def combine(ha, hb, scale):
-            x, y = widen(ha), widen(hb)
-            return narrow(y * y if y != y else x * y)
-
-    elif op == "avg":
-
-        def combine(ha, hb, scale):
-            x, y = widen(ha), widen(hb)
-            return narrow((x + x if x != x else x + y) * scale)
-
-    elif op in ("max", "min"):
-        # Select one operand's bits, as numpy's loops do: no rounding, and a
-        # NaN in a wins.  numpy's float16 loop keeps a on a tie (>=, <=), so a
-        # signed zero comes from a; float32 (and so bfloat16 through it) from b.
-        tie = kind == "f16"
-        if op == "max":
-
-            def combine(ha, hb, scale):
-                x, y = widen(ha), widen(hb)
-                return ha if (x > y or x != x or (tie and x == y)) else hb
-
-        else:
-
-            def combine(ha, hb, scale):
-                x, y = widen(ha), widen(hb)
-                return ha if (x < y or x != x or (tie and x == y)) else hb
-
-    else:
-        raise ValueError(f"no half-precision kernel for op {op!r}")
-    combine = njit(inline="always")(combine)
-
-    # Three loops: dst apart from both operands, dst = a, dst = b.  Each
-    # element depends only on its own index, so every form vectorises; but
-    # LLVM cannot prove that of two arrays that may overlap, and with dst
-    # and a the same memory its run-time overlap check sends the 3-array
-    # loop to scalar code (1.7 GB/s instead of 36 for float16 in place).
-    def apart(dst, a, b, scale):
-        for i in range(dst.shape[0]):
-            dst[i] = combine(a[i], b[i], scale)
-
-    def into_a(dst, b, scale):
-        for i in range(dst.shape[0]):
-            dst[i] = combine(dst[i], b[i], scale)
-
-    def into_b(dst, a, scale):
-        for i in range(dst.shape[0]):
-            dst[i] = combine(a[i], dst[i], scale)
-
-    # nogil: the asynchronous API reduces on a helper thread.  No fastmath:
-    # every operation must round as numpy's does.
-    return tuple(njit(nogil=True)(f) for f in (apart, into_a, into_b))
+#: The codes ``ddlkernels._half_loops`` takes for an op and a type.
+_OPS = {"sum": 0, "prod": 1, "avg": 2, "max": 3, "min": 4}
+_KINDS = {"f16": 0, "bf16": 1}
 
 
 def _try_compile() -> bool:
@@ -180,7 +66,7 @@ def _try_compile() -> bool:
             a = np.array([1.0, -2.5, 65504.0, np.inf, np.nan, 3.0], dt)
             b = np.array([0.25, 2.5, 65504.0, -1.0, 1.0, np.nan], dt)
             dst = np.empty_like(a)
-            _kernel("sum", kind)[0](dst.view(np.uint16), a.view(np.uint16), b.view(np.uint16), np.float32(1))
+            _loops()[0](dst.view(np.uint16), a.view(np.uint16), b.view(np.uint16), np.float32(1), _OPS["sum"], _KINDS[kind])
             with np.errstate(all="ignore"):
                 if not np.array_equal(dst.view(np.uint16), np.add(a, b).view(np.uint16)):
                     return False
@@ -189,14 +75,15 @@ def _try_compile() -> bool:
         return False
 
 
-def _kernel(op, kind):
-    k = _KERNELS.get((op, kind))
-    if k is None:
+def _loops():
+    """``(apart, into_a, into_b)`` of ``ddlkernels._half_loops``."""
+    if not _LOOPS:
         with _LOCK:
-            k = _KERNELS.get((op, kind))
-            if k is None:
-                k = _KERNELS[(op, kind)] = _build(op, kind)
-    return k
+            if not _LOOPS:
+                from . import _half_loops as k  # imports (and may compile) here, not at import of _half
+
+                _LOOPS.append((k.apart, k.into_a, k.into_b))
+    return _LOOPS[0]
 
 
 def available() -> bool:
@@ -217,28 +104,31 @@ def reduce(op: str, dst, a, b, scale=None) -> bool:
     """
     dt = dst.dtype
     if dt == _F16:
-        kind = "f16"
+        kind = 0
     elif BFLOAT16 is not None and dt == BFLOAT16:
-        kind = "bf16"
+        kind = 1
     else:
         return False
     if not (_STATE["ok"] or (_STATE["ok"] is None and available())):
         return False
     if op == "avg" and scale is None:
         raise ValueError("avg needs a scale")
-    apart, into_a, into_b = _kernel(op, kind)
+    code = _OPS.get(op)
+    if code is None:
+        raise ValueError(f"no half-precision kernel for op {op!r}")
+    apart, into_a, into_b = _loops()
     scale = np.float32(1.0 if scale is None else scale)
     d = dst.view(np.uint16)
     if a is dst or _same(dst, a):
-        into_a(d, b.view(np.uint16), scale)
+        into_a(d, b.view(np.uint16), scale, code, kind)
     elif b is dst or _same(dst, b):
-        into_b(d, a.view(np.uint16), scale)
+        into_b(d, a.view(np.uint16), scale, code, kind)
     else:
         if np.may_share_memory(dst, a):  # partial overlap: numpy's result is as if a were read first
             a = a.copy()
         if np.may_share_memory(dst, b):
             b = b.copy()
-        apart(d, a.view(np.uint16), b.view(np.uint16), scale)
+        apart(d, a.view(np.uint16), b.view(np.uint16), scale, code, kind)
     return True
 
 

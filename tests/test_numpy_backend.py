@@ -106,7 +106,7 @@ def test_half_kernels_every_bit_pattern(dtype, op):
         else:
             expect = UF[op](a, b)
     scale = 1 / 3 if op == "avg" else None
-    for form in ("apart", "into a", "into b"):  # three compiled loops (see _half._build)
+    for form in ("apart", "into a", "into b"):  # three compiled loops (ddlkernels._half_loops)
         x, y = a.copy(), b.copy()
         dst = {"apart": np.empty_like(a), "into a": x, "into b": y}[form]
         assert _half.reduce(op, dst, x, y, scale)
