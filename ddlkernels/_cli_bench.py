@@ -301,9 +301,12 @@ def _report(args, meta, rows):
         st, en = meta["start"], meta["end"]
         print(f"# ddlkernels bench: {meta['ranks']} ranks; {meta['mpi']}; {args.iters} iterations after "
               f"{args.warmup} warmup; {meta['stat_in_table']} time of the slowest rank")
-        if args.min_sample_ms > 0:
+        batches = _batches(rows)
+        if args.min_sample_ms > 0 and batches:
             print(f"# an iteration = back-to-back calls lasting about {args.min_sample_ms:g} ms (out of place; "
-                  f"per size: {_batches(rows)}), time per call")
+                  f"per size: {batches}), time per call")
+        if any(r.get("inplace") for r in rows):
+            print("# in place: an iteration is one call (back-to-back calls would reduce the result again)")
         print(f"# busbw: {meta['busbw']}")
         print(f"# load average at start {st['loadavg'][0]:.2f}, at end {en['loadavg'][0]:.2f} on {st['cpus']} cpus; "
               f"path: which algorithm ddlkernels ran (ring; shm = shared-memory window; hier = window per node "

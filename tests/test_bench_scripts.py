@@ -63,3 +63,15 @@ def test_fastpath_overhead_runs_the_fast_path():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("us per call") == 3
+
+
+def test_header_says_how_an_iteration_is_timed_per_placement():
+    """Out of place: batches of calls per size; in place: one call, never an empty batch list."""
+    both = run("bench/allreduce.py", "-b", "4K", "-e", "8K", "-n", "2", "-w", "1", "--place", "both",
+               "--no-progress", "--impls", "ddlkernels,mpi")
+    assert "(out of place; per size: 4Kx" in both
+    assert "# in place: an iteration is one call" in both
+    inplace = run("bench/allreduce.py", "-b", "4K", "-e", "8K", "-n", "2", "-w", "1", "--place", "in",
+                  "--no-progress", "--impls", "ddlkernels,mpi")
+    assert "back-to-back calls lasting" not in inplace
+    assert "# in place: an iteration is one call" in inplace
