@@ -62,6 +62,8 @@ run kernels_np1 "$PY" -m pytest bench/bench_reduce.py bench/bench_pack.py bench/
   --bench-rounds 30 --benchmark-json "$OUT/kernels_np1.json"
 run kernels_np2 "$MPIRUN" -n 2 "$PY" -m mpi4py -m pytest bench/bench_reduce.py -q --color=no -k "float32 or interleaved" \
   --bench-rounds 30 --benchmark-json "$OUT/kernels_np2.json"
+# What a process's first half-precision reduction costs: Numba compiling, then loading its cache.
+run half_compile "$PY" bench/half_compile.py
 if [ -n "${MPICH_PYTHON:-}" ]; then
   run allreduce_np2_mpich "$(dirname "$MPICH_PYTHON")/mpirun" -n 2 "$MPICH_PYTHON" bench/allreduce.py "${SWEEP[@]}" --impls ddlkernels,ring,mpi,link \
     --json "$OUT/allreduce_np2_mpich.json" --plot "$OUT/allreduce_np2_mpich.png"

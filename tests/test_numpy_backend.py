@@ -135,3 +135,19 @@ def test_half_reduce_declines_other_dtypes():
     x = np.ones(4, np.float32)
     assert not _half.reduce("sum", x, x, x)
     assert np.array_equal(x, np.ones(4, np.float32))
+
+
+def test_half_kernels_load_from_numba_cache_in_the_next_process(tmp_path):
+    """A second process finds the compiled loops in Numba's on-disk cache instead of compiling them again."""
+    import importlib.util
+    import os
+
+    pytest.importorskip("numba")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "half_compile.py")
+    spec = importlib.util.spec_from_file_location("half_compile", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    first, second = mod.measure(2, str(tmp_path))
+    assert first["ok"] and second["ok"]
+    assert first["misses"] == 3 and first["hits"] == 0, first      # apart, into_a, into_b compiled
+    assert second["misses"] == 0 and second["hits"] == 3, second   # and all three loaded
