@@ -576,7 +576,9 @@ class Communicator:
                 return run(algo)
             t0 = perf_counter()  # a watched size (ddlkernels._tuner.WATCH_FROM): every call counted
             result = run(algo)
-            tuner.observe(self.comm, nbytes, cands, perf_counter() - t0)
+            if tuner.observe(self.comm, nbytes, cands, perf_counter() - t0):
+                # Reopened on every rank at this call: no fast path may serve the old choice.
+                (self._rs_fast_cache if kind == "reduce_scatter" else self._ag_fast_cache).clear()
             return result
         t0 = perf_counter()
         result = run(algo)
@@ -754,13 +756,20 @@ class Communicator:
             return self._reduce_scatter(x, op, out, dims, chunk_bytes, backend, call)
 
     def _shard_fast_algo(self, kind, nbytes, cands):
-        """What a shard fast path may run for this settled size: the algorithm; None while it is still
-        measured; False for a watched size, whose calls the full path times for the tuner (``_shard_path``)."""
+        """What a shard fast path may run for this settled size: ``(algorithm, watch)``, or ``(None, None)``
+        while it is still measured.  ``watch``: None, or ``(tuner, nbytes, cands)`` for a watched size,
+        whose every call the fast path must time and pass to ``tuner.observe`` (``_shard_watch``)."""
         tuner = self._shard_tuners[kind]
         algo = tuner.decided(nbytes, cands)
         if algo is None:
-            return None
-        return False if tuner.watched(nbytes, cands) else algo
+            return None, None
+        return algo, ((tuner, nbytes, cands) if tuner.watched(nbytes, cands) else None)
+
+    def _shard_watch(self, watch, seconds, cache):
+        """Count one fast-path call of a watched shard size; when the tuner reopens it, forget the fast
+        paths' decisions (``cache``), so that the next calls take the full path and its trials."""
+        if watch[0].observe(self.comm, watch[1], watch[2], seconds):
+            cache.clear()
 
     def _rs_fast(self, x, op, out):
         """A reduce_scatter the tuner has settled on MPI or shared memory: straight to it, or None.
@@ -782,16 +791,17 @@ class Communicator:
             avg = opname == "avg"
             redop = "sum" if avg else opname
             algo, cands = self._shard_choices(nbytes, False, None, self._rs_mpi_ok(dtype, redop, x.size))
+            watch = None
             if cands is not None:
-                algo = self._shard_fast_algo("reduce_scatter", nbytes, cands)
+                algo, watch = self._shard_fast_algo("reduce_scatter", nbytes, cands)
                 if algo is None:  # still measured
                     return None
             bounds = self._all_shards(x.size, None)
             if algo == "shm":
-                hit = ("shm", bounds, redop, self.size if avg else None, backend_for(x).reduce)
+                hit = ("shm", bounds, redop, self.size if avg else None, backend_for(x).reduce, watch)
             elif algo == "mpi":
                 counts = [hi - lo for lo, hi in bounds]
-                hit = ("mpi", bounds, None if len(set(counts)) == 1 else counts, _mpi_op(redop), avg)
+                hit = ("mpi", bounds, None if len(set(counts)) == 1 else counts, _mpi_op(redop), avg, watch)
             else:
                 hit = False
             if len(self._rs_fast_cache) >= 4096:
@@ -807,6 +817,9 @@ class Communicator:
         else:
             return None  # the full path says what is wrong with out
         src = x if x.ndim == 1 else x.reshape(-1)
+        watch = hit[5]
+        if watch is not None:
+            t0 = perf_counter()
         if hit[0] == "mpi":
             if hit[2] is None:  # equal shards: MPI_Reduce_scatter_block (Open MPI runs other algorithms for it)
                 self.comm.Reduce_scatter_block(src, shard, hit[3])
@@ -817,6 +830,8 @@ class Communicator:
         else:
             self._shm_collectives().reduce_scatter(src, shard, hit[1], hit[2], hit[4], avg_p=hit[3])
         self.last_algorithm = hit[0]
+        if watch is not None:
+            self._shard_watch(watch, perf_counter() - t0, self._rs_fast_cache)
         return shard
 
     def _reduce_scatter(self, x, op, out, dims, chunk_bytes, backend, call):
@@ -913,18 +928,19 @@ class Communicator:
                 return None  # the full path raises the error
             nbytes = count * dtype.itemsize
             algo, cands = self._shard_choices(nbytes, False, None, self._ag_mpi_ok(count, nbytes))
+            watch = None
             if cands is not None:
-                algo = self._shard_fast_algo("allgather", nbytes, cands)
+                algo, watch = self._shard_fast_algo("allgather", nbytes, cands)
                 if algo is None:  # still measured
                     return None
             if algo == "shm":
-                hit = ("shm", bounds)
+                hit = ("shm", bounds, watch)
             elif algo == "mpi":
                 item = dtype.itemsize
                 sizes = [(b - a) * item for a, b in bounds]
                 # MPI's own types go as they are; others (bfloat16, float16) as bytes.
                 hit = ("mpi", None if len(set(sizes)) == 1 else sizes, [a * item for a, _ in bounds],
-                       dtype not in _MPI_NATIVE)
+                       dtype not in _MPI_NATIVE, watch)
             else:
                 hit = False
             if len(self._ag_fast_cache) >= 4096:
@@ -937,6 +953,9 @@ class Communicator:
         elif not _plain_out(out, shard, count):
             return None  # the full path says what is wrong with out
         src = shard if shard.ndim == 1 else shard.reshape(-1)
+        watch = hit[-1]
+        if watch is not None:
+            t0 = perf_counter()
         if hit[0] == "mpi":
             send, recv = (src.view(np.uint8), out.view(np.uint8)) if hit[3] else (src, out)
             if hit[1] is None:  # equal shards: MPI_Allgather, which Open MPI runs faster than Allgatherv
@@ -946,6 +965,8 @@ class Communicator:
         else:
             self._shm_collectives().allgather(src, out, hit[1])
         self.last_algorithm = hit[0]
+        if watch is not None:
+            self._shard_watch(watch, perf_counter() - t0, self._ag_fast_cache)
         return out
 
     def _allgather(self, shard, count, out, dims, chunk_bytes, backend, call):

@@ -72,7 +72,7 @@ winner) pays for trials rarely.
 ``reduce_scatter`` and ``allgather`` have tuners of their own
 (``Communicator._shard_tuners``) with the candidates MPI's own call (where
 it computes the call), "ring" and, on one node, "shm", measured and watched
-the same way (a watched size takes their full path, which times it).
+the same way, on their fast paths as on their full paths.
 
 Every rank makes the same sequence of calls with the same sizes (a
 collective requires it), so every rank reaches the deciding allreduce in the

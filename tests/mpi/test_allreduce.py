@@ -363,9 +363,15 @@ def test_a_watched_size_is_measured_again_on_every_rank_at_once():
     assert np.array_equal(strided, x) and np.array_equal(x, rank_data(count, RANK, P, np.float64)), "input modified"
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["path-per-rank", "path-per-call"])
 @pytest.mark.parametrize("kind", ["reduce_scatter", "allgather"])
-def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind):
-    """The same watch for the shard collectives: even ranks on the fast path, odd ranks on the full one."""
+def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind, mixed):
+    """The same watch for the shard collectives: even ranks on the fast path, odd ranks on the full one.
+
+    ``mixed``: each rank alternates the two paths call by call, so that on
+    some rank the call that reopens the size takes the full path while its
+    fast path still holds the settled choice (which it must then forget).
+    """
     from ddlkernels._tuner import WATCH_FROM, _Settled, tuning_calls
 
     count = WATCH_FROM // 8
@@ -388,15 +394,18 @@ def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind):
             full[slice(*dc.shard_range(count, rank=r))] = inputs[r][slice(*dc.shard_range(count, rank=r))]
         out = np.empty(hi - lo) if kind == "reduce_scatter" else np.empty(count)
         tuner = dc._shard_tuners[kind]
+        made = [0]
 
         def calls(k):
             seen = []
             for i in range(k):
+                full_path = (RANK + made[0]) % 2 if mixed else RANK % 2
+                made[0] += 1
                 if kind == "reduce_scatter":
-                    y = dc.reduce_scatter(strided, "sum") if RANK % 2 else dc.reduce_scatter(x, "sum", out=out)
+                    y = dc.reduce_scatter(strided, "sum") if full_path else dc.reduce_scatter(x, "sum", out=out)
                     assert np.allclose(y, expect[lo:hi], rtol=1e-12, atol=0), f"call {i}"
                 else:
-                    y = (dc.allgather(strided_shard, count=count) if RANK % 2
+                    y = (dc.allgather(strided_shard, count=count) if full_path
                          else dc.allgather(shard, count=count, out=out))
                     assert np.array_equal(y, full), f"call {i}"
                 seen.append(dc.last_algorithm)
@@ -410,7 +419,11 @@ def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind):
         settled = [v for v in tuner._state.values() if isinstance(v, _Settled)]
         assert len(settled) == 1
         settled[0].limit = 1e-9  # as if the machine had slowed down (alike on every rank)
-        after = calls(settled[0].every)
+        after = calls(settled[0].every - 1)
+        if not mixed and RANK % 2 == 0:  # the watched size is served by the fast path, which times it
+            cache = dc._rs_fast_cache if kind == "reduce_scatter" else dc._ag_fast_cache
+            assert any(h and h[-1] is not None for h in cache.values()), cache
+        after += calls(1)  # the check: reopened on every rank
         assert len(set(after)) == 1, after
         assert dc.tuning(x, collective=kind)
         again = calls(n + 2)
