@@ -64,10 +64,13 @@ see the same maximum) when its calls now take longer than the runner-up
 took in the trials (by ``MARGIN``), or ``DRIFT`` times as long as they took
 themselves.  The interval is about ``CHECK_SECONDS`` of calls at the time
 that won, between ``WATCH_MIN_CALLS`` and ``WATCH_CALLS`` calls -- from the
-agreed trial time, so the same count on every rank.  A re-measurement that
-keeps the same algorithm doubles the interval (up to ``WATCH_MAX_CALLS``),
-so a loop whose calls are merely slower now (more load, not another
-winner) pays for trials rarely.
+agreed trial time, so the same count on every rank.  The checks time only
+the algorithm that runs, so a runner-up that became faster while the
+winner did not slow down would go unseen: after ``EXPLORE_CHECKS`` quiet
+checks the bucket is measured again anyway.  A re-measurement that keeps
+the same algorithm doubles the interval (up to ``WATCH_MAX_CALLS``), so a
+loop whose calls are merely slower now (more load, not another winner), or
+whose winner stays the winner, pays for trials ever more rarely.
 
 ``reduce_scatter`` and ``allgather`` have tuners of their own
 (``Communicator._shard_tuners``) with the candidates MPI's own call (where
@@ -87,7 +90,7 @@ import numpy as np
 
 __all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN", "margin", "candidates",
            "trials", "block", "tuning_calls", "WATCH_FROM", "WATCH_CALLS", "WATCH_MIN_CALLS", "WATCH_MAX_CALLS",
-           "CHECK_SECONDS", "DRIFT", "watch_interval"]
+           "CHECK_SECONDS", "DRIFT", "EXPLORE_CHECKS", "watch_interval"]
 
 # Measured on the 2-core machine (bench/results, the main job): the ring never
 # beat MPI's own allreduce below 1 MiB at 2 or 4 ranks, and MPI's allreduce
@@ -138,6 +141,13 @@ WATCH_MAX_CALLS = 1024
 #: How many times slower than its winning trials a watched bucket's calls
 #: may run before it is measured again, whatever the runner-up took.
 DRIFT = 1.5
+#: After this many checks in a row that found nothing, a watched bucket is
+#: measured again anyway: the checks time only the algorithm that runs, so
+#: a runner-up that became the faster one would otherwise never be seen.
+#: At the first interval (~CHECK_SECONDS of calls) that is about 1.3 s of
+#: calls; a re-measurement that keeps the winner doubles the interval, as
+#: after any other, so a stable job pays for these trials ever more rarely.
+EXPLORE_CHECKS = 64
 
 
 def watch_interval(won_in: float) -> int:
@@ -146,13 +156,15 @@ def watch_interval(won_in: float) -> int:
 
 
 class _Settled:
-    """A watched bucket's choice: the algorithm, its trial time, when to re-measure, the calls since the last check."""
+    """A watched bucket's choice: the algorithm, its trial time, when to re-measure, the calls since the last
+    check, and the checks since it was settled."""
 
-    __slots__ = ("algorithm", "won_in", "limit", "every", "times")
+    __slots__ = ("algorithm", "won_in", "limit", "every", "times", "checks")
 
     def __init__(self, algorithm, won_in, limit, every):
         # limit: the median call time past which the bucket is measured again
         self.algorithm, self.won_in, self.limit, self.every, self.times = algorithm, won_in, limit, every, []
+        self.checks = 0
 
 
 def margin(nbytes: int) -> float:
@@ -261,7 +273,8 @@ class SizeTuner:
         now = np.array([np.median(st.times)], dtype=np.float64)
         st.times.clear()
         comm.Allreduce(MPI.IN_PLACE, now, MPI.MAX)
-        if now[0] <= st.limit:
+        st.checks += 1  # counted alike on every rank: each check is the same collective call
+        if now[0] <= st.limit and st.checks < EXPLORE_CHECKS:
             return False
         self._reopened[key] = st
         del self._state[key]  # measured again from the next call, on every rank

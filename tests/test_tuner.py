@@ -197,6 +197,45 @@ def test_the_interval_is_about_check_seconds_of_calls_and_backs_off():
     assert intervals[-1] == WATCH_MAX_CALLS
 
 
+def test_quiet_checks_reopen_anyway_and_find_a_runner_up_that_became_faster():
+    """The checks time only the winner: after EXPLORE_CHECKS quiet ones the bucket is measured again."""
+    from ddlkernels._tuner import EXPLORE_CHECKS, WATCH_FROM, watch_interval
+
+    cands, nb = ("ring", "shm"), 2 * WATCH_FROM
+    t = SizeTuner(watch=True)
+    assert settle_watched(t, cands, {"ring": 1.0, "shm": 0.5}, nb) == "shm"
+    every = watch_interval(0.5)
+    comm = MaxOf(0.0)
+    # shm keeps its trial speed: nothing to see at any check but the last of EXPLORE_CHECKS.
+    got = _checks(t, comm, nb, cands, 0.5, every * EXPLORE_CHECKS)
+    assert comm.calls == EXPLORE_CHECKS and got == [False] * (every * EXPLORE_CHECKS - 1) + [True]
+    assert t.decided(nb, cands) is None and t.choose(nb, cands)[1]  # trials again
+    # Meanwhile the ring became the faster: the re-measurement finds it.
+    assert settle_watched(t, cands, {"ring": 0.3, "shm": 0.5}, nb) == "ring"
+    assert t._state[t._key(nb, cands, False)].every == watch_interval(0.3)  # a new winner: no back-off
+
+
+def test_an_exploration_that_keeps_the_winner_backs_off():
+    from ddlkernels._tuner import EXPLORE_CHECKS, WATCH_FROM, WATCH_MAX_CALLS, watch_interval
+
+    cands, nb = ("ring", "shm"), 2 * WATCH_FROM
+    t = SizeTuner(watch=True)
+    settle_watched(t, cands, {"ring": 1.0, "shm": 0.5}, nb)
+    key = t._key(nb, cands, False)
+    calls_between = []
+    for _ in range(4):
+        every = t._state[key].every
+        comm = MaxOf(0.0)
+        n = next((k for k in range(1, 2 * EXPLORE_CHECKS * every + 1) if t.observe(comm, nb, cands, 0.5)), None)
+        assert n is not None, "no re-measurement after twice EXPLORE_CHECKS quiet checks"
+        calls_between.append(n)
+        assert comm.calls == EXPLORE_CHECKS
+        assert settle_watched(t, cands, {"ring": 1.0, "shm": 0.5}, nb) == "shm"
+        assert t._state[key].every == min(WATCH_MAX_CALLS, 2 * every)
+    first = watch_interval(0.5)
+    assert calls_between == [EXPLORE_CHECKS * min(WATCH_MAX_CALLS, first * 2**i) for i in range(4)]
+
+
 def test_not_watched_below_watch_from_when_fixed_or_when_off():
     from ddlkernels._tuner import WATCH_FROM
 
