@@ -11,7 +11,9 @@ block's time per call is the slowest rank's median.  One line per round:
 seconds since the start, what the tuned Communicator ran, the three times,
 and how many times the tuner re-measured the size so far.  The summary
 counts the rounds where the tuned line was within 10 % of the faster forced
-one (a round spent re-measuring counts as it ran).  Every result is checked
+one (a round spent re-measuring counts as it ran), and why the tuner
+re-measured: the watched calls slowed down, or ``EXPLORE_CHECKS`` checks in
+a row found nothing.  Every result is checked
 against the first.
 """
 
@@ -79,8 +81,10 @@ def main():
                   f"{t_ring * 1e3:8.3f} {t_shm * 1e3:8.3f} {reopened:12d}", flush=True)
     wrong = comm.allreduce(wrong, op=MPI.SUM)
     if rank == 0:
+        why = tuned._tuner.reopens
         print(f"# rounds {rounds}; tuned within 10 % of the faster forced line in {close}; "
-              f"re-measured {reopened} times; #wrong {wrong}")
+              f"re-measured {reopened} times ({why['slower']} after its calls slowed down, {why['quiet']} after "
+              f"quiet checks); #wrong {wrong}")
     for dc in (tuned, ring, shm):
         dc.free()
     return 1 if wrong else 0

@@ -219,6 +219,9 @@ class SizeTuner:
         self._state: dict[tuple, object] = {}
         self.watch = watch  # re-measure settled buckets from WATCH_FROM bytes when their calls slow down
         self._reopened: dict[tuple, _Settled] = {}  # key -> the choice a re-measurement started from
+        #: Re-measurements so far, by cause: "slower" (the calls crossed their limit), "quiet"
+        #: (EXPLORE_CHECKS checks found nothing).  For reports (bench/tuner_watch.py).
+        self.reopens = {"slower": 0, "quiet": 0}
 
     @staticmethod
     def bucket(nbytes: int) -> int:
@@ -274,8 +277,10 @@ class SizeTuner:
         st.times.clear()
         comm.Allreduce(MPI.IN_PLACE, now, MPI.MAX)
         st.checks += 1  # counted alike on every rank: each check is the same collective call
-        if now[0] <= st.limit and st.checks < EXPLORE_CHECKS:
+        slower = now[0] > st.limit
+        if not slower and st.checks < EXPLORE_CHECKS:
             return False
+        self.reopens["slower" if slower else "quiet"] += 1
         self._reopened[key] = st
         del self._state[key]  # measured again from the next call, on every rank
         return True

@@ -46,6 +46,7 @@ def test_tuner_watch_prints_rounds_and_checks_every_result():
     rows = [ln.split() for ln in out.splitlines() if not ln.startswith("#")]
     assert rows and all(len(r) == 6 and float(r[2]) > 0 and float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
     assert "#wrong 0" in out.splitlines()[-1]
+    assert "after its calls slowed down" in out.splitlines()[-1] and "after quiet checks" in out.splitlines()[-1]
 
 
 def test_tuner_trials_prints_both_orders_for_every_rank():

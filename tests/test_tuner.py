@@ -154,6 +154,7 @@ def test_watched_bucket_is_measured_again_when_its_calls_slow_down():
     comm = MaxOf(0.5 * DRIFT * 1.01)
     assert _checks(t, comm, nb, cands, 0.5, every) == [False] * (every - 1) + [True]
     assert t.decided(nb, cands) is None and t.choose(nb, cands)[1]  # trials again
+    assert t.reopens == {"slower": 1, "quiet": 0}
     # The machine changed its mind: the ring wins now, watched at its own interval.
     assert settle_watched(t, cands, {"ring": 0.6, "shm": 1.2}, nb) == "ring"
     comm = MaxOf(0.0)
@@ -209,6 +210,7 @@ def test_quiet_checks_reopen_anyway_and_find_a_runner_up_that_became_faster():
     # shm keeps its trial speed: nothing to see at any check but the last of EXPLORE_CHECKS.
     got = _checks(t, comm, nb, cands, 0.5, every * EXPLORE_CHECKS)
     assert comm.calls == EXPLORE_CHECKS and got == [False] * (every * EXPLORE_CHECKS - 1) + [True]
+    assert t.reopens == {"slower": 0, "quiet": 1}
     assert t.decided(nb, cands) is None and t.choose(nb, cands)[1]  # trials again
     # Meanwhile the ring became the faster: the re-measurement finds it.
     assert settle_watched(t, cands, {"ring": 0.3, "shm": 0.5}, nb) == "ring"
