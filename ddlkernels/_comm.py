@@ -404,7 +404,7 @@ class Communicator:
             dst = out
         else:
             return None
-        algo, how, avg, watch = hit  # how: the MPI op, or for "shm" the op's name or a ShmAllreduce.small_fn
+        algo, how, avg, watch, recount = hit  # how: the MPI op, or for "shm" the op's name or a ShmAllreduce.small_fn
         if watch is not None:  # a watched size (ddlkernels._tuner.WATCH_FROM): time the call for the tuner
             t0 = perf_counter()
         if algo == "shm":
@@ -421,16 +421,21 @@ class Communicator:
         self.last_algorithm = algo
         if watch is not None and self._tuner.observe(self.comm, x.nbytes, watch, perf_counter() - t0, inplace):
             self._fast.clear()  # measured again: every rank reopened the size at once
+        elif recount is not None:  # counted here or in _allreduce_flat, once per call, on every rank alike
+            recount.left -= 1
+            if recount.left <= 0 and self._tuner.expire(recount):
+                self._fast.clear()
         return dst
 
     def _fast_entry(self, op, dt, nbytes, inplace):
-        """``(algorithm, how, avg?, watch)`` of the fast path for this op, dtype and size; False (settled on
-        the full path) or None (not settled, or not a fast-path case).  Settled answers are cached.  ``watch``:
-        the tuner's candidates when the size is watched (its calls go to ``SizeTuner.observe``), else None."""
+        """``(algorithm, how, avg?, watch, recount)`` of the fast path for this op, dtype and size; False
+        (settled on the full path) or None (not settled, or not a fast-path case).  Settled answers are cached.
+        ``watch``: the tuner's candidates when the size is watched (its calls go to ``SizeTuner.observe``),
+        else None; ``recount``: the tuner's countdown of a settled size below WATCH_FROM, else None."""
         entry = _FAST_TABLE.get((op, dt.char)) if op.__class__ is str else None
         if entry is None or not dt.isnative or self._shm_mode:
             return None
-        watch = None
+        watch = recount = None
         if self.small_bytes is None:
             cands = candidates(nbytes, shm=self._shm_mode is not None, hier=self._hier_ok)
             algo = self._tuner.decided(nbytes, cands, inplace)
@@ -438,6 +443,7 @@ class Communicator:
                 return None
             if self._tuner.watched(nbytes, cands, inplace):
                 watch = cands
+            recount = self._tuner.recount(nbytes, cands, inplace)
         elif nbytes < self.small_bytes:
             algo = "mpi"
         else:
@@ -445,11 +451,11 @@ class Communicator:
         if len(self._fast) >= 4096:  # a job with ever new sizes must not grow this without bound
             self._fast.clear()
         if algo in ("mpi", "nbc"):
-            hit = (algo, entry[0], entry[1], watch)
+            hit = (algo, entry[0], entry[1], watch, recount)
         elif algo == "shm" and not entry[1]:  # "avg" takes the full path
             if self._shm is None or not self._shm.allocated:
                 return None  # the full path sets the window up (collectively); ask again after it
-            hit = (algo, self._shm.small_fn(dt, nbytes // dt.itemsize, op) or op, False, watch)
+            hit = (algo, self._shm.small_fn(dt, nbytes // dt.itemsize, op) or op, False, watch, recount)
         else:
             hit = False
         self._fast[op, dt, nbytes, inplace] = hit
@@ -573,7 +579,10 @@ class Communicator:
         algo, trial = tuner.choose(nbytes, cands)
         if not trial:
             if not tuner.watched(nbytes, cands):
-                return run(algo)
+                result = run(algo)
+                if tuner.count(nbytes, cands):  # reopened on every rank at this call
+                    (self._rs_fast_cache if kind == "reduce_scatter" else self._ag_fast_cache).clear()
+                return result
             t0 = perf_counter()  # a watched size (ddlkernels._tuner.WATCH_FROM): every call counted
             result = run(algo)
             if tuner.observe(self.comm, nbytes, cands, perf_counter() - t0):
@@ -612,6 +621,8 @@ class Communicator:
                 self._fast.clear()
         else:
             self._allreduce_path(algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
+            if cands is not None and self._tuner.count(nbytes, cands, inplace):
+                self._fast.clear()  # measured again from the next call, on every rank
 
     def _allreduce_path(self, algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call):
         """Run ``algo``: "mpi" (MPI_Allreduce), "nbc" (MPI_Iallreduce + Wait), "shm" (shared window) or "ring"."""
@@ -758,17 +769,27 @@ class Communicator:
     def _shard_fast_algo(self, kind, nbytes, cands):
         """What a shard fast path may run for this settled size: ``(algorithm, watch)``, or ``(None, None)``
         while it is still measured.  ``watch``: None, or ``(tuner, nbytes, cands)`` for a watched size,
-        whose every call the fast path must time and pass to ``tuner.observe`` (``_shard_watch``)."""
+        whose every call the fast path must time and pass to ``tuner.observe``, or ``(tuner, recount)``
+        for a size below WATCH_FROM, whose calls it must count down (``_shard_watch``)."""
         tuner = self._shard_tuners[kind]
         algo = tuner.decided(nbytes, cands)
         if algo is None:
             return None, None
-        return algo, ((tuner, nbytes, cands) if tuner.watched(nbytes, cands) else None)
+        if tuner.watched(nbytes, cands):
+            return algo, (tuner, nbytes, cands)
+        recount = tuner.recount(nbytes, cands)
+        return algo, (None if recount is None else (tuner, recount))
 
-    def _shard_watch(self, watch, seconds, cache):
-        """Count one fast-path call of a watched shard size; when the tuner reopens it, forget the fast
-        paths' decisions (``cache``), so that the next calls take the full path and its trials."""
-        if watch[0].observe(self.comm, watch[1], watch[2], seconds):
+    def _shard_watch(self, watch, t0, cache):
+        """Count one fast-path call (started at ``t0``, for a watched size) of a watched or counted shard size;
+        when the tuner reopens it, forget the fast paths' decisions (``cache``), so that the next calls take
+        the full path and its trials."""
+        if len(watch) == 2:
+            rc = watch[1]
+            rc.left -= 1
+            if rc.left <= 0 and watch[0].expire(rc):
+                cache.clear()
+        elif watch[0].observe(self.comm, watch[1], watch[2], perf_counter() - t0):
             cache.clear()
 
     def _rs_fast(self, x, op, out):
@@ -818,8 +839,7 @@ class Communicator:
             return None  # the full path says what is wrong with out
         src = x if x.ndim == 1 else x.reshape(-1)
         watch = hit[5]
-        if watch is not None:
-            t0 = perf_counter()
+        t0 = perf_counter() if watch is not None and len(watch) == 3 else 0.0  # only a watched size is timed
         if hit[0] == "mpi":
             if hit[2] is None:  # equal shards: MPI_Reduce_scatter_block (Open MPI runs other algorithms for it)
                 self.comm.Reduce_scatter_block(src, shard, hit[3])
@@ -831,7 +851,7 @@ class Communicator:
             self._shm_collectives().reduce_scatter(src, shard, hit[1], hit[2], hit[4], avg_p=hit[3])
         self.last_algorithm = hit[0]
         if watch is not None:
-            self._shard_watch(watch, perf_counter() - t0, self._rs_fast_cache)
+            self._shard_watch(watch, t0, self._rs_fast_cache)
         return shard
 
     def _reduce_scatter(self, x, op, out, dims, chunk_bytes, backend, call):
@@ -954,8 +974,7 @@ class Communicator:
             return None  # the full path says what is wrong with out
         src = shard if shard.ndim == 1 else shard.reshape(-1)
         watch = hit[-1]
-        if watch is not None:
-            t0 = perf_counter()
+        t0 = perf_counter() if watch is not None and len(watch) == 3 else 0.0  # only a watched size is timed
         if hit[0] == "mpi":
             send, recv = (src.view(np.uint8), out.view(np.uint8)) if hit[3] else (src, out)
             if hit[1] is None:  # equal shards: MPI_Allgather, which Open MPI runs faster than Allgatherv
@@ -966,7 +985,7 @@ class Communicator:
             self._shm_collectives().allgather(src, out, hit[1])
         self.last_algorithm = hit[0]
         if watch is not None:
-            self._shard_watch(watch, perf_counter() - t0, self._ag_fast_cache)
+            self._shard_watch(watch, t0, self._ag_fast_cache)
         return out
 
     def _allgather(self, shard, count, out, dims, chunk_bytes, backend, call):

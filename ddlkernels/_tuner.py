@@ -72,6 +72,12 @@ the same algorithm doubles the interval (up to ``WATCH_MAX_CALLS``), so a
 loop whose calls are merely slower now (more load, not another winner), or
 whose winner stays the winner, pays for trials ever more rarely.
 
+Below ``WATCH_FROM`` calls are not timed (they are the latency the fast
+paths exist for), but a settled bucket is measured again after
+``RECOUNT_CALLS`` of its calls, counted alike on every rank, and then after
+twice as many each time the winner stays: a choice made in a job's first
+calls may have been made in its start-up noise.
+
 ``reduce_scatter`` and ``allgather`` have tuners of their own
 (``Communicator._shard_tuners``) with the candidates MPI's own call (where
 it computes the call), "ring" and, on one node, "shm", measured and watched
@@ -90,7 +96,7 @@ import numpy as np
 
 __all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN", "margin", "candidates",
            "trials", "block", "tuning_calls", "WATCH_FROM", "WATCH_CALLS", "WATCH_MIN_CALLS", "WATCH_MAX_CALLS",
-           "CHECK_SECONDS", "DRIFT", "EXPLORE_CHECKS", "watch_interval"]
+           "CHECK_SECONDS", "DRIFT", "EXPLORE_CHECKS", "RECOUNT_CALLS", "RECOUNT_MAX_CALLS", "watch_interval"]
 
 # Measured on the 2-core machine (bench/results, the main job): the ring never
 # beat MPI's own allreduce below 1 MiB at 2 or 4 ranks, and MPI's allreduce
@@ -148,6 +154,15 @@ DRIFT = 1.5
 #: calls; a re-measurement that keeps the winner doubles the interval, as
 #: after any other, so a stable job pays for these trials ever more rarely.
 EXPLORE_CHECKS = 64
+#: Below WATCH_FROM a settled bucket is not timed (its calls are the latency
+#: the fast path exists for), but it is measured again after this many of
+#: its calls, counted alike on every rank: a choice made in the first
+#: calls of a job can be made in the job's own start-up noise (bench/results:
+#: right after another job, 4 ranks kept MPI_Allreduce at 4 KiB, 31 us per
+#: call, where the shared-memory allreduce takes 13-14).  A re-measurement
+#: that keeps the winner doubles the count, up to RECOUNT_MAX_CALLS.
+RECOUNT_CALLS = 4096
+RECOUNT_MAX_CALLS = 1 << 22
 
 
 def watch_interval(won_in: float) -> int:
@@ -165,6 +180,19 @@ class _Settled:
         # limit: the median call time past which the bucket is measured again
         self.algorithm, self.won_in, self.limit, self.every, self.times = algorithm, won_in, limit, every, []
         self.checks = 0
+
+
+class _Recount:
+    """A settled bucket below WATCH_FROM: the algorithm, and its calls left until it is measured again.
+
+    Shared by the full path (``SizeTuner.count``) and a fast path that holds
+    it (``SizeTuner.recount``), so that every call is counted once.
+    """
+
+    __slots__ = ("algorithm", "left", "every", "key")
+
+    def __init__(self, algorithm, every, key):
+        self.algorithm, self.left, self.every, self.key = algorithm, every, every, key
 
 
 def margin(nbytes: int) -> float:
@@ -220,8 +248,9 @@ class SizeTuner:
         self.watch = watch  # re-measure settled buckets from WATCH_FROM bytes when their calls slow down
         self._reopened: dict[tuple, _Settled] = {}  # key -> the choice a re-measurement started from
         #: Re-measurements so far, by cause: "slower" (the calls crossed their limit), "quiet"
-        #: (EXPLORE_CHECKS checks found nothing).  For reports (bench/tuner_watch.py).
-        self.reopens = {"slower": 0, "quiet": 0}
+        #: (EXPLORE_CHECKS checks found nothing), "recount" (RECOUNT_CALLS calls of a bucket below
+        #: WATCH_FROM).  For reports (bench/tuner_watch.py).
+        self.reopens = {"slower": 0, "quiet": 0, "recount": 0}
 
     @staticmethod
     def bucket(nbytes: int) -> int:
@@ -236,7 +265,7 @@ class SizeTuner:
         st = self._state.get(key)
         if isinstance(st, str):
             return st, False
-        if isinstance(st, _Settled):
+        if isinstance(st, (_Settled, _Recount)):
             return st.algorithm, False
         if len(cands) == 1:
             return cands[0], False
@@ -250,7 +279,7 @@ class SizeTuner:
         st = self._state.get(self._key(nbytes, cands, inplace))
         if isinstance(st, str):
             return st
-        if isinstance(st, _Settled):
+        if isinstance(st, (_Settled, _Recount)):
             return st.algorithm
         return cands[0] if len(cands) == 1 else None
 
@@ -285,6 +314,29 @@ class SizeTuner:
         del self._state[key]  # measured again from the next call, on every rank
         return True
 
+    def recount(self, nbytes: int, cands: tuple[str, ...], inplace: bool = False):
+        """The ``_Recount`` of this settled bucket below WATCH_FROM (for a fast path to count with), or None."""
+        st = self._state.get(self._key(nbytes, cands, inplace))
+        return st if isinstance(st, _Recount) else None
+
+    def count(self, nbytes: int, cands: tuple[str, ...], inplace: bool = False) -> bool:
+        """Count one call of a settled bucket below WATCH_FROM; True when this call reopened it (every rank
+        reopens at the same call, since every rank counts the same calls)."""
+        st = self._state.get(self._key(nbytes, cands, inplace))
+        if not isinstance(st, _Recount):
+            return False
+        st.left -= 1
+        return st.left <= 0 and self.expire(st)
+
+    def expire(self, st: "_Recount") -> bool:
+        """Reopen the bucket of ``st``, whose calls ran out (``count``, or a fast path's own countdown)."""
+        if self._state.get(st.key) is not st:
+            return False
+        self._reopened[st.key] = st
+        del self._state[st.key]
+        self.reopens["recount"] += 1
+        return True
+
     def settle(self, nbytes: int, cands: tuple[str, ...], algorithm: str, inplace: bool = False) -> None:
         """Fix the choice for ``nbytes`` without measuring (every rank must do the same)."""
         self._state[self._key(nbytes, cands, inplace)] = algorithm
@@ -314,6 +366,12 @@ class SizeTuner:
                     every = min(WATCH_MAX_CALLS, 2 * before.every)
                 # best[] is the agreed maximum over ranks: the same limit and interval on every rank.
                 self._state[key] = _Settled(cands[win], won_in, min(DRIFT * won_in, MARGIN * rival), every)
+            elif self.watch:
+                every = RECOUNT_CALLS
+                before = self._reopened.pop(key, None)
+                if before is not None and before.algorithm == cands[win]:
+                    every = min(RECOUNT_MAX_CALLS, 2 * before.every)
+                self._state[key] = _Recount(cands[win], every, key)
             else:
                 self._state[key] = cands[win]
 
@@ -324,5 +382,5 @@ class SizeTuner:
         for (key, cands, inplace), st in sorted(self._state.items()):
             lo, hi = (1 << (key - 1)) if key else 0, (1 << key)
             label = f"[{lo}, {hi}) B" + (f" of {'/'.join(cands)}" if len(sets) > 1 else "") + (" in place" if inplace else "")
-            out[label] = st if isinstance(st, str) else st.algorithm if isinstance(st, _Settled) else "measuring"
+            out[label] = st if isinstance(st, str) else st.algorithm if isinstance(st, (_Settled, _Recount)) else "measuring"
         return out

@@ -154,7 +154,7 @@ def test_watched_bucket_is_measured_again_when_its_calls_slow_down():
     comm = MaxOf(0.5 * DRIFT * 1.01)
     assert _checks(t, comm, nb, cands, 0.5, every) == [False] * (every - 1) + [True]
     assert t.decided(nb, cands) is None and t.choose(nb, cands)[1]  # trials again
-    assert t.reopens == {"slower": 1, "quiet": 0}
+    assert t.reopens == {"slower": 1, "quiet": 0, "recount": 0}
     # The machine changed its mind: the ring wins now, watched at its own interval.
     assert settle_watched(t, cands, {"ring": 0.6, "shm": 1.2}, nb) == "ring"
     comm = MaxOf(0.0)
@@ -210,7 +210,7 @@ def test_quiet_checks_reopen_anyway_and_find_a_runner_up_that_became_faster():
     # shm keeps its trial speed: nothing to see at any check but the last of EXPLORE_CHECKS.
     got = _checks(t, comm, nb, cands, 0.5, every * EXPLORE_CHECKS)
     assert comm.calls == EXPLORE_CHECKS and got == [False] * (every * EXPLORE_CHECKS - 1) + [True]
-    assert t.reopens == {"slower": 0, "quiet": 1}
+    assert t.reopens == {"slower": 0, "quiet": 1, "recount": 0}
     assert t.decided(nb, cands) is None and t.choose(nb, cands)[1]  # trials again
     # Meanwhile the ring became the faster: the re-measurement finds it.
     assert settle_watched(t, cands, {"ring": 0.3, "shm": 0.5}, nb) == "ring"
@@ -236,6 +236,41 @@ def test_an_exploration_that_keeps_the_winner_backs_off():
         assert t._state[key].every == min(WATCH_MAX_CALLS, 2 * every)
     first = watch_interval(0.5)
     assert calls_between == [EXPLORE_CHECKS * min(WATCH_MAX_CALLS, first * 2**i) for i in range(4)]
+
+
+def test_below_watch_from_a_bucket_is_measured_again_after_its_calls_are_counted():
+    """No timing below WATCH_FROM, but RECOUNT_CALLS calls (counted alike on every rank) reopen the bucket."""
+    from ddlkernels._tuner import RECOUNT_CALLS, RECOUNT_MAX_CALLS, WATCH_FROM
+
+    cands, nb = ("mpi", "nbc", "shm"), 4096
+    assert nb < WATCH_FROM
+    t = SizeTuner(watch=True)
+    # Start-up noise: MPI's call wins the first trials.
+    assert settle_watched(t, cands, {"mpi": 1.0, "nbc": 1.0, "shm": 1.0}, nb) == "mpi"
+    assert not t.watched(nb, cands)
+    rc = t.recount(nb, cands)
+    assert rc is not None and rc.left == RECOUNT_CALLS
+    assert not any(t.count(nb, cands) for _ in range(RECOUNT_CALLS - 1))
+    assert t.count(nb, cands) and t.decided(nb, cands) is None and t.choose(nb, cands)[1]
+    assert t.reopens == {"slower": 0, "quiet": 0, "recount": 1}
+    # Measured again in a quiet moment: the shared-memory allreduce wins now, counted from scratch.
+    assert settle_watched(t, cands, {"mpi": 1.0, "nbc": 1.0, "shm": 0.5}, nb) == "shm"
+    assert t.recount(nb, cands).left == RECOUNT_CALLS
+    # A re-measurement that keeps the winner doubles the count (a fast path counting down works alike).
+    every = []
+    for _ in range(3):
+        rc = t.recount(nb, cands)
+        every.append(rc.every)
+        rc.left = 1
+        assert t.count(nb, cands)
+        assert settle_watched(t, cands, {"mpi": 1.0, "nbc": 1.0, "shm": 0.5}, nb) == "shm"
+    assert every == [min(RECOUNT_MAX_CALLS, RECOUNT_CALLS * 2**i) for i in range(3)]
+    # A stale countdown (its bucket already reopened) reopens nothing.
+    assert not t.expire(rc)
+    # Without the watch (settle / watch=False) nothing is counted.
+    off = SizeTuner(watch=False)
+    settle_watched(off, cands, {"mpi": 1.0, "nbc": 1.0, "shm": 0.5}, nb)
+    assert off.recount(nb, cands) is None and not off.count(nb, cands)
 
 
 def test_not_watched_below_watch_from_when_fixed_or_when_off():

@@ -363,6 +363,53 @@ def test_a_watched_size_is_measured_again_on_every_rank_at_once():
     assert np.array_equal(strided, x) and np.array_equal(x, rank_data(count, RANK, P, np.float64)), "input modified"
 
 
+@pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter", "allgather"])
+def test_a_small_settled_size_is_measured_again_after_its_calls(kind, monkeypatch):
+    """Below WATCH_FROM nothing is timed, but after RECOUNT_CALLS calls the size is measured again.
+
+    Every rank alternates the fast path and the full path call by call, and
+    starts on a different one: both must count every call, or the ranks
+    would reopen at different calls and run different algorithms.
+    """
+    from ddlkernels import _tuner
+
+    monkeypatch.setattr(_tuner, "RECOUNT_CALLS", 7)
+    count = 4096 // 8
+    x = rank_data(count, RANK, P, np.float64)
+    inputs = gather_inputs(x)
+    expect = np.sum(np.stack(inputs), axis=0)
+    wide = np.zeros(2 * count)
+    wide[::2] = x
+    strided = wide[::2]  # not contiguous: the full path
+    with ddlkernels.Communicator(COMM) as dc:
+        if P == 1:
+            pytest.skip("one rank: nothing to choose between")
+        lo, hi = dc.shard_range(count)
+        shard = expect[lo:hi].copy()
+        wide_shard = np.zeros(2 * (hi - lo))
+        wide_shard[::2] = shard
+        out = np.empty(count) if kind != "reduce_scatter" else np.empty(hi - lo)
+        tuner = dc._tuner if kind == "allreduce" else dc._shard_tuners[kind]
+        seen = []
+        for i in range(300):
+            full_path = (RANK + i) % 2
+            if kind == "allreduce":
+                y = dc.allreduce(strided, "sum") if full_path else dc.allreduce(x, "sum", out=out)
+                assert_close(y, inputs, "sum", np.float64, f"call {i}")
+            elif kind == "reduce_scatter":
+                y = dc.reduce_scatter(strided, "sum") if full_path else dc.reduce_scatter(x, "sum", out=out)
+                assert np.allclose(y, expect[lo:hi], rtol=1e-12, atol=0), f"call {i}"
+            else:
+                y = (dc.allgather(wide_shard[::2], count=count) if full_path
+                     else dc.allgather(shard, count=count, out=out))
+                assert np.allclose(y, expect, rtol=1e-12, atol=0), f"call {i}"
+            seen.append(dc.last_algorithm)
+        assert tuner.reopens["recount"] >= 2, tuner.reopens  # 7, then 14, ... calls after each settling
+        every = COMM.allgather(seen)
+        assert all(s == every[0] for s in every), "every rank ran the same algorithm in every call"
+    assert np.array_equal(x, rank_data(count, RANK, P, np.float64)), "input modified"
+
+
 @pytest.mark.parametrize("mixed", [False, True], ids=["path-per-rank", "path-per-call"])
 @pytest.mark.parametrize("kind", ["reduce_scatter", "allgather"])
 def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind, mixed):
