@@ -157,10 +157,12 @@ EXPLORE_CHECKS = 64
 #: Below WATCH_FROM a settled bucket is not timed (its calls are the latency
 #: the fast path exists for), but it is measured again after this many of
 #: its calls, counted alike on every rank: a choice made in the first
-#: calls of a job can be made in the job's own start-up noise (bench/results:
-#: right after another job, 4 ranks kept MPI_Allreduce at 4 KiB, 31 us per
-#: call, where the shared-memory allreduce takes 13-14).  A re-measurement
-#: that keeps the winner doubles the count, up to RECOUNT_MAX_CALLS.
+#: calls of a job can be made in the job's own start-up noise (4 ranks,
+#: ``bench/allreduce.py -b 4K -e 8K`` right after a 64 MiB job, three times:
+#: once MPI_Allreduce kept at 4 KiB, 31 us per call, once MPI_Iallreduce at
+#: 8 KiB, 37 us, where the shared-memory allreduce took 13-21 us in the
+#: others).  A re-measurement that keeps the winner doubles the count, up to
+#: RECOUNT_MAX_CALLS.
 RECOUNT_CALLS = 4096
 RECOUNT_MAX_CALLS = 1 << 22
 
@@ -245,8 +247,8 @@ class SizeTuner:
     def __init__(self, watch: bool = False):
         #: key -> None/dict while measuring, the algorithm (str) or a _Settled once chosen
         self._state: dict[tuple, object] = {}
-        self.watch = watch  # re-measure settled buckets from WATCH_FROM bytes when their calls slow down
-        self._reopened: dict[tuple, _Settled] = {}  # key -> the choice a re-measurement started from
+        self.watch = watch  # re-measure settled buckets (timed from WATCH_FROM bytes, counted below)
+        self._reopened: dict[tuple, object] = {}  # key -> the _Settled/_Recount a re-measurement started from
         #: Re-measurements so far, by cause: "slower" (the calls crossed their limit), "quiet"
         #: (EXPLORE_CHECKS checks found nothing), "recount" (RECOUNT_CALLS calls of a bucket below
         #: WATCH_FROM).  For reports (bench/tuner_watch.py).
