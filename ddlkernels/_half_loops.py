@@ -120,8 +120,8 @@ bf16_sum, bf16_prod, bf16_avg, bf16_max, bf16_min = _combines(bf16_widen, bf16_n
 #
 # Each entry point picks one of ten loops once per call: op and kind are
 # run-time integers (one compiled function, cached on disk, instead of one
-# per op), and a branch on them inside a single loop was measured not to
-# vectorise (13 GB/s instead of 52 for float16 sum, 16 MiB).  nogil: the
+# per op), and with a branch on them inside a single loop LLVM kept the
+# loop scalar (tried; several times slower than these).  nogil: the
 # asynchronous API reduces on a helper thread.  No fastmath: every
 # operation must round as numpy's does.
 @njit(nogil=True, cache=True)
