@@ -24,6 +24,14 @@ def gather_inputs(x):
     return COMM.allgather(np.asarray(x))
 
 
+def strided(a):
+    """A copy of 1-D ``a`` as a non-contiguous view (every other element of a buffer twice as long):
+    what the collectives take through their full path, where a contiguous array may take a fast path."""
+    wide = np.zeros(2 * a.shape[0], a.dtype)
+    wide[::2] = a
+    return wide[::2]
+
+
 def last_algorithm():
     return ddlkernels.as_communicator(COMM).last_algorithm
 
@@ -326,9 +334,7 @@ def test_a_watched_size_is_measured_again_on_every_rank_at_once():
     count = WATCH_FROM // 8
     x = rank_data(count, RANK, P, np.float64)
     inputs = gather_inputs(x)
-    wide = np.zeros(2 * count)
-    wide[::2] = x
-    strided = wide[::2]
+    strided_x = strided(x)
     out = np.empty_like(x)
     with ddlkernels.Communicator(COMM) as dc:
         if P == 1:
@@ -339,7 +345,7 @@ def test_a_watched_size_is_measured_again_on_every_rank_at_once():
         def calls(k):
             seen = []
             for i in range(k):
-                y = dc.allreduce(strided, "sum") if RANK % 2 else dc.allreduce(x, "sum", out=out)
+                y = dc.allreduce(strided_x, "sum") if RANK % 2 else dc.allreduce(x, "sum", out=out)
                 assert_close(y, inputs, "sum", np.float64, f"call {i}")
                 seen.append(dc.last_algorithm)
             return seen
@@ -353,14 +359,14 @@ def test_a_watched_size_is_measured_again_on_every_rank_at_once():
         settled[0].limit = 1e-9
         after = calls(settled[0].every)
         assert len(set(after)) == 1, after  # the settled algorithm until the check, which reopens
-        assert dc.tuning(x) and dc.tuning(strided)
+        assert dc.tuning(x) and dc.tuning(strided_x)
         again = calls(n + 2)
         assert set(again[:n]) == cands and len(set(again[n:])) == 1, again
         assert not dc.tuning(x)
         seen += after + again
         every = COMM.allgather(seen)
         assert all(s == every[0] for s in every), "every rank ran the same algorithm in every call"
-    assert np.array_equal(strided, x) and np.array_equal(x, rank_data(count, RANK, P, np.float64)), "input modified"
+    assert np.array_equal(strided_x, x) and np.array_equal(x, rank_data(count, RANK, P, np.float64)), "input modified"
 
 
 @pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter", "allgather"])
@@ -378,29 +384,26 @@ def test_a_small_settled_size_is_measured_again_after_its_calls(kind, monkeypatc
     x = rank_data(count, RANK, P, np.float64)
     inputs = gather_inputs(x)
     expect = np.sum(np.stack(inputs), axis=0)
-    wide = np.zeros(2 * count)
-    wide[::2] = x
-    strided = wide[::2]  # not contiguous: the full path
+    strided_x = strided(x)  # not contiguous: the full path
     with ddlkernels.Communicator(COMM) as dc:
         if P == 1:
             pytest.skip("one rank: nothing to choose between")
         lo, hi = dc.shard_range(count)
         shard = expect[lo:hi].copy()
-        wide_shard = np.zeros(2 * (hi - lo))
-        wide_shard[::2] = shard
+        strided_shard = strided(shard)
         out = np.empty(count) if kind != "reduce_scatter" else np.empty(hi - lo)
         tuner = dc._tuner if kind == "allreduce" else dc._shard_tuners[kind]
         seen = []
         for i in range(300):
             full_path = (RANK + i) % 2
             if kind == "allreduce":
-                y = dc.allreduce(strided, "sum") if full_path else dc.allreduce(x, "sum", out=out)
+                y = dc.allreduce(strided_x, "sum") if full_path else dc.allreduce(x, "sum", out=out)
                 assert_close(y, inputs, "sum", np.float64, f"call {i}")
             elif kind == "reduce_scatter":
-                y = dc.reduce_scatter(strided, "sum") if full_path else dc.reduce_scatter(x, "sum", out=out)
+                y = dc.reduce_scatter(strided_x, "sum") if full_path else dc.reduce_scatter(x, "sum", out=out)
                 assert np.allclose(y, expect[lo:hi], rtol=1e-12, atol=0), f"call {i}"
             else:
-                y = (dc.allgather(wide_shard[::2], count=count) if full_path
+                y = (dc.allgather(strided_shard, count=count) if full_path
                      else dc.allgather(shard, count=count, out=out))
                 assert np.allclose(y, expect, rtol=1e-12, atol=0), f"call {i}"
             seen.append(dc.last_algorithm)
@@ -419,23 +422,19 @@ def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind, 
     some rank the call that reopens the size takes the full path while its
     fast path still holds the settled choice (which it must then forget).
     """
-    from ddlkernels._tuner import WATCH_FROM, _Settled, tuning_calls
+    from ddlkernels._tuner import WATCH_FROM, _Settled
 
     count = WATCH_FROM // 8
     x = rank_data(count, RANK, P, np.float64)
     inputs = gather_inputs(x)
     expect = np.sum(np.stack(inputs), axis=0)
-    wide = np.zeros(2 * count)
-    wide[::2] = x
-    strided = wide[::2]
+    strided_x = strided(x)
     with ddlkernels.Communicator(COMM) as dc:
         if P == 1:
             pytest.skip("one rank: nothing to choose between")
         lo, hi = dc.shard_range(count)
         shard = x[lo:hi].copy()
-        wide_shard = np.zeros(2 * (hi - lo))
-        wide_shard[::2] = shard
-        strided_shard = wide_shard[::2]  # not contiguous: the full path
+        strided_shard = strided(shard)  # not contiguous: the full path
         full = np.empty(count)
         for r in range(P):
             full[slice(*dc.shard_range(count, rank=r))] = inputs[r][slice(*dc.shard_range(count, rank=r))]
@@ -449,7 +448,7 @@ def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind, 
                 full_path = (RANK + made[0]) % 2 if mixed else RANK % 2
                 made[0] += 1
                 if kind == "reduce_scatter":
-                    y = dc.reduce_scatter(strided, "sum") if full_path else dc.reduce_scatter(x, "sum", out=out)
+                    y = dc.reduce_scatter(strided_x, "sum") if full_path else dc.reduce_scatter(x, "sum", out=out)
                     assert np.allclose(y, expect[lo:hi], rtol=1e-12, atol=0), f"call {i}"
                 else:
                     y = (dc.allgather(strided_shard, count=count) if full_path
