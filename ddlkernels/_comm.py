@@ -422,6 +422,7 @@ class Communicator:
         if watch is not None and self._tuner.observe(self.comm, x.nbytes, watch, perf_counter() - t0, inplace):
             self._fast.clear()  # measured again: every rank reopened the size at once
         elif recount is not None:  # counted here or in _allreduce_flat, once per call, on every rank alike
+            # SizeTuner.tick inlined: this path exists for the microseconds of small calls.
             recount.left -= 1
             if recount.left <= 0 and self._tuner.expire(recount):
                 self._fast.clear()
@@ -784,12 +785,11 @@ class Communicator:
         """Count one fast-path call (started at ``t0``, for a watched size) of a watched or counted shard size;
         when the tuner reopens it, forget the fast paths' decisions (``cache``), so that the next calls take
         the full path and its trials."""
-        if len(watch) == 2:
-            rc = watch[1]
-            rc.left -= 1
-            if rc.left <= 0 and watch[0].expire(rc):
-                cache.clear()
-        elif watch[0].observe(self.comm, watch[1], watch[2], perf_counter() - t0):
+        if len(watch) == 2:  # (tuner, its _Recount)
+            reopened = watch[0].tick(watch[1])
+        else:  # (tuner, nbytes, cands)
+            reopened = watch[0].observe(self.comm, watch[1], watch[2], perf_counter() - t0)
+        if reopened:
             cache.clear()
 
     def _rs_fast(self, x, op, out):

@@ -325,13 +325,15 @@ class SizeTuner:
         """Count one call of a settled bucket below WATCH_FROM; True when this call reopened it (every rank
         reopens at the same call, since every rank counts the same calls)."""
         st = self._state.get(self._key(nbytes, cands, inplace))
-        if not isinstance(st, _Recount):
-            return False
+        return isinstance(st, _Recount) and self.tick(st)
+
+    def tick(self, st: "_Recount") -> bool:
+        """``count`` for a caller that holds the bucket's ``_Recount`` (``recount``): no lookup."""
         st.left -= 1
         return st.left <= 0 and self.expire(st)
 
     def expire(self, st: "_Recount") -> bool:
-        """Reopen the bucket of ``st``, whose calls ran out (``count``, or a fast path's own countdown)."""
+        """Reopen the bucket of ``st``, whose calls ran out (``tick``, or a fast path's inlined countdown)."""
         if self._state.get(st.key) is not st:
             return False
         self._reopened[st.key] = st
