@@ -2,13 +2,15 @@
 
     mpirun -n 2 python -m mpi4py bench/shm_pieces.py               # piece sizes at 4, 16, 64 MiB
     mpirun -n 4 python -m mpi4py bench/shm_pieces.py --small       # whole message vs pieces, 4-256 KiB
+    mpirun -n 2 python -m mpi4py bench/shm_pieces.py --small --spins 0,100,1000 --sizes 4K
+                                                   # barrier polls before yielding (SPIN)
 
 Each line is ``ddlkernels._shm.ShmAllreduce.run`` with one setting, called
 directly (no tuner, no argument checks), interleaved round by round with the
 other settings and MPI's own allreduce; a round times back-to-back calls
 lasting about 2 ms (one call for large messages) after a barrier, on the
 slowest rank.  Prints the median over rounds, in microseconds per call.
-Where PIECE_BYTES and WHOLE_BELOW (ddlkernels/_shm.py) come from.
+Where PIECE_BYTES, WHOLE_BELOW and SPIN (ddlkernels/_shm.py) come from.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def main():
     ap.add_argument("--small", action="store_true", help="compare whole-message and pieced reduction at 4-256 KiB")
     ap.add_argument("--sizes", default=None, help="comma list of message sizes (default: 4M,16M,64M or 4K..256K)")
     ap.add_argument("--pieces", default="256K,512K,1M,2M", help="piece sizes to compare (default %(default)s)")
+    ap.add_argument("--spins", default=None,
+                    help="with --small: compare whole-message calls with these barrier spin counts instead")
     ap.add_argument("--rounds", type=int, default=15)
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
@@ -36,7 +40,11 @@ def main():
     reduce = backend_for(np.empty(0)).reduce
     if a.small:
         sizes = a.sizes or "4K,16K,64K,256K"
-        variants = {"whole": ShmAllreduce(comm, whole_below=1 << 30), "pieces": ShmAllreduce(comm, whole_below=0)}
+        whole = max(parse_size(s) for s in sizes.split(",")) + 1  # every size whole
+        if a.spins:
+            variants = {f"spin {int(s)}": ShmAllreduce(comm, whole_below=whole, spin=int(s)) for s in a.spins.split(",")}
+        else:
+            variants = {"whole": ShmAllreduce(comm, whole_below=whole), "pieces": ShmAllreduce(comm, whole_below=0)}
     else:
         sizes = a.sizes or "4M,16M,64M"
         variants = {f"piece {format_size(parse_size(s))}": ShmAllreduce(comm, piece_bytes=parse_size(s), whole_below=0)
@@ -71,7 +79,7 @@ def main():
                 res[k].append(timed(f, batch))
         if rank == 0:
             med = {k: float(np.median(v)) for k, v in res.items()}
-            print(f"{format_size(nb):>6} " + "  ".join(f"{k} {v:8.1f}" for k, v in med.items()), flush=True)
+            print(f"{format_size(nb):>6} " + "  ".join(f"{k} {v:8.2f}" for k, v in med.items()), flush=True)
     for v in variants.values():
         v.free()
 

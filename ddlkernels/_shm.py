@@ -41,20 +41,28 @@ barrier of piece k, which every peer reaches only after it has read that
 stage; it overwrites its result for piece k + 1 only after the first barrier
 of piece k + 1, which every peer reaches only after it has gathered piece k.
 
-Small messages (below 32 KiB with 2 ranks, 64 KiB with more) skip the
-pieces: every rank stages all of its message, one barrier, and every rank
-sums all p copies in rank order -- p - 1 additions of the whole message
-instead of one block's, but one barrier instead of two, which is what a
-latency-bound call pays for (``ShmAllreduce._whole``).
+Small messages (below 64 KiB) skip the pieces: every rank stages all of
+its message, one barrier, and every rank sums all p copies in rank order --
+p - 1 additions of the whole message instead of one block's, but one barrier
+instead of two, which is what a latency-bound call pays for
+(``ShmAllreduce._whole``); for numpy's own types and ops the copy, barrier
+and sum are one compiled call (``ddlkernels._shm_loops``).
+
+The barriers are not ``MPI_Barrier``: every rank publishes a count of the
+barriers it has entered in its own cache line of a second, small window and
+polls the others' (``ddlkernels._shm_loops``, with release and acquire
+atomics in place of ``MPI_Win_sync``), which costs a fraction of MPI's
+barrier and can be called from compiled code.
 
 The same window serves ``reduce_scatter`` (stage the sub-chunks of each
 peer's shard, one barrier, fold my own shard's sub-chunk, one barrier) and
 ``allgather`` (publish a sub-chunk of my shard, barrier, copy the others',
 barrier), with the shard boundaries the caller gives (``shard_range``).
 
-Memory: piece + piece / p + 2 x 64 KiB of shared memory per rank (~1.6 MiB
-with the default piece and 2 ranks), allocated on the first call that uses
-it.
+Memory: piece + piece / p of shared memory per rank, and a small window of
+p x 64 B of flags and 2 x p x 64 KiB of small-message stages (~1.8 MiB in
+all with the default piece and 2 ranks), allocated on the first call that
+uses them.
 """
 
 from __future__ import annotations
@@ -83,14 +91,42 @@ def _ufunc(dtype, op):
 #: Messages of fewer bytes go in one piece that every rank reduces whole,
 #: after a single barrier (``ShmAllreduce._whole``): p - 1 additions of the
 #: whole message instead of (p - 1) / p of it, but one barrier instead of two.
-#: Measured by ``bench/shm_pieces.py --small`` on the 2-core machine: with 2
-#: ranks whole wins at 16 KiB (3.3 vs 4.6 us) and loses at 64 KiB (7.7 vs
-#: 6.4); with 4 ranks, where a barrier costs more, it wins up to 64 KiB (31.7
-#: vs 40.6) and loses at 256 KiB.  None: 32 KiB for 2 ranks, 64 KiB for more.
-WHOLE_BELOW = None
+#: Measured by ``bench/shm_pieces.py --small --sizes
+#: 16K,32K,48K,64K,96K,128K,256K`` on the 2-core machine, with the compiled
+#: small-message call (``ddlkernels._shm_loops``): with 2 ranks whole took
+#: 8.5 / 12.6 / 16.4 us at 32 / 48 / 64 KiB against 10.4 / 13.2 / 17.3 for
+#: pieces, and lost at 96 KiB (21.1 vs 17.6); with 4 ranks 21.9 / 27.1 /
+#: 34.4 against 32.3 / 33.3 / 36.1, and lost at 96 KiB (50.6 vs 43.4).
+#: (With numpy calls around MPI_Barrier, before, whole had lost at 64 KiB
+#: with 2 ranks.)
+WHOLE_BELOW = 64 << 10
 #: Bytes of a message handled per pair of barriers (see the module comment).
 PIECE_BYTES = 1 << 20
 _ALIGN = 64
+#: Polls before a rank waiting in a barrier yields its core between polls
+#: (``ddlkernels._shm_loops``).  ``bench/shm_pieces.py --small --spins
+#: 0,30,100,300,1000,3000,10000 --sizes 4K,16K``, float32 sum at 4 KiB: with 2
+#: ranks 1.14-1.15 us from 1000 polls up, 1.41-1.44 us below; with 4 ranks on
+#: the 2 cores 8.7-9.6 us up to 1000, 11.6 at 3000 and 17.3 at 10000, where a
+#: waiting rank holds the core its peer needs (and 4202 us with no yield at
+#: all, ``--spins 1000000000``: a scheduler time slice per call).
+SPIN = 1000
+#: Op codes of the compiled small-message allreduce.
+OPCODES = {"sum": 0, "prod": 1, "max": 2, "min": 3}
+#: int64 elements between two ranks' barrier flags: one 64-byte cache line each.
+FLAG_STRIDE = 8
+
+
+class _Arrival:
+    """A barrier already entered, as a request ``Deadline.poll`` can ``Test()``."""
+
+    __slots__ = ("_arrived", "_flags", "_p", "_epoch")
+
+    def __init__(self, arrived, flags, p, epoch):
+        self._arrived, self._flags, self._p, self._epoch = arrived, flags, p, epoch
+
+    def Test(self):
+        return self._arrived(self._flags, self._p, self._epoch)
 
 
 def one_node(comm) -> bool:
@@ -156,29 +192,39 @@ class ShmAllreduce:
     ``comm``: an mpi4py Intracomm (the caller checked ``one_node``).
     ``piece_bytes``: bytes per piece.  ``whole_below``: messages of fewer
     bytes are reduced whole by every rank after one barrier (``_whole``);
-    None: 32 KiB for 2 ranks, 64 KiB for more (``WHOLE_BELOW``).  The window
+    default ``WHOLE_BELOW``.  ``spin``: barrier polls before yielding
+    (default ``SPIN``).  The window
     is allocated by the first ``run`` (collective, as every call is); ``free``
     releases it (collective).
     """
 
-    def __init__(self, comm, piece_bytes: int = PIECE_BYTES, whole_below: int | None = WHOLE_BELOW):
+    def __init__(self, comm, piece_bytes: int = PIECE_BYTES, whole_below: int = WHOLE_BELOW,
+                 spin: int | None = None):
         self.comm = comm
         self.p = comm.Get_size()
         self.rank = comm.Get_rank()
         self.piece_bytes = int(piece_bytes)
-        self.whole_below = (32 << 10 if self.p == 2 else 64 << 10) if whole_below is None else int(whole_below)
+        self.whole_below = int(whole_below)
         self._stage_bytes = _up(self.piece_bytes)
-        self._whole_at = self._stage_bytes + _up(-(-self.piece_bytes // self.p))
+        self._bytes = self._stage_bytes + _up(-(-self.piece_bytes // self.p))
+        # The small window: every rank's flag line, then two small-message
+        # stage sets of p rows each.
+        self._flag_bytes = self.p * FLAG_STRIDE * 8
         self._whole_bytes = _up(self.whole_below)
-        self._bytes = self._whole_at + 2 * self._whole_bytes
-        self._win = None
+        self._small_bytes = self._flag_bytes + 2 * self.p * self._whole_bytes
+        self.spin = SPIN if spin is None else int(spin)
+        self._win = self._small_win = None
         self._segs = None  # per rank: uint8 view of its whole segment
+        self._small_seg = self._flags = None  # the small window, and its flags as int64
+        self._epoch = 0  # barriers entered since the window was allocated
         self._layouts = {}
         self._small = {}  # (dtype, n, op) -> a small-message allreduce made for it (_small_fn)
         self._whole_set = 0  # which of the two small-message stages the next small call fills
 
     def _allocate(self):
         from mpi4py import MPI
+
+        from . import _shm_loops  # imports Numba: only jobs that use the window pay for it
 
         info = MPI.Info.Create()
         # Each rank's segment on its own pages, first touched by that rank.
@@ -187,14 +233,31 @@ class ShmAllreduce:
             win = _quiet_window(lambda: MPI.Win.Allocate_shared(self._bytes, 1, info=info, comm=self.comm))
         finally:
             info.Free()
+        # The barrier flags and the small-message stages: one contiguous block
+        # on rank 0, so that a compiled call sees every rank's stage as one
+        # (p, m) array.  Small and latency-bound: where it lives matters less
+        # than one array instead of p.
+        small = _quiet_window(lambda: MPI.Win.Allocate_shared(self._small_bytes if self.rank == 0 else 0, 1,
+                                                              comm=self.comm))
         segs = []
         for s in range(self.p):
             buf, _ = win.Shared_query(s)
             segs.append(np.frombuffer(buf, dtype=np.uint8, count=self._bytes))
-        # A passive-target epoch for the window's lifetime: Win_sync around each
-        # barrier then orders the loads and stores (MPI-3's unified model).
+        sbuf, _ = small.Shared_query(0)
+        self._small_seg = np.frombuffer(sbuf, dtype=np.uint8, count=self._small_bytes)
+        self._flags = self._small_seg[: self._flag_bytes].view(np.int64)
+        if self.rank == 0:
+            self._flags[:] = 0  # MPI does not zero a window; epochs count from 1
+        # A passive-target epoch for the windows' lifetime (MPI-3's unified
+        # model); the flag barrier orders loads and stores itself.
         win.Lock_all(MPI.MODE_NOCHECK)
-        self._win, self._segs = win, segs
+        small.Lock_all(MPI.MODE_NOCHECK)
+        small.Sync()
+        self.comm.Barrier()  # the zeroed flags, before anyone's first barrier
+        small.Sync()
+        self._epoch = 0
+        self._loops = _shm_loops
+        self._win, self._small_win, self._segs = win, small, segs
 
     @property
     def allocated(self) -> bool:
@@ -204,21 +267,28 @@ class ShmAllreduce:
     def free(self) -> None:
         """Release the window (collective); a later ``run`` allocates a new one."""
         if self._win is not None:
-            self._segs = None
+            self._segs = self._small_seg = self._flags = None
             self._layouts.clear()
             self._small.clear()
-            self._win.Unlock_all()
-            self._win.Free()
-            self._win = None
+            for w in (self._win, self._small_win):
+                w.Unlock_all()
+                w.Free()
+            self._win = self._small_win = None
 
     def _barrier(self, deadline):
-        win = self._win
-        win.Sync()
+        """Every rank of the window's communicator, through the flags (``ddlkernels._shm_loops``).
+
+        With a deadline the rank arrives, then polls from Python until all
+        have (``Deadline.wait_mpi``), so that ranks with and without a
+        ``timeout=`` still meet in the same barrier.
+        """
+        self._epoch += 1
         if deadline is None:
-            self.comm.Barrier()
+            self._loops.barrier(self._flags, self.rank, self.p, self._epoch, self.spin)
         else:
-            deadline.wait_mpi(self.comm.Ibarrier(), "MPI_Ibarrier of the shared-memory allreduce")
-        win.Sync()
+            self._loops.arrive(self._flags, self.rank, self._epoch)
+            deadline.wait_mpi(_Arrival(self._loops.arrived, self._flags, self.p, self._epoch),
+                              "the barrier of the shared-memory allreduce")
 
     def _layout(self, dtype, n):
         """The views one piece of ``n`` elements of ``dtype`` works on (cached)."""
@@ -315,40 +385,36 @@ class ShmAllreduce:
     def _small_fn(self, dtype, n, op, ufunc):
         """``_whole`` for ``n`` elements of ``dtype`` and a numpy ufunc, as one function ``f(x, out)`` (cached).
 
-        The same steps on the same two alternating stages, with every view
-        and method looked up once: a latency-bound call is mostly the Python
-        around it.  ``bench/shm_pieces.py --small`` (2 ranks, 4 KiB, its
-        "whole" line against MPI_Allreduce in the same run): 3.4-3.5 us vs
-        2.5-2.6 us before this function, 2.8 vs 2.8 us with it.
+        The same steps on the same two alternating stages -- copy in,
+        barrier, fold in rank order -- as one compiled call
+        (``ddlkernels._shm_loops.small_allreduce``), every view looked up
+        once: a latency-bound call is mostly the overhead around its work.
         """
         key = (dtype, n, op)
         fn = self._small.get(key)
         if fn is not None:
             return fn
-        sets = []
-        for k in range(2):
-            at = self._whole_at + k * self._whole_bytes
-            sets.append([seg[at : at + n * dtype.itemsize].view(dtype) for seg in self._segs])
-        mine = [st[self.rank] for st in sets]
-        rest = [st[2:] for st in sets]
-        sync, barrier, me = self._win.Sync, self.comm.Barrier, self
+        sets = [self._stage_set(dtype, k) for k in range(2)]
+        call, flags, rank, code, spin, me = self._loops.small_allreduce, self._flags, self.rank, OPCODES[op], self.spin, self
 
         def fn(x, out):
             k = me._whole_set
             me._whole_set = k ^ 1
-            st = sets[k]
-            mine[k][...] = x
-            sync()
-            barrier()
-            sync()
-            ufunc(st[0], st[1], out=out)
-            for v in rest[k]:
-                ufunc(out, v, out=out)
+            e = me._epoch + 1
+            me._epoch = e
+            call(x, sets[k], rank, out, flags, e, code, spin)
 
         if len(self._small) >= 64:  # a job with ever new sizes must not grow this without bound
             self._small.clear()
         self._small[key] = fn
         return fn
+
+    def _stage_set(self, dtype, k):
+        """Small-message stage set ``k`` (0 or 1) as a (p, m) array of ``dtype``: row s is rank s's stage."""
+        at = self._flag_bytes + k * self.p * self._whole_bytes
+        m = self._whole_bytes // dtype.itemsize
+        rows = self._small_seg[at : at + self.p * self._whole_bytes].reshape(self.p, self._whole_bytes)
+        return rows[:, : m * dtype.itemsize].view(dtype)
 
     def _whole_stage(self, dtype, n):
         """Every rank's current small-message stage as ``n`` elements of ``dtype``; the next call takes the other.
@@ -364,8 +430,7 @@ class ShmAllreduce:
         if stage is None:  # latency-bound calls: build the views once per size
             if len(self._layouts) >= 64:
                 self._layouts.clear()
-            at = self._whole_at + k * self._whole_bytes
-            stage = self._layouts[key] = [seg[at : at + n * dtype.itemsize].view(dtype) for seg in self._segs]
+            stage = self._layouts[key] = list(self._stage_set(dtype, k)[:, :n])
         return stage
 
     def _ready(self, src, op, avg_p):

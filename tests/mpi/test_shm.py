@@ -334,3 +334,78 @@ def test_communicator_reduce_scatter_and_allgather_take_the_window(forced):
     with ddlkernels.Communicator(COMM, shm=False, small_bytes=0) as ring:
         assert_close(ring.reduce_scatter(x, "avg"), [a[lo:hi] for a in COMM.allgather(x)], "avg", np.float32)
         assert ring.last_algorithm == "ring"
+
+
+# Values where a compiled loop could part from numpy's bits: NaNs of both
+# signs and two payloads, both zeros, both infinities, and ordinary numbers.
+_SPECIAL = [0x7FC00001, 0xFFC00002, 0x7FC00000, 0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x3FC00000,
+            0xC0100000]
+
+
+def _special(dtype, n, rank):
+    """Rank ``rank``'s values: element i holds digit ``rank`` of i in base len(_SPECIAL), so that the first
+    min(P, 3) ranks meet in every combination."""
+    k = len(_SPECIAL)
+    digits = (np.arange(n) // k**rank) % k
+    # float64: the same values, widened (NaN payloads move to the top of the fraction, as they should).
+    return np.array(_SPECIAL, dtype=np.uint32)[digits].view(np.float32).astype(dtype)
+
+
+@needs_peers
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
+def test_compiled_small_call_keeps_numpys_bits_for_nan_zero_and_inf(dtype, op):
+    """The compiled small-message call (ddlkernels._shm_loops) is numpy's ufunc fold bit for bit, signed zeros,
+    infinities and NaNs included, in and out of place -- but for which NaN a sum or product of two NaNs returns,
+    which numpy itself does not fix (it varies with the element's place in the array): there the result is a NaN
+    of one of the inputs, quieted, and the same on every rank."""
+    n = len(_SPECIAL) ** min(P, 3)
+    x = _special(dtype, n, RANK)
+    keep = x.copy()
+    xs = COMM.allgather(x)
+    ufunc = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
+    shm = ShmAllreduce(COMM, whole_below=1 << 20)
+    reduce = backend_for(x).reduce
+    with np.errstate(all="ignore"):
+        want = ufunc(xs[0], xs[1])
+        for v in xs[2:]:
+            want = ufunc(want, v)
+        got = np.empty_like(x)
+        shm.run(x, got, op, reduce)
+        z = x.copy()
+        shm.run(z, z, op, reduce)
+    assert (np.dtype(dtype), n, op) in shm._small  # the compiled call ran
+    assert np.array_equal(x.view(np.uint8), keep.view(np.uint8)), "input modified"
+    assert np.array_equal(z.view(np.uint8), got.view(np.uint8)), f"{op}: in place differs"
+    assert_same_on_all_ranks(COMM, got, f"{op} {dtype}")
+    uint = np.uint32 if x.itemsize == 4 else np.uint64
+    free = np.isnan(want) if op in ("sum", "prod") else np.zeros(n, bool)  # the NaN numpy leaves open
+    bad = np.flatnonzero((got.view(uint) != want.view(uint)) & ~free)
+    assert bad.size == 0, f"{op}: first differing elements {bad[:5]}"
+    assert np.isnan(got[free]).all()
+    quiet = uint(1) << uint(22 if x.itemsize == 4 else 51)
+    nans = {int(b) | int(quiet) for v in xs for b in v.view(uint)[np.isnan(v)]}
+    with np.errstate(invalid="ignore"):  # inf - inf and 0 * inf make the default NaN instead
+        inf = np.array([np.inf], dtype)
+        nans |= {int((inf - inf).view(uint)[0]), int((inf * 0).view(uint)[0])}
+    assert {int(b) for b in got.view(uint)[free]} <= nans
+    shm.free()  # collective: on success only
+
+
+@needs_peers
+@pytest.mark.parametrize("whole_below", [0, 1 << 20], ids=["pieces", "whole"])
+def test_ranks_with_and_without_a_timeout_meet_in_the_same_barrier(whole_below):
+    """``timeout=`` is per call and per rank: a rank polling its barrier from Python and a rank in the compiled
+    barrier still meet, call after call."""
+    from ddlkernels._wait import Deadline
+
+    shm = ShmAllreduce(COMM, piece_bytes=64, whole_below=whole_below)
+    reduce = backend_for(np.empty(0)).reduce
+    for call in range(8):
+        x = (np.arange(37, dtype=np.int64) * 100 + call) * P + RANK
+        want = sum((np.arange(37, dtype=np.int64) * 100 + call) * P + q for q in range(P))
+        deadline = Deadline("allreduce", RANK, 60.0) if (RANK + call) % 2 else None
+        out = np.empty_like(x)
+        shm.run(x, out, "sum", reduce, deadline=deadline)
+        assert np.array_equal(out, want), f"call {call}"
+    shm.free()  # collective: on success only

@@ -23,9 +23,14 @@ TIMEOUT = 1.0
 needs_two = pytest.mark.skipif(P < 2, reason="needs 2 or more ranks for one to be missing")
 
 
-def missing_rank(call):
-    """Every rank but the last runs ``call(comm)`` on a fresh Communicator; returns the timeout it raised."""
-    comm = ddlkernels.Communicator(timeout=TIMEOUT)
+def missing_rank(call, before=None, **options):
+    """Every rank but the last runs ``call(comm)`` on a fresh Communicator; returns the timeout it raised.
+
+    ``before(comm)``: run by every rank first (a window to allocate, say); ``options``: of the Communicator.
+    """
+    comm = ddlkernels.Communicator(timeout=TIMEOUT, **options)
+    if before is not None:
+        before(comm)
     err = None
     if RANK != ODD:
         with pytest.raises(ddlkernels.CollectiveTimeout) as info:
@@ -62,6 +67,17 @@ def test_small_message_timeout_on_mpi_path():
     err = missing_rank(lambda c: c.allreduce(np.ones(4, np.float64)))
     if RANK != ODD:
         assert "waiting to complete MPI_Iallreduce (a rank has not joined)" in str(err)
+
+
+@needs_two
+@pytest.mark.parametrize("n", [5, 300_000], ids=["whole", "pieces"])
+def test_timeout_in_the_shared_memory_barrier(n):
+    """The window's barriers are flags polled from Python under a deadline: a missing rank is named as one."""
+    x = rank_data(n, RANK, P, np.float32)
+    err = missing_rank(lambda c: c.allreduce(x), before=lambda c: c.allreduce(x), shm=True)
+    if RANK != ODD:
+        assert str(err).startswith("allreduce timed out after 1 s")
+        assert "waiting to complete the barrier of the shared-memory allreduce (a rank has not joined)" in str(err)
 
 
 @needs_two

@@ -1,0 +1,196 @@
+"""Compiled pieces of the shared-memory collectives (``ddlkernels._shm``): a flag barrier and the small allreduce.
+
+Why compiled: a latency-bound allreduce through the window is a copy, a
+barrier and an addition of a few KiB.  Done as numpy calls around
+``MPI_Barrier`` (with ``MPI_Win_sync`` on each side to order the stores),
+each of the five steps cost a few hundred nanoseconds of call overhead, and
+the whole was no faster than MPI's own allreduce at 4 KiB with 2 ranks.
+``bench/shm_pieces.py --small`` (float32 sum, the "whole" line against
+MPI_Allreduce in the same run), the commit before and this one, minutes
+apart: 2 ranks 2.7 vs 2.6 us before, 1.78 vs 2.58 us now; 4 ranks (on 2
+cores) 25.2 vs 43.4 us before, 9.4 vs 26.6 us now.
+
+The barrier.  Every rank owns one 64-byte line of ``flags`` (int64 index
+``rank * STRIDE``, with ``STRIDE = ddlkernels._shm.FLAG_STRIDE``, so no
+two ranks write the same line) and a count of the barriers it has entered,
+the *epoch*, the same on every rank because every rank makes the same
+calls.  Worked example, 2 ranks, third barrier::
+
+    rank 0: flags[0] = 3  (release)      rank 1: ...still copying its stage
+            wait flags[0], flags[8] >= 3 (acquire)
+                                         rank 1: flags[8] = 3 (release)
+            sees 3: every store rank 1 made before its release is visible
+                                         rank 1: sees flags[0] = 3, goes on
+
+The release store orders every load and store the rank made before it (the
+stage it filled, the stage it read in the previous call) before the flag;
+the acquire load orders every later access after it.  That is the
+``MPI_Win_sync`` + barrier + ``MPI_Win_sync`` it replaces, as the MPI-3
+shared-memory model allows (flag synchronization through a shared window);
+the atomics are LLVM's, so the ordering also holds on weaker memory models
+than x86's.
+
+A waiting rank polls; after ``spin`` polls it calls ``sched_yield`` between
+polls, so that with more ranks than cores (4 ranks on 2 here) the rank it
+waits for gets the core: without it a 4 KiB allreduce of 4 ranks on 2
+cores takes a scheduler time slice, 4.2 ms instead of 8 us.  The spin
+count, ``ddlkernels._shm.SPIN``, is measured.
+
+No deadline here: a call with ``timeout=`` arrives with ``arrive`` and polls
+``arrived`` from Python (``ShmAllreduce._barrier``), so every rank takes the
+same barrier whether or not it has a timeout.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+from numba.np.arrayobj import make_array
+
+from ._shm import FLAG_STRIDE as STRIDE
+
+
+def _element_pointer(context, builder, arrty, arr, idx):
+    ary = make_array(arrty)(context, builder, arr)
+    return cgutils.get_item_pointer(context, builder, arrty, ary, [idx], wraparound=False)
+
+
+@intrinsic
+def _load_acquire(typingctx, arr, idx):
+    """``arr[idx]`` (int64) as an atomic acquire load."""
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
+        return builder.load_atomic(ptr, "acquire", 8)
+
+    return types.int64(arr, idx), codegen
+
+
+@intrinsic
+def _store_release(typingctx, arr, idx, value):
+    """``arr[idx] = value`` (int64) as an atomic release store."""
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
+        builder.store_atomic(args[2], ptr, "release", 8)
+        return context.get_dummy_value()
+
+    return types.void(arr, idx, value), codegen
+
+
+@intrinsic
+def _sched_yield(typingctx):
+    """libc's ``sched_yield()``, by symbol name (resolved in the process, so Numba's disk cache keeps it)."""
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+        return builder.call(fn, [])
+
+    return types.int32(), codegen
+
+
+@njit(cache=True, nogil=True)
+def arrive(flags, me, epoch):
+    """Enter barrier ``epoch``: publish it in my line, after every access I made before."""
+    _store_release(flags, me * STRIDE, epoch)
+
+
+@njit(cache=True, nogil=True)
+def arrived(flags, p, epoch):
+    """Whether all ``p`` ranks have entered barrier ``epoch`` (one poll of each line)."""
+    for s in range(p):
+        if _load_acquire(flags, s * STRIDE) < epoch:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _wait(flags, p, epoch, spin):
+    for s in range(p):
+        polls = 0
+        while _load_acquire(flags, s * STRIDE) < epoch:
+            polls += 1
+            if polls > spin:
+                _sched_yield()
+
+
+@njit(cache=True, nogil=True)
+def barrier(flags, me, p, epoch, spin):
+    """Barrier ``epoch`` of the ``p`` ranks whose flags are ``flags``: arrive, then wait for all."""
+    _store_release(flags, me * STRIDE, epoch)
+    _wait(flags, p, epoch, spin)
+
+
+# The combines.  When both operands of a float sum or product are NaNs,
+# IEEE 754 leaves open which one comes out, and so does numpy: its add
+# returned the first operand's NaN in a vector body and the second's in the
+# loop's tail, for the same two values (found by the test of this call at 4
+# ranks).  Here the choice is fixed, whatever order LLVM gives the
+# instruction or wherever the element lies: a's NaN if a is one, else b's,
+# quieted by adding it to itself.  Every other result is numpy's.  max/min
+# select as numpy's loops do: a NaN in a wins, then one in b, and on a tie
+# (0.0 and -0.0) b.  For integers the NaN tests are constant False and
+# vanish.
+@njit(inline="always")
+def _sum(u, v):
+    return u + u if u != u else (v + v if v != v else u + v)
+
+
+@njit(inline="always")
+def _prod(u, v):
+    return u + u if u != u else (v + v if v != v else u * v)
+
+
+@njit(inline="always")
+def _max(u, v):
+    return u if (u > v or u != u) else v
+
+
+@njit(inline="always")
+def _min(u, v):
+    return u if (u < v or u != u) else v
+
+
+@njit(inline="always")
+def _fold(stage, out, n, combine):
+    # ((row 0 op row 1) op row 2) ...: the rank order numpy's pairwise calls use.
+    a, b = stage[0], stage[1]
+    for i in range(n):
+        out[i] = combine(a[i], b[i])
+    for s in range(2, stage.shape[0]):
+        c = stage[s]
+        for i in range(n):
+            out[i] = combine(out[i], c[i])
+
+
+@njit(cache=True, nogil=True)
+def small_allreduce(x, stage, me, out, flags, epoch, op, spin):
+    """``out = ((x0 op x1) op x2) ...`` over the ranks, through one small-message stage set.
+
+    Purpose: the whole of a latency-bound allreduce in one call.
+    Preconditions: ``stage`` is a (p, m) array in the window, p >= 2,
+    m >= len(x), row s rank s's stage, not read by any rank since barrier
+    ``epoch - 1`` (the caller alternates two sets); ``x`` and ``out`` hold
+    len(x) elements of ``stage``'s dtype (``out`` may be ``x``); ``op`` from
+    ``ddlkernels._shm.OPCODES``; every rank calls with the same ``epoch``
+    and op.
+    Use: ``ShmAllreduce._small_fn``.  The result has numpy's bits but for
+    which of two NaNs a sum or product returns (see the combines above), and
+    the same bits on every rank.
+    """
+    n = x.shape[0]
+    mine = stage[me]
+    for i in range(n):
+        mine[i] = x[i]
+    _store_release(flags, me * STRIDE, epoch)
+    _wait(flags, stage.shape[0], epoch, spin)
+    if op == 0:
+        _fold(stage, out, n, _sum)
+    elif op == 1:
+        _fold(stage, out, n, _prod)
+    elif op == 2:
+        _fold(stage, out, n, _max)
+    else:
+        _fold(stage, out, n, _min)
