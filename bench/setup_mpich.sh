@@ -8,8 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-/tmp/venv-mpich}
 [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
-if ! "$VENV/bin/python" -c "import mpi4py, numpy, ml_dtypes, tqdm, matplotlib, ddlkernels" 2>/dev/null \
+if ! "$VENV/bin/python" -c "import mpi4py, numpy, ml_dtypes, numba, tqdm, matplotlib, ddlkernels" 2>/dev/null \
    || [ ! -x "$VENV/bin/mpirun" ]; then
-  "$VENV/bin/pip" install -q numpy mpi4py mpich ml_dtypes tqdm matplotlib -e .
+  "$VENV/bin/pip" install -q numpy mpi4py mpich ml_dtypes numba tqdm matplotlib -e .
 fi
 "$VENV/bin/python" -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
