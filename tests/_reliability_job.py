@@ -74,7 +74,12 @@ def raise_between(helper):
 
 def stuck_rank_timeout():
     # Creating a Communicator is collective and has no timeout: done by all.
-    comm = ddlkernels.Communicator(timeout=3)
+    # Rank 0, whose ring predecessor is the stuck rank, waits 3 s; the others,
+    # who wait on a predecessor that is itself stuck, 6 s.  With one timeout
+    # for all, whichever rank entered the call first would time out first and
+    # its MPI_Abort could kill rank 0 before its report (seen on a loaded
+    # machine: rank 2's "waiting to receive from rank 1" ended the job).
+    comm = ddlkernels.Communicator(timeout=3 if RANK == 0 else 6)
     x = np.ones(1 << 18, np.float32)
     comm.allreduce(x, dims=(P,))
     with ddlkernels.abort_on_exception():
