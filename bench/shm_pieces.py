@@ -4,6 +4,8 @@
     mpirun -n 4 python -m mpi4py bench/shm_pieces.py --small       # whole message vs pieces, 4-256 KiB
     mpirun -n 2 python -m mpi4py bench/shm_pieces.py --small --spins 0,100,1000 --sizes 4K
                                                    # barrier polls before yielding (SPIN)
+    mpirun -n 2 python -m mpi4py bench/shm_pieces.py --small --shards --sizes 4K,16K
+                                                   # whole-message reduce_scatter and allgather
 
 Each line is ``ddlkernels._shm.ShmAllreduce.run`` with one setting, called
 directly (no tuner, no argument checks), interleaved round by round with the
@@ -26,6 +28,26 @@ from ddlkernels._shm import ShmAllreduce
 from ddlkernels.backends import backend_for
 
 
+def _shard_lines(comm, x, want, shm):
+    """reduce_scatter and allgather lines, the window's and MPI's, on equal shards of ``x`` (checked once)."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    n = x.shape[0] // p * p
+    x = x[:n]
+    c = n // p
+    bounds = [(s * c, (s + 1) * c) for s in range(p)]
+    shard, whole = np.empty(c, x.dtype), np.empty(n, x.dtype)
+    shm.reduce_scatter(x, shard, bounds, "sum", None)
+    shm.allgather(shard, whole, bounds)
+    if not (np.array_equal(shard, want[r * c : (r + 1) * c]) and np.array_equal(whole, want[:n])):
+        raise SystemExit("the window's reduce_scatter or allgather: wrong result")
+    return {
+        "MPI_Reduce_scatter_block": lambda: comm.Reduce_scatter_block(x, shard, MPI.SUM),
+        "reduce_scatter": lambda: shm.reduce_scatter(x, shard, bounds, "sum", None),
+        "MPI_Allgather": lambda: comm.Allgather(shard, whole),
+        "allgather": lambda: shm.allgather(shard, whole, bounds),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="compare whole-message and pieced reduction at 4-256 KiB")
@@ -33,6 +55,9 @@ def main():
     ap.add_argument("--pieces", default="256K,512K,1M,2M", help="piece sizes to compare (default %(default)s)")
     ap.add_argument("--spins", default=None,
                     help="with --small: compare whole-message calls with these barrier spin counts instead")
+    ap.add_argument("--shards", action="store_true",
+                    help="with --small: time the window's reduce_scatter and allgather (whole message, equal "
+                         "shards) beside MPI_Reduce_scatter_block and MPI_Allgather instead")
     ap.add_argument("--rounds", type=int, default=15)
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
@@ -65,12 +90,15 @@ def main():
         comm.Allreduce(x, want, MPI.SUM)
         outs = {k: np.empty_like(x) for k in variants}
         fns = {"MPI_Allreduce": lambda: comm.Allreduce(x, want, MPI.SUM)}
-        fns.update({k: (lambda v=v, o=outs[k]: v.run(x, o, "sum", reduce)) for k, v in variants.items()})
+        if a.small and a.shards:
+            fns.update(_shard_lines(comm, x, want, variants["whole"]))
+        else:
+            fns.update({k: (lambda v=v, o=outs[k]: v.run(x, o, "sum", reduce)) for k, v in variants.items()})
         for f in fns.values():
             f()
             f()
         for k, o in outs.items():  # every setting computes MPI's answer (exact: small integers)
-            if not np.array_equal(o, want):
+            if k in fns and not np.array_equal(o, want):
                 raise SystemExit(f"{k}: wrong result at {nb} B")
         batch = max(1, int(2e-3 / (timed(fns["MPI_Allreduce"], 1) * 1e-6)))
         res = {k: [] for k in fns}

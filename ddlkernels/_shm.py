@@ -217,6 +217,7 @@ class ShmAllreduce:
         self._segs = None  # per rank: uint8 view of its whole segment
         self._small_seg = self._flags = None  # the small window, and its flags as int64
         self._epoch = 0  # barriers entered since the window was allocated
+        self._placed = None  # (bounds, starts, ends) of the last small allgather (_placement)
         self._layouts = {}
         self._small = {}  # (dtype, n, op) -> a small-message allreduce made for it (_small_fn)
         self._whole_set = 0  # which of the two small-message stages the next small call fills
@@ -410,11 +411,17 @@ class ShmAllreduce:
         return fn
 
     def _stage_set(self, dtype, k):
-        """Small-message stage set ``k`` (0 or 1) as a (p, m) array of ``dtype``: row s is rank s's stage."""
-        at = self._flag_bytes + k * self.p * self._whole_bytes
-        m = self._whole_bytes // dtype.itemsize
-        rows = self._small_seg[at : at + self.p * self._whole_bytes].reshape(self.p, self._whole_bytes)
-        return rows[:, : m * dtype.itemsize].view(dtype)
+        """Small-message stage set ``k`` (0 or 1) as a (p, m) array of ``dtype``: row s is rank s's stage (cached)."""
+        key = ("set", dtype, k)
+        hit = self._layouts.get(key)
+        if hit is None:
+            at = self._flag_bytes + k * self.p * self._whole_bytes
+            m = self._whole_bytes // dtype.itemsize
+            rows = self._small_seg[at : at + self.p * self._whole_bytes].reshape(self.p, self._whole_bytes)
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            hit = self._layouts[key] = rows[:, : m * dtype.itemsize].view(dtype)
+        return hit
 
     def _whole_stage(self, dtype, n):
         """Every rank's current small-message stage as ``n`` elements of ``dtype``; the next call takes the other.
@@ -460,6 +467,14 @@ class ShmAllreduce:
         dtype, ufunc = self._ready(src, op, avg_p)
         p, r, n = self.p, self.rank, src.shape[0]
         lo, hi = bounds[r]
+        if 0 < n * dtype.itemsize < self.whole_below and ufunc is not None and deadline is None:
+            # Compiled: copy, barrier, fold my shard.  Stage sets alternate as in _whole.
+            k = self._whole_set
+            self._whole_set = k ^ 1
+            self._epoch += 1
+            self._loops.small_reduce_scatter(src, self._stage_set(dtype, k), r, out, self._flags, self._epoch,
+                                             OPCODES[op], self.spin, lo, hi)
+            return
         if 0 < n * dtype.itemsize < self.whole_below:
             stage = self._whole_stage(dtype, n)
             stage[r][...] = src
@@ -495,6 +510,15 @@ class ShmAllreduce:
         p, r, dtype = self.p, self.rank, shard.dtype
         n = out.shape[0]
         lo, hi = bounds[r]
+        if 0 < n * dtype.itemsize < self.whole_below and deadline is None and not is_half(dtype):
+            # Compiled: publish, barrier, copy the others' (Numba has no float16/bfloat16 arrays).
+            k = self._whole_set
+            self._whole_set = k ^ 1
+            self._epoch += 1
+            los, his = self._placement(bounds)
+            self._loops.small_allgather(shard, self._stage_set(dtype, k), r, out, self._flags, self._epoch,
+                                        self.spin, los, his)
+            return
         if 0 < n * dtype.itemsize < self.whole_below:
             out[lo:hi] = shard
             stage = self._whole_stage(dtype, n)
@@ -526,6 +550,14 @@ class ShmAllreduce:
                 if s != r and b > a:
                     out[a:b] = slot[s][: b - a]
             self._barrier(deadline)
+
+    def _placement(self, bounds):
+        """``bounds`` as two int64 arrays, starts and ends (the last ones cached: callers reuse theirs)."""
+        hit = self._placed
+        if hit is None or hit[0] != bounds:
+            arr = np.array(bounds, dtype=np.int64).reshape(self.p, 2)
+            hit = self._placed = (list(bounds), np.ascontiguousarray(arr[:, 0]), np.ascontiguousarray(arr[:, 1]))
+        return hit[1], hit[2]
 
     def _piece(self, x, out, layout, op, ufunc, reduce, avg_p, deadline):
         lo, hi, stage_in, operands, spare, result, gather = layout

@@ -154,15 +154,30 @@ def _min(u, v):
 
 
 @njit(inline="always")
-def _fold(stage, out, n, combine):
-    # ((row 0 op row 1) op row 2) ...: the rank order numpy's pairwise calls use.
-    a, b = stage[0], stage[1]
-    for i in range(n):
+def _fold(stage, lo, hi, out, combine):
+    # out[:hi - lo] = ((row 0 op row 1) op row 2) ... over columns [lo, hi): the
+    # rank order numpy's pairwise calls use.  Rows are sliced first, so the
+    # loops index from 0: an index like lo + i, which Numba cannot prove
+    # non-negative, gets a wraparound check that keeps LLVM from vectorizing.
+    a, b = stage[0][lo:hi], stage[1][lo:hi]
+    for i in range(hi - lo):
         out[i] = combine(a[i], b[i])
     for s in range(2, stage.shape[0]):
-        c = stage[s]
-        for i in range(n):
+        c = stage[s][lo:hi]
+        for i in range(hi - lo):
             out[i] = combine(out[i], c[i])
+
+
+@njit(inline="always")
+def _fold_op(stage, lo, hi, out, op):
+    if op == 0:
+        _fold(stage, lo, hi, out, _sum)
+    elif op == 1:
+        _fold(stage, lo, hi, out, _prod)
+    elif op == 2:
+        _fold(stage, lo, hi, out, _max)
+    else:
+        _fold(stage, lo, hi, out, _min)
 
 
 @njit(cache=True, nogil=True)
@@ -186,11 +201,48 @@ def small_allreduce(x, stage, me, out, flags, epoch, op, spin):
         mine[i] = x[i]
     _store_release(flags, me * STRIDE, epoch)
     _wait(flags, stage.shape[0], epoch, spin)
-    if op == 0:
-        _fold(stage, out, n, _sum)
-    elif op == 1:
-        _fold(stage, out, n, _prod)
-    elif op == 2:
-        _fold(stage, out, n, _max)
-    else:
-        _fold(stage, out, n, _min)
+    _fold_op(stage, 0, n, out, op)
+
+
+@njit(cache=True, nogil=True)
+def small_reduce_scatter(x, stage, me, out, flags, epoch, op, spin, lo, hi):
+    """``out = (((x0 op x1) op x2) ...)[lo:hi]``: my shard of the rank-order fold, through one stage set.
+
+    Purpose: a latency-bound reduce_scatter in one call.
+    Preconditions: as ``small_allreduce``'s; ``out`` holds ``hi - lo``
+    elements and does not overlap ``x``; [lo, hi) is within ``x``.
+    Use: ``ShmAllreduce.reduce_scatter`` (small messages).
+    """
+    n = x.shape[0]
+    mine = stage[me]
+    for i in range(n):
+        mine[i] = x[i]
+    _store_release(flags, me * STRIDE, epoch)
+    _wait(flags, stage.shape[0], epoch, spin)
+    _fold_op(stage, lo, hi, out, op)
+
+
+@njit(cache=True, nogil=True)
+def small_allgather(shard, stage, me, out, flags, epoch, spin, los, his):
+    """``out[los[s]:his[s]] = shard of rank s`` for every s, through one stage set.
+
+    Purpose: a latency-bound allgather in one call.
+    Preconditions: ``stage`` as for ``small_allreduce``, with m >= every
+    shard's length; ``los``/``his`` (int64, p each) place the shards in
+    ``out``, mine holding ``len(shard)`` elements; ``out`` does not overlap
+    ``shard``.
+    Use: ``ShmAllreduce.allgather`` (small messages).
+    """
+    k = shard.shape[0]
+    mine, own = stage[me], out[los[me] : los[me] + k]
+    for i in range(k):
+        mine[i] = shard[i]
+        own[i] = shard[i]
+    p = stage.shape[0]
+    _store_release(flags, me * STRIDE, epoch)
+    _wait(flags, p, epoch, spin)
+    for s in range(p):
+        if s != me:
+            dst, src = out[los[s] : his[s]], stage[s]
+            for i in range(his[s] - los[s]):
+                dst[i] = src[i]

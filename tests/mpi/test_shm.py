@@ -389,6 +389,17 @@ def test_compiled_small_call_keeps_numpys_bits_for_nan_zero_and_inf(dtype, op):
         inf = np.array([np.inf], dtype)
         nans |= {int((inf - inf).view(uint)[0]), int((inf * 0).view(uint)[0])}
     assert {int(b) for b in got.view(uint)[free]} <= nans
+    # reduce_scatter's compiled call folds the same way: my shard of the allreduce, bit for bit; and
+    # allgather's puts the shards back together.
+    bounds = _bounds(n)
+    lo, hi = bounds[RANK]
+    shard = np.empty(hi - lo, x.dtype)
+    with np.errstate(all="ignore"):
+        shm.reduce_scatter(x, shard, bounds, op, reduce)
+    assert np.array_equal(shard.view(np.uint8), got[lo:hi].view(np.uint8)), f"{op}: reduce_scatter differs"
+    whole = np.empty_like(x)
+    shm.allgather(shard, whole, bounds)
+    assert np.array_equal(whole.view(np.uint8), got.view(np.uint8)), f"{op}: allgather differs"
     shm.free()  # collective: on success only
 
 
