@@ -46,7 +46,8 @@ its message, one barrier, and every rank sums all p copies in rank order --
 p - 1 additions of the whole message instead of one block's, but one barrier
 instead of two, which is what a latency-bound call pays for
 (``ShmAllreduce._whole``); for numpy's own types and ops the copy, barrier
-and sum are one compiled call (``ddlkernels._shm_loops``).
+and sum are one compiled call (``ddlkernels._shm_loops``), and so are the
+small reduce_scatter and allgather below.
 
 The barriers are not ``MPI_Barrier``: every rank publishes a count of the
 barriers it has entered in its own cache line of a second, small window and

@@ -1,4 +1,4 @@
-"""Compiled pieces of the shared-memory collectives (``ddlkernels._shm``): a flag barrier and the small allreduce.
+"""Compiled pieces of the shared-memory collectives (``ddlkernels._shm``): a flag barrier and the small-message calls.
 
 Why compiled: a latency-bound allreduce through the window is a copy, a
 barrier and an addition of a few KiB.  Done as numpy calls around
@@ -8,7 +8,8 @@ the whole was no faster than MPI's own allreduce at 4 KiB with 2 ranks.
 ``bench/shm_pieces.py --small`` (float32 sum, the "whole" line against
 MPI_Allreduce in the same run), the commit before and this one, minutes
 apart: 2 ranks 2.7 vs 2.6 us before, 1.78 vs 2.58 us now; 4 ranks (on 2
-cores) 25.2 vs 43.4 us before, 9.4 vs 26.6 us now.
+cores) 25.2 vs 43.4 us before, 9.4 vs 26.6 us now.  reduce_scatter and
+allgather got the same treatment (``--small --shards``).
 
 The barrier.  Every rank owns one 64-byte line of ``flags`` (int64 index
 ``rank * STRIDE``, with ``STRIDE = ddlkernels._shm.FLAG_STRIDE``, so no
