@@ -31,6 +31,13 @@ def test_shm_pieces_compares_every_setting_with_mpi():
     assert all("MPI_Allreduce" in ln and "piece 16K" in ln and "piece 64K" in ln for ln in lines)
     out = run("bench/shm_pieces.py", "--small", "--sizes", "4K", "--rounds", "2")
     assert "whole" in out and "pieces" in out
+    out = run("bench/shm_pieces.py", "--small", "--spins", "0,100", "--sizes", "4K", "--rounds", "2")
+    assert "spin 0 " in out and "spin 100 " in out
+    # The shard lines check their results once (a wrong one exits non-zero, failing run()).
+    out = run("bench/shm_pieces.py", "--small", "--shards", "--sizes", "4K,1000", "--rounds", "2")
+    rows = [ln for ln in out.splitlines() if not ln.startswith("#")]
+    assert len(rows) == 2 and all(f" {k} " in ln for ln in rows for k in
+                                  ("MPI_Reduce_scatter_block", "reduce_scatter", "MPI_Allgather", "allgather"))
 
 
 def test_shm_costs_prints_every_line_and_checks_the_allreduce():
@@ -63,7 +70,9 @@ def test_fastpath_overhead_runs_the_fast_path():
     proc = subprocess.run([sys.executable, "bench/fastpath_overhead.py", "--calls", "200"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("us per call") == 3
+    assert proc.stdout.count("us per call") == 7
+    for what in ("allreduce", "reduce_scatter", "allgather"):
+        assert f"Communicator.{what}(" in proc.stdout
 
 
 def test_header_says_how_an_iteration_is_timed_per_placement():
