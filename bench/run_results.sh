@@ -5,6 +5,7 @@
 #   bash bench/run_results.sh --mpich                                   (also MPICH: bench/setup_mpich.sh)
 #   MPICH_PYTHON=/path/to/venv-mpich/bin/python bash bench/run_results.sh
 # ITERS/WARMUP override the iteration counts (default 30/14; the size tuner's trials run in the warmup and the first iterations).
+# ONLY=REGEX runs only the results whose name matches (e.g. ONLY=rs_ag after a change to reduce_scatter/allgather).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--mpich" ]; then
@@ -25,6 +26,7 @@ status=0
 
 run() {  # run NAME CMD...: stdout (table) to $OUT/NAME.txt after a header with the command and conditions
   local name=$1; shift
+  [[ -z "${ONLY:-}" || "$name" =~ $ONLY ]] || return 0
   { echo "# command: $*"; echo "# date: $(date -u +%FT%TZ); load average: $(cut -d' ' -f1-3 /proc/loadavg); cpus: $(nproc)"
     echo "# git: $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- ddlkernels || echo +dirty)"; } > "$OUT/$name.txt"
   echo "== $name: $*" >&2

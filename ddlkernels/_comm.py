@@ -183,8 +183,13 @@ class Communicator:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.free()
+    def __exit__(self, exc_type, exc, tb):
+        """Free (collective) on a normal exit only.  An exception may have left this rank alone: a
+        collective free would then wait for peers still inside the block (seen as a test suite hung
+        until its timeout when one rank failed an assertion).  The resources then go with the
+        process, or the job's abort (``ddlkernels.abort_on_exception``)."""
+        if exc_type is None:
+            self.free()
 
     # -- planning ------------------------------------------------------------
     def plan(self, nbytes: int = 0, dims=None) -> Plan:
@@ -819,7 +824,11 @@ class Communicator:
                     return None
             bounds = self._all_shards(x.size, None)
             if algo == "shm":
-                hit = ("shm", bounds, redop, self.size if avg else None, backend_for(x).reduce, watch)
+                # The window's prepared call where it has one (small messages; the window exists: the
+                # trials that chose it ran on it), else its reduce_scatter with every check.
+                fn = None if avg or self._shm is None else self._shm.small_shard_fn("reduce_scatter", dtype,
+                                                                                      x.size, redop, bounds)
+                hit = ("shm", bounds, redop, self.size if avg else None, backend_for(x).reduce, fn, watch)
             elif algo == "mpi":
                 counts = [hi - lo for lo, hi in bounds]
                 hit = ("mpi", bounds, None if len(set(counts)) == 1 else counts, _mpi_op(redop), avg, watch)
@@ -838,7 +847,7 @@ class Communicator:
         else:
             return None  # the full path says what is wrong with out
         src = x if x.ndim == 1 else x.reshape(-1)
-        watch = hit[5]
+        watch = hit[-1]
         t0 = perf_counter() if watch is not None and len(watch) == 3 else 0.0  # only a watched size is timed
         if hit[0] == "mpi":
             if hit[2] is None:  # equal shards: MPI_Reduce_scatter_block (Open MPI runs other algorithms for it)
@@ -847,6 +856,8 @@ class Communicator:
                 self.comm.Reduce_scatter(src, shard, hit[2], hit[3])
             if hit[4]:
                 _scale_inplace(shard, self.size)
+        elif hit[5] is not None:  # the window's prepared call (ShmAllreduce.small_shard_fn)
+            hit[5](src, shard)
         else:
             self._shm_collectives().reduce_scatter(src, shard, hit[1], hit[2], hit[4], avg_p=hit[3])
         self.last_algorithm = hit[0]
@@ -954,7 +965,8 @@ class Communicator:
                 if algo is None:  # still measured
                     return None
             if algo == "shm":
-                hit = ("shm", bounds, watch)
+                fn = None if self._shm is None else self._shm.small_shard_fn("allgather", dtype, count, None, bounds)
+                hit = ("shm", bounds, fn, watch)
             elif algo == "mpi":
                 item = dtype.itemsize
                 sizes = [(b - a) * item for a, b in bounds]
@@ -981,6 +993,8 @@ class Communicator:
                 self.comm.Allgather(send, recv)
             else:
                 self.comm.Allgatherv(send.view(np.uint8), [recv.view(np.uint8), hit[1], hit[2], _MPI_OPS["BYTE"]])
+        elif hit[2] is not None:  # the window's prepared call (ShmAllreduce.small_shard_fn)
+            hit[2](src, out)
         else:
             self._shm_collectives().allgather(src, out, hit[1])
         self.last_algorithm = hit[0]

@@ -218,7 +218,7 @@ class ShmAllreduce:
         self._segs = None  # per rank: uint8 view of its whole segment
         self._small_seg = self._flags = None  # the small window, and its flags as int64
         self._epoch = 0  # barriers entered since the window was allocated
-        self._placed = None  # (bounds, starts, ends) of the last small allgather (_placement)
+        self._last_shard = {}  # kind -> (bounds, n, dtype, op, fn): _last_shard_fn's memory
         self._layouts = {}
         self._small = {}  # (dtype, n, op) -> a small-message allreduce made for it (_small_fn)
         self._whole_set = 0  # which of the two small-message stages the next small call fills
@@ -272,6 +272,7 @@ class ShmAllreduce:
             self._segs = self._small_seg = self._flags = None
             self._layouts.clear()
             self._small.clear()
+            self._last_shard.clear()
             for w in (self._win, self._small_win):
                 w.Unlock_all()
                 w.Free()
@@ -411,6 +412,69 @@ class ShmAllreduce:
         self._small[key] = fn
         return fn
 
+    def small_shard_fn(self, kind, dtype, n, op, bounds):
+        """``f(x, out)``: the small-message ``reduce_scatter`` or ``allgather`` as one compiled call, or None.
+
+        ``kind``: "reduce_scatter" (``x``: the n elements, ``out``: my shard)
+        or "allgather" (``x``: my shard, ``out``: the n elements); ``op``: the
+        reduce_scatter's op (not "avg"); ``bounds``: every rank's (lo, hi).
+        None unless the window is allocated, the message is below
+        ``whole_below`` bytes and Numba can compute it (numpy's own types and
+        ops for reduce_scatter; no float16 or bfloat16).  Cached, so that a
+        caller that has settled on this path (``Communicator``'s fast paths)
+        pays for no lookups; ``_whole``'s stage alternation and the barrier
+        epochs are shared with every other call.
+        """
+        dtype = np.dtype(dtype)
+        if not self.allocated or not 0 < n * dtype.itemsize < self.whole_below or is_half(dtype):
+            return None
+        rs = kind == "reduce_scatter"
+        if rs and _ufunc(dtype, op) is None:
+            return None
+        # reduce_scatter needs only my shard's bounds; allgather everyone's.
+        key = (kind, dtype, n, op, tuple(bounds[self.rank]) if rs else tuple(tuple(b) for b in bounds))
+        fn = self._small.get(key)
+        if fn is not None:
+            return fn
+        sets = [self._stage_set(dtype, k) for k in range(2)]
+        flags, rank, spin, me = self._flags, self.rank, self.spin, self
+        if rs:
+            call, code = self._loops.small_reduce_scatter, OPCODES[op]
+            lo, hi = bounds[rank]
+
+            def fn(x, out):
+                k = me._whole_set
+                me._whole_set = k ^ 1
+                e = me._epoch + 1
+                me._epoch = e
+                call(x, sets[k], rank, out, flags, e, code, spin, lo, hi)
+        else:
+            call = self._loops.small_allgather
+            los = np.array([b[0] for b in bounds], dtype=np.int64)
+            his = np.array([b[1] for b in bounds], dtype=np.int64)
+
+            def fn(shard, out):
+                k = me._whole_set
+                me._whole_set = k ^ 1
+                e = me._epoch + 1
+                me._epoch = e
+                call(shard, sets[k], rank, out, flags, e, spin, los, his)
+
+        if len(self._small) >= 64:  # a job with ever new sizes must not grow this without bound
+            self._small.clear()
+        self._small[key] = fn
+        return fn
+
+    def _last_shard_fn(self, kind, dtype, n, op, bounds):
+        """``small_shard_fn``, remembering the last answer per kind: a loop of calls with equal arguments
+        then compares them instead of building the cache key."""
+        last = self._last_shard.get(kind)
+        if last is not None and last[1] == n and last[2] is dtype and last[3] == op and last[0] == bounds:
+            return last[4]
+        fn = self.small_shard_fn(kind, dtype, n, op, bounds)
+        self._last_shard[kind] = (list(bounds), n, dtype, op, fn)
+        return fn
+
     def _stage_set(self, dtype, k):
         """Small-message stage set ``k`` (0 or 1) as a (p, m) array of ``dtype``: row s is rank s's stage (cached)."""
         key = ("set", dtype, k)
@@ -468,14 +532,11 @@ class ShmAllreduce:
         dtype, ufunc = self._ready(src, op, avg_p)
         p, r, n = self.p, self.rank, src.shape[0]
         lo, hi = bounds[r]
-        if 0 < n * dtype.itemsize < self.whole_below and ufunc is not None and deadline is None:
-            # Compiled: copy, barrier, fold my shard.  Stage sets alternate as in _whole.
-            k = self._whole_set
-            self._whole_set = k ^ 1
-            self._epoch += 1
-            self._loops.small_reduce_scatter(src, self._stage_set(dtype, k), r, out, self._flags, self._epoch,
-                                             OPCODES[op], self.spin, lo, hi)
-            return
+        if deadline is None and avg_p is None:
+            fn = self._last_shard_fn("reduce_scatter", dtype, n, op, bounds)
+            if fn is not None:
+                fn(src, out)
+                return
         if 0 < n * dtype.itemsize < self.whole_below:
             stage = self._whole_stage(dtype, n)
             stage[r][...] = src
@@ -511,15 +572,11 @@ class ShmAllreduce:
         p, r, dtype = self.p, self.rank, shard.dtype
         n = out.shape[0]
         lo, hi = bounds[r]
-        if 0 < n * dtype.itemsize < self.whole_below and deadline is None and not is_half(dtype):
-            # Compiled: publish, barrier, copy the others' (Numba has no float16/bfloat16 arrays).
-            k = self._whole_set
-            self._whole_set = k ^ 1
-            self._epoch += 1
-            los, his = self._placement(bounds)
-            self._loops.small_allgather(shard, self._stage_set(dtype, k), r, out, self._flags, self._epoch,
-                                        self.spin, los, his)
-            return
+        if deadline is None:
+            fn = self._last_shard_fn("allgather", dtype, n, None, bounds)
+            if fn is not None:
+                fn(shard, out)
+                return
         if 0 < n * dtype.itemsize < self.whole_below:
             out[lo:hi] = shard
             stage = self._whole_stage(dtype, n)
@@ -551,14 +608,6 @@ class ShmAllreduce:
                 if s != r and b > a:
                     out[a:b] = slot[s][: b - a]
             self._barrier(deadline)
-
-    def _placement(self, bounds):
-        """``bounds`` as two int64 arrays, starts and ends (the last ones cached: callers reuse theirs)."""
-        hit = self._placed
-        if hit is None or hit[0] != bounds:
-            arr = np.array(bounds, dtype=np.int64).reshape(self.p, 2)
-            hit = self._placed = (list(bounds), np.ascontiguousarray(arr[:, 0]), np.ascontiguousarray(arr[:, 1]))
-        return hit[1], hit[2]
 
     def _piece(self, x, out, layout, op, ufunc, reduce, avg_p, deadline):
         lo, hi, stage_in, operands, spare, result, gather = layout

@@ -67,3 +67,16 @@ def test_mismatched_shard_lengths_raise_on_every_rank():
     with pytest.raises(ValueError, match="shard lengths do not match"):
         ddlkernels.allgather(np.zeros(n, np.float32))
     COMM.Barrier()
+
+
+def test_a_with_block_frees_on_a_normal_exit_only():
+    """Leaving ``with Communicator(...)`` by an exception does not free: the free is collective, and a rank
+    whose block raised alone would wait in it for peers still making calls inside theirs."""
+    with pytest.raises(RuntimeError, match="leaves the block"):
+        with ddlkernels.Communicator(MPI.COMM_WORLD) as dc:
+            raise RuntimeError("every rank leaves the block by an exception")
+    assert dc.comm is not None  # not freed
+    dc.free()  # collective: every rank is here
+    with ddlkernels.Communicator(MPI.COMM_WORLD) as dc2:
+        pass
+    assert dc2.comm is None
