@@ -166,7 +166,10 @@ class Communicator:
             t.close()
         self._transports.clear()
         if self._shm is not None:
-            self._fast.clear()  # it may hold functions of the window freed here
+            # The fast paths' caches may hold functions of the window freed here.
+            self._fast.clear()
+            self._rs_fast_cache.clear()
+            self._ag_fast_cache.clear()
             self._shm.free()
             self._shm = None
         if self._hier is not None:
@@ -824,10 +827,10 @@ class Communicator:
                     return None
             bounds = self._all_shards(x.size, None)
             if algo == "shm":
-                # The window's prepared call where it has one (small messages; the window exists: the
-                # trials that chose it ran on it), else its reduce_scatter with every check.
-                fn = None if avg or self._shm is None else self._shm.small_shard_fn("reduce_scatter", dtype,
-                                                                                      x.size, redop, bounds)
+                if self._shm is None or not self._shm.allocated:
+                    return None  # the full path sets the window up (collectively); ask again after it
+                # The window's prepared call where it has one (small messages), else its reduce_scatter.
+                fn = None if avg else self._shm.small_shard_fn("reduce_scatter", dtype, x.size, redop, bounds)
                 hit = ("shm", bounds, redop, self.size if avg else None, backend_for(x).reduce, fn, watch)
             elif algo == "mpi":
                 counts = [hi - lo for lo, hi in bounds]
@@ -965,7 +968,9 @@ class Communicator:
                 if algo is None:  # still measured
                     return None
             if algo == "shm":
-                fn = None if self._shm is None else self._shm.small_shard_fn("allgather", dtype, count, None, bounds)
+                if self._shm is None or not self._shm.allocated:
+                    return None  # the full path sets the window up (collectively); ask again after it
+                fn = self._shm.small_shard_fn("allgather", dtype, count, None, bounds)
                 hit = ("shm", bounds, fn, watch)
             elif algo == "mpi":
                 item = dtype.itemsize

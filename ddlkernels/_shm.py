@@ -52,8 +52,8 @@ small reduce_scatter and allgather below.
 The barriers are not ``MPI_Barrier``: every rank publishes a count of the
 barriers it has entered in its own cache line of a second, small window and
 polls the others' (``ddlkernels._shm_loops``, with release and acquire
-atomics in place of ``MPI_Win_sync``), which costs a fraction of MPI's
-barrier and can be called from compiled code.
+atomics in place of ``MPI_Win_sync``): a barrier compiled code can call,
+which yields the core to a peer when the node has more ranks than cores.
 
 The same window serves ``reduce_scatter`` (stage the sub-chunks of each
 peer's shard, one barrier, fold my own shard's sub-chunk, one barrier) and

@@ -420,3 +420,23 @@ def test_ranks_with_and_without_a_timeout_meet_in_the_same_barrier(whole_below):
         shm.run(x, out, "sum", reduce, deadline=deadline)
         assert np.array_equal(out, want), f"call {call}"
     shm.free()  # collective: on success only
+
+
+@needs_peers
+def test_shard_fast_paths_hold_the_windows_small_calls_and_free_drops_them():
+    """A small reduce_scatter/allgather on the window: after the first call (the full path, which allocates
+    the window) the fast paths keep its prepared compiled call; free() forgets them with the window."""
+    with ddlkernels.Communicator(COMM, shm=True) as dc:
+        count = 50 * P + 3
+        x = rank_data(count, RANK, P, np.float64)
+        want = dc.allreduce(x)
+        lo, hi = dc.shard_range(count)
+        for _ in range(3):
+            shard = dc.reduce_scatter(x)
+            assert np.array_equal(shard, want[lo:hi]) and dc.last_algorithm == "shm"
+            whole = dc.allgather(shard, count=count)
+            assert np.array_equal(whole, want) and dc.last_algorithm == "shm"
+        assert any(h and h[5] is not None for h in dc._rs_fast_cache.values()), dc._rs_fast_cache
+        assert any(h and h[2] is not None for h in dc._ag_fast_cache.values()), dc._ag_fast_cache
+        dc.free()
+        assert not dc._rs_fast_cache and not dc._ag_fast_cache
