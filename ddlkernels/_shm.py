@@ -397,16 +397,26 @@ class ShmAllreduce:
         fn = self._small.get(key)
         if fn is not None:
             return fn
-        sets = [self._stage_set(dtype, k) for k in range(2)]
-        call, flags, rank, code, spin, me = self._loops.small_allreduce, self._flags, self.rank, OPCODES[op], self.spin, self
+        return self._remember(key, self._prepared(self._loops.small_allreduce, dtype, OPCODES[op], self.spin))
 
-        def fn(x, out):
+    def _prepared(self, call, dtype, *tail):
+        """``f(a, out)``: ``call(a, stage set, rank, out, flags, epoch, *tail)`` on the next of the two
+        small-message stage sets and the next barrier epoch -- the bookkeeping every compiled small call shares
+        with ``_whole`` -- with every view looked up once."""
+        sets = [self._stage_set(dtype, k) for k in range(2)]
+        flags, rank, me = self._flags, self.rank, self
+
+        def fn(a, out):
             k = me._whole_set
             me._whole_set = k ^ 1
             e = me._epoch + 1
             me._epoch = e
-            call(x, sets[k], rank, out, flags, e, code, spin)
+            call(a, sets[k], rank, out, flags, e, *tail)
 
+        return fn
+
+    def _remember(self, key, fn):
+        """``fn``, kept in the small-call cache under ``key``."""
         if len(self._small) >= 64:  # a job with ever new sizes must not grow this without bound
             self._small.clear()
         self._small[key] = fn
@@ -436,34 +446,14 @@ class ShmAllreduce:
         fn = self._small.get(key)
         if fn is not None:
             return fn
-        sets = [self._stage_set(dtype, k) for k in range(2)]
-        flags, rank, spin, me = self._flags, self.rank, self.spin, self
         if rs:
-            call, code = self._loops.small_reduce_scatter, OPCODES[op]
-            lo, hi = bounds[rank]
-
-            def fn(x, out):
-                k = me._whole_set
-                me._whole_set = k ^ 1
-                e = me._epoch + 1
-                me._epoch = e
-                call(x, sets[k], rank, out, flags, e, code, spin, lo, hi)
+            lo, hi = bounds[self.rank]
+            fn = self._prepared(self._loops.small_reduce_scatter, dtype, OPCODES[op], self.spin, lo, hi)
         else:
-            call = self._loops.small_allgather
             los = np.array([b[0] for b in bounds], dtype=np.int64)
             his = np.array([b[1] for b in bounds], dtype=np.int64)
-
-            def fn(shard, out):
-                k = me._whole_set
-                me._whole_set = k ^ 1
-                e = me._epoch + 1
-                me._epoch = e
-                call(shard, sets[k], rank, out, flags, e, spin, los, his)
-
-        if len(self._small) >= 64:  # a job with ever new sizes must not grow this without bound
-            self._small.clear()
-        self._small[key] = fn
-        return fn
+            fn = self._prepared(self._loops.small_allgather, dtype, self.spin, los, his)
+        return self._remember(key, fn)
 
     def _last_shard_fn(self, kind, dtype, n, op, bounds):
         """``small_shard_fn``, remembering the last answer per kind: a loop of calls with equal arguments

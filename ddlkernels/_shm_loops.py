@@ -181,6 +181,16 @@ def _fold_op(stage, lo, hi, out, op):
         _fold(stage, lo, hi, out, _min)
 
 
+@njit(inline="always")
+def _stage_and_meet(x, stage, me, flags, epoch, spin):
+    # x into my row of the stage set, then barrier ``epoch``: every row is then full.
+    mine = stage[me]
+    for i in range(x.shape[0]):
+        mine[i] = x[i]
+    _store_release(flags, me * STRIDE, epoch)
+    _wait(flags, stage.shape[0], epoch, spin)
+
+
 @njit(cache=True, nogil=True)
 def small_allreduce(x, stage, me, out, flags, epoch, op, spin):
     """``out = ((x0 op x1) op x2) ...`` over the ranks, through one small-message stage set.
@@ -196,13 +206,8 @@ def small_allreduce(x, stage, me, out, flags, epoch, op, spin):
     which of two NaNs a sum or product returns (see the combines above), and
     the same bits on every rank.
     """
-    n = x.shape[0]
-    mine = stage[me]
-    for i in range(n):
-        mine[i] = x[i]
-    _store_release(flags, me * STRIDE, epoch)
-    _wait(flags, stage.shape[0], epoch, spin)
-    _fold_op(stage, 0, n, out, op)
+    _stage_and_meet(x, stage, me, flags, epoch, spin)
+    _fold_op(stage, 0, x.shape[0], out, op)
 
 
 @njit(cache=True, nogil=True)
@@ -214,12 +219,7 @@ def small_reduce_scatter(x, stage, me, out, flags, epoch, op, spin, lo, hi):
     elements and does not overlap ``x``; [lo, hi) is within ``x``.
     Use: ``ShmAllreduce.reduce_scatter`` (small messages).
     """
-    n = x.shape[0]
-    mine = stage[me]
-    for i in range(n):
-        mine[i] = x[i]
-    _store_release(flags, me * STRIDE, epoch)
-    _wait(flags, stage.shape[0], epoch, spin)
+    _stage_and_meet(x, stage, me, flags, epoch, spin)
     _fold_op(stage, lo, hi, out, op)
 
 

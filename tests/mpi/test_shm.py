@@ -277,16 +277,22 @@ def test_reduce_scatter_and_allgather_through_the_window(dtype, op, piece_bytes,
         keep = x.copy()
         full = np.empty_like(x)
         shm.run(x, full, redop, be.reduce, avg_p=avg_p)
-        bounds = _bounds(n)
-        lo, hi = bounds[RANK]
-        shard = np.full(hi - lo, 7, dtype=x.dtype)
-        shm.reduce_scatter(x, shard, bounds, redop, be.reduce, avg_p=avg_p)
-        assert np.array_equal(shard.view(np.uint8), full[lo:hi].view(np.uint8)), f"reduce_scatter n={n}"
-        assert np.array_equal(x.view(np.uint8), keep.view(np.uint8)), "input modified"
-        out = np.empty_like(x)
-        shm.allgather(shard, out, bounds)
-        assert np.array_equal(out.view(np.uint8), full.view(np.uint8)), f"allgather n={n}"
+        _assert_shards_rebuild(shm, x, keep, full, _bounds(n), redop, be.reduce, avg_p, f"n={n}")
     shm.free()  # collective: on success only
+
+
+def _assert_shards_rebuild(shm, x, keep, full, bounds, op, reduce, avg_p=None, what=""):
+    """``shm.reduce_scatter`` of ``x`` is my shard of ``full`` (the allreduce's bits) without touching ``x``
+    (still ``keep``), and ``shm.allgather`` of the shards is ``full`` again."""
+    lo, hi = bounds[RANK]
+    shard = np.full(hi - lo, 7, dtype=x.dtype)
+    with np.errstate(all="ignore"):
+        shm.reduce_scatter(x, shard, bounds, op, reduce, avg_p=avg_p)
+    assert np.array_equal(shard.view(np.uint8), full[lo:hi].view(np.uint8)), f"reduce_scatter {what}"
+    assert np.array_equal(x.view(np.uint8), keep.view(np.uint8)), f"input modified {what}"
+    whole = np.empty_like(x)
+    shm.allgather(shard, whole, bounds)
+    assert np.array_equal(whole.view(np.uint8), full.view(np.uint8)), f"allgather {what}"
 
 
 @needs_peers
@@ -391,15 +397,7 @@ def test_compiled_small_call_keeps_numpys_bits_for_nan_zero_and_inf(dtype, op):
     assert {int(b) for b in got.view(uint)[free]} <= nans
     # reduce_scatter's compiled call folds the same way: my shard of the allreduce, bit for bit; and
     # allgather's puts the shards back together.
-    bounds = _bounds(n)
-    lo, hi = bounds[RANK]
-    shard = np.empty(hi - lo, x.dtype)
-    with np.errstate(all="ignore"):
-        shm.reduce_scatter(x, shard, bounds, op, reduce)
-    assert np.array_equal(shard.view(np.uint8), got[lo:hi].view(np.uint8)), f"{op}: reduce_scatter differs"
-    whole = np.empty_like(x)
-    shm.allgather(shard, whole, bounds)
-    assert np.array_equal(whole.view(np.uint8), got.view(np.uint8)), f"{op}: allgather differs"
+    _assert_shards_rebuild(shm, x, keep, got, _bounds(n), op, reduce, what=op)
     shm.free()  # collective: on success only
 
 
