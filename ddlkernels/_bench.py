@@ -652,6 +652,21 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
         else:
             out.append(Collective(name, _rs_factor, _mpi_ag_make, _mpi_ag_run, _mpi_ag_wrong,
                                   unsupported=_mpi_unsupported))
+    if "shared" in which and kind == "allreduce":
+        # ddlkernels as a user who allocates gradients with Communicator.empty
+        # gets it: the input in shared memory, which peers read in place.  Its
+        # own Communicator (shm=None is the default, but another key), so its
+        # tuner measures apart from the plain line's.
+        def make_shared(comm, count, dtype, op, inplace=False):
+            st = _make_ar(comm, count, dtype, op, inplace)
+            st["dc"] = dc = _DDL.get(comm, {"shm": None})
+            x = dc.empty(count, dtype)
+            x[...] = st["x"]
+            st["x"] = x
+            return st
+
+        out.append(Collective("ddlkernels (shared input)", _ar_factor, make_shared, _ddl_run, _wrong_ar,
+                              path=lambda st: st["dc"].last_algorithm or "", settling=_ddl_settling))
     if "ring" in which and kind == "allreduce":
         # The multi-dimensional ring engine alone: a fixed small_bytes of 0 turns the tuner off.
         def make_ring(comm, count, dtype, op, inplace=False):
@@ -920,13 +935,13 @@ def format_table(rows, impls, ratio_of=None, stat="median") -> str:
 
 def _short(name):
     """Column label: "ddl", "ddl[chunk=256K]", "MPI", "MPI[ring]", "link"."""
-    if name.startswith("ddlkernels"):
+    if name.startswith("ddlkernels") and not name.endswith("(shared input)"):
         return "ddl" + name[len("ddlkernels"):]
     if name.startswith("MPI_"):
         rest = name.split("[", 1)
         return "MPI" + ("[" + rest[1].replace("tuned ", "") if len(rest) > 1 else "")
     return {"Sendrecv link": "link", "python ring": "pyring", "chunked link": "clink", "ddl ring": "ring",
-            "memcpy": "copy"}.get(name, name)
+            "memcpy": "copy", "ddlkernels (shared input)": "shared"}.get(name, name)
 
 
 def dump_json(path, meta, rows):

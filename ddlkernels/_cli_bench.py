@@ -35,7 +35,7 @@ import time
 
 __all__ = ["add_subcommands", "add_bench_arguments", "main"]
 
-_IMPLS = ("ddlkernels", "ring", "mpi", "link", "pyring", "linkchunk", "copy")
+_IMPLS = ("ddlkernels", "shared", "ring", "mpi", "link", "pyring", "linkchunk", "copy")
 _DEFAULT_IMPLS = ("ddlkernels", "mpi", "link")
 
 
@@ -55,7 +55,9 @@ def add_bench_arguments(p, collective_default="allreduce"):
                    help="out of place (default), in place, or both")
     g.add_argument("--inplace", dest="place", action="store_const", const="in", help="same as --place in")
     g.add_argument("--impls", default=",".join(_DEFAULT_IMPLS),
-                   help="lines to run: ddlkernels, ring (allreduce: ddlkernels' ring engine alone, small_bytes=0), "
+                   help="lines to run: ddlkernels, shared (allreduce: ddlkernels with its input in "
+                        "Communicator.empty's shared memory), ring (allreduce: ddlkernels' ring engine alone, "
+                        "small_bytes=0), "
                         "mpi (MPI's own collective), link (Sendrecv of one ring step), "
                         "pyring (allreduce: a textbook Python ring of whole-block Sendrecv steps), "
                         "linkchunk (the link's step as 1 MiB Isend/Irecv pieces), "
@@ -316,6 +318,9 @@ def _report(args, meta, rows):
             ddl = [n for n in names if n.startswith("ddlkernels")]
             others = [n for n in names if not n.startswith("ddlkernels")]
             pairs = [(ddl[0], o) for o in others] if ddl else []
+            shared = "ddlkernels (shared input)"
+            if shared in names and ddl[0] != shared:  # what an input in shared memory buys, and its ratios
+                pairs += [(shared, ddl[0])] + [(shared, o) for o in others]
             if "memcpy" in names and "Sendrecv link" in names:  # the ceiling of ddl/link on this machine
                 pairs.append(("memcpy", "Sendrecv link"))
             print(f"\n## {kind}, {dt}, op {op if kind != 'allgather' else '-'}, "

@@ -296,6 +296,35 @@ class Communicator:
             self._buffers[key] = buf
         return buf[:count]
 
+    def empty(self, shape, dtype="float32") -> np.ndarray:
+        """An uninitialized host array that every rank of this node can read: an allreduce input for free.
+
+        Collective: every rank calls with the same ``shape`` and ``dtype``
+        (checked; a mismatch raises the same ``ValueError`` on every rank).
+        When every rank shares one node and the shared-memory allreduce is
+        not turned off (``shm``), the array lies in an MPI shared window, and
+        a large allreduce whose input lies in such an array (the whole array
+        or any contiguous part of it, the same part on every rank) skips the
+        copy that otherwise stages the input for its peers
+        (``ddlkernels._shm``); a call where only some ranks' inputs do is
+        still correct.  Otherwise it is an ordinary ``numpy.empty``.
+
+        The array is valid until ``free()`` (or the end of a ``with`` block),
+        which releases its memory: do not use it afterwards.
+        """
+        dt = check_dtype(np.dtype(dtype))
+        shape = (operator.index(shape),) if np.ndim(shape) == 0 else tuple(operator.index(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"empty: negative dimension in shape {shape}")
+        asked = self.comm.allgather((shape, dt.str))
+        if any(a != asked[0] for a in asked):
+            detail = ", ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(asked[:8]))
+            raise ValueError(f"empty: every rank must ask for the same shape and dtype; got {detail}")
+        count = int(np.prod(shape, dtype=np.int64))
+        if self._shm_mode is None:
+            return np.empty(shape, dt)
+        return self._shm_collectives().empty(count * dt.itemsize).view(dt).reshape(shape)
+
     def _transport(self, backend):
         t = self._transports.get(backend.name)
         if t is None:

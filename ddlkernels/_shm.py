@@ -60,6 +60,17 @@ peer's shard, one barrier, fold my own shard's sub-chunk, one barrier) and
 ``allgather`` (publish a sub-chunk of my shard, barrier, copy the others',
 barrier), with the shard boundaries the caller gives (``shard_range``).
 
+An input that already lies in shared memory needs no stage.
+``ShmAllreduce.empty`` (``Communicator.empty``) allocates a region of the
+same size on every rank, in a window of its own; an allreduce whose input
+lies in one publishes where (region, offset) in its flag line before the
+first barrier, and its peers read its blocks there instead of from its
+stage -- the ``stage`` step above is skipped, the rest is unchanged.  Each
+rank reads every peer's choice after that barrier, so ranks whose inputs
+are shared and ranks whose inputs are not can meet in one call.  This is
+what NCCL's symmetric memory (``ncclMemAlloc`` + a registered window) and
+PyTorch's ``SymmetricMemory`` offer for GPUs: buffers every peer can read.
+
 Memory: piece + piece / p of shared memory per rank, and a small window of
 p x 64 B of flags and 2 x p x 64 KiB of small-message stages (~1.8 MiB in
 all with the default piece and 2 ranks), allocated on the first call that
@@ -222,6 +233,9 @@ class ShmAllreduce:
         self._layouts = {}
         self._small = {}  # (dtype, n, op) -> a small-message allreduce made for it (_small_fn)
         self._whole_set = 0  # which of the two small-message stages the next small call fills
+        #: Shared input regions (``empty``), in allocation order -- the same on every rank, so a region's
+        #: index names it to peers: (this rank's address, bytes, every rank's uint8 view, window).
+        self._regions = []
 
     def _allocate(self):
         from mpi4py import MPI
@@ -266,17 +280,49 @@ class ShmAllreduce:
         """Whether the window exists (the first ``run`` allocates it; ``free`` releases it)."""
         return self._win is not None
 
+    def empty(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of shared memory on every rank (collective; the same ``nbytes`` everywhere), as this
+        rank's uint8 array: an allreduce whose input lies in it skips the stage (see the module comment).
+
+        Valid until ``free``, which releases every region with the window.
+        """
+        from mpi4py import MPI
+
+        if self._win is None:
+            self._allocate()
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # each rank's region on its own pages, first touched by it
+        try:
+            win = _quiet_window(lambda: MPI.Win.Allocate_shared(max(1, nbytes), 1, info=info, comm=self.comm))
+        finally:
+            info.Free()
+        win.Lock_all(MPI.MODE_NOCHECK)
+        views = [np.frombuffer(win.Shared_query(s)[0], dtype=np.uint8, count=nbytes) for s in range(self.p)]
+        mine = views[self.rank]
+        self._regions.append((mine.ctypes.data, nbytes, views, win))
+        return mine
+
+    def _shared_at(self, x):
+        """``(region index + 1, byte offset)`` of a 1-D array lying in one of this rank's regions, else (0, 0)."""
+        at = x.ctypes.data
+        for k, (base, nbytes, _, _) in enumerate(self._regions):
+            if base <= at and at + x.nbytes <= base + nbytes:
+                return k + 1, at - base
+        return 0, 0
+
     def free(self) -> None:
-        """Release the window (collective); a later ``run`` allocates a new one."""
+        """Release the window and every region of ``empty`` (collective); a later ``run`` allocates a new
+        window."""
         if self._win is not None:
             self._segs = self._small_seg = self._flags = None
             self._layouts.clear()
             self._small.clear()
             self._last_shard.clear()
-            for w in (self._win, self._small_win):
+            for w in (self._win, self._small_win, *(reg[3] for reg in self._regions)):
                 w.Unlock_all()
                 w.Free()
             self._win = self._small_win = None
+            self._regions.clear()
 
     def _barrier(self, deadline):
         """Every rank of the window's communicator, through the flags (``ddlkernels._shm_loops``).
@@ -349,10 +395,18 @@ class ShmAllreduce:
             self._whole(src, dst, op, ufunc, reduce, avg_p, deadline)
             return
         step = max(1, self.piece_bytes // dtype.itemsize)
+        # Where my input lies, for peers to read it there (0: staged).  Written before the first
+        # barrier, read by peers after it (its release and acquire order it), rewritten only by my
+        # next large call, which no peer reaches before it is done reading this one's.
+        region, offset = self._shared_at(src) if self._regions and not virtual else (0, 0)
+        flags, line = self._flags, self.rank * FLAG_STRIDE
+        flags[line + 1], flags[line + 2] = region, offset
+        peers = None
         for a in range(0, n, step):
             b = min(n, a + step)
             x = (src, a) if virtual else src[a:b]
-            self._piece(x, dst[a:b], self._layout(dtype, b - a), op, ufunc, reduce, avg_p, deadline)
+            peers = self._piece(x, dst[a:b], self._layout(dtype, b - a), op, ufunc, reduce, avg_p, deadline,
+                                region, peers, a, n)
 
     def _whole(self, x, out, op, ufunc, reduce, avg_p, deadline):
         """A small message: every rank stages all of it, one barrier, every rank reduces all of it.
@@ -599,26 +653,59 @@ class ShmAllreduce:
                     out[a:b] = slot[s][: b - a]
             self._barrier(deadline)
 
-    def _piece(self, x, out, layout, op, ufunc, reduce, avg_p, deadline):
+    def _piece(self, x, out, layout, op, ufunc, reduce, avg_p, deadline, region=0, peers=None, at=0, n=0):
+        """One piece (see the module comment).  ``region``: my input lies in a shared region (peers read
+        it there: no stage); ``peers``: per rank, its whole input where it lies in a shared region, or
+        None (read its stage) -- found after the first piece's barrier and returned for the next pieces;
+        ``at``: this piece's first element; ``n``: the message's elements."""
         lo, hi, stage_in, operands, spare, result, gather = layout
         if isinstance(x, tuple):  # (Segments, where this piece starts): read the arrays where they lie
-            seg, at = x
+            seg, start = x
             for view, a, b in stage_in:
-                seg.copy_into(view, at + a, at + b)
+                seg.copy_into(view, start + a, start + b)
             # My own block, into my stage's slot for it (no peer reads that slot).
-            seg.copy_into(spare, at + lo, at + hi)
+            seg.copy_into(spare, start + lo, start + hi)
             own = spare
         else:
-            for view, a, b in stage_in:
-                view[...] = x[a:b]
+            if not region:
+                for view, a, b in stage_in:
+                    view[...] = x[a:b]
             own = x[lo:hi]
         self._barrier(deadline)
+        if peers is None:
+            peers = self._peer_inputs(out.dtype, n)
+        if peers:
+            ops = [own if s == self.rank else v[at + lo : at + hi] if v is not None else operands[s]
+                   for s, v in enumerate(peers)]
+        else:
+            ops = [own if v is None else v for v in operands]
         # The sum goes into my published result (small, in cache) and is then
         # copied to out, so out is only written.  Summing into out and
         # publishing a copy of it also read out back.  The result never
         # aliases an operand, so an in-place call needs no copy of x[B] aside.
-        _fold(result, [own if v is None else v for v in operands], op, ufunc, reduce, avg_p)
+        _fold(result, ops, op, ufunc, reduce, avg_p)
         out[lo:hi] = result
         self._barrier(deadline)
         for a, b, view in gather:
             out[a:b] = view
+        return peers
+
+    def _peer_inputs(self, dtype, n):
+        """Per rank, its ``n``-element input of ``dtype`` in its shared region as published in its flag line
+        (after the first barrier of a large call), or None where it staged; ``[]`` when every rank staged.
+        Cached by what the ranks published: a loop of calls on the same buffers builds its views once."""
+        lines = self._flags.reshape(self.p, FLAG_STRIDE)
+        published = lines[:, 1:3].tobytes()
+        key = ("peers", published, dtype, n)
+        hit = self._layouts.get(key)
+        if hit is None:
+            hit = []
+            for s, (region, offset) in enumerate(lines[:, 1:3].tolist()):
+                hit.append(None if not region else
+                           self._regions[region - 1][2][s][offset : offset + n * dtype.itemsize].view(dtype))
+            if all(v is None for v in hit):
+                hit = []
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            self._layouts[key] = hit
+        return hit

@@ -22,7 +22,7 @@ EDGE_BYTES = lambda p: sorted({0, 4, 4 * max(p - 1, 1), 4 * (p + 1), 4 * 97, 1 <
                                       ("float16", "prod"), ("int64", "avg")])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_every_record_is_right(comm, kind, dtype, op, inplace):
-    impls = make_impls(kind, which=("ddlkernels", "mpi", "link", "pyring", "linkchunk", "copy"),
+    impls = make_impls(kind, which=("ddlkernels", "shared", "mpi", "link", "pyring", "linkchunk", "copy"),
                        ddl_options=({}, {"chunk_bytes": 64, "small_bytes": 0}))
     rows = run_sweep(comm, EDGE_BYTES(comm.Get_size()), impls, dtype=dtype, op=op, iters=2, warmup=1,
                      inplace=inplace, kind=kind, progress=False)
@@ -84,6 +84,24 @@ def test_the_copy_bound_copies_and_is_checked(comm):
     idle = Collective("idle", copy[0].bus_factor, copy[0].make, lambda st: None, copy[0].wrong)
     rows = run_sweep(comm, [n], [idle], iters=2, warmup=1, progress=False)
     assert rows[0]["impls"]["idle"]["wrong"] == 3 * 33 * comm.Get_size()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_the_shared_input_line_reads_its_input_from_shared_memory(comm, inplace):
+    """The "ddlkernels (shared input)" line (allreduce only): its input is Communicator.empty's memory, where
+    a large call's peers read it (a piece-path size here), and every result is checked."""
+    shared = make_impls("allreduce", which=("shared",))
+    assert [c.name for c in shared] == ["ddlkernels (shared input)"]
+    assert make_impls("allgather", which=("shared",)) == []
+    p = comm.Get_size()
+    sizes = [4 * (p + 1), (1 << 18) + 4 * (p + 1)]
+    rows = run_sweep(comm, sizes, shared, iters=2, warmup=1, inplace=inplace, progress=False)
+    for r in rows:
+        assert r["impls"]["ddlkernels (shared input)"]["wrong"] == 0, r
+    st = shared[0].make(comm, sizes[-1] // 4, np.dtype(np.float32), "sum", inplace)
+    dc = st["dc"]
+    if dc._shm_mode is not None:  # one node, 2 or more ranks: the input lies in a region of the window
+        assert dc._shm._shared_at(st["x"])[0] > 0
 
 
 @pytest.mark.parametrize("how", ["one", "nothing"])

@@ -438,3 +438,111 @@ def test_shard_fast_paths_hold_the_windows_small_calls_and_free_drops_them():
         assert any(h and h[2] is not None for h in dc._ag_fast_cache.values()), dc._ag_fast_cache
         dc.free()
         assert not dc._rs_fast_cache and not dc._ag_fast_cache
+
+
+def _rank_order_fold(xs, op, be):
+    """((x0 op x1) op x2) ...: what every form of the window's allreduce computes, bit for bit."""
+    redop, avg_p = ("sum", P) if op == "avg" else (op, None)
+    want = np.empty_like(xs[0])
+    be.reduce(redop, want, xs[0], xs[1], avg_p=avg_p if P == 2 else None)
+    for i in range(2, P):
+        be.reduce(redop, want, want, xs[i], avg_p=avg_p if i == P - 1 else None)
+    return want
+
+
+@needs_peers
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.float16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shared", ["all", "odd ranks"])
+@pytest.mark.parametrize("piece_bytes", [100, 1 << 20])
+def test_shared_inputs_are_read_where_they_lie(dtype, op, shared, piece_bytes):
+    """An input in ``empty``'s shared memory is read by peers in place, not staged: the same bits as a staged
+    call, in place and out of place, at any offset into the region, with every rank's input shared or only
+    some ranks'; the shared ranks' published (region, offset) says the peers really read it there."""
+    shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=0)
+    be = backend_for(np.empty(0, dtype))
+    item = np.dtype(dtype).itemsize
+    for n, skip in ((1, 0), (P + 1, 3), (4099, 1), (300_007, 0)):
+        region = shm.empty((n + skip) * item).view(dtype)  # collective: every rank, shared or not
+        mine = shared == "all" or RANK % 2 == 1
+        x = rank_data(n, RANK, P, dtype, salt=n)
+        want = _rank_order_fold(COMM.allgather(x), op, be)
+        src = region[skip:] if mine else x.copy()
+        src[...] = x
+        redop, avg_p = ("sum", P) if op == "avg" else (op, None)
+        out = np.full_like(x, 99)
+        shm.run(src, out, redop, be.reduce, avg_p=avg_p)
+        what = f"n={n} at {skip} {op} {dtype.__name__} shared: {shared}"
+        assert np.array_equal(out.view(np.uint8), want.view(np.uint8)), what
+        assert np.array_equal(src.view(np.uint8), x.view(np.uint8)), f"{what}: input modified"
+        published = shm._flags.reshape(P, -1)[:, 1:3]
+        for s in range(P):
+            if shared == "all" or s % 2 == 1:
+                assert published[s][0] > 0 and published[s][1] == skip * item, f"{what}: rank {s} {published[s]}"
+            else:
+                assert published[s][0] == 0, f"{what}: rank {s} staged but published {published[s]}"
+        shm.run(src, src, redop, be.reduce, avg_p=avg_p)
+        assert np.array_equal(src.view(np.uint8), want.view(np.uint8)), f"{what}: in place"
+    shm.free()  # collective: on success only
+
+
+@needs_peers
+@pytest.mark.parametrize("whole_below", [0, 1 << 20], ids=["pieces", "whole"])
+def test_skewed_ranks_never_read_a_shared_input_too_early_or_too_late(whole_below):
+    """Ranks that refill their shared input right after a call returns, while a peer is late: every result is
+    still the sum of that call's inputs (a peer reads my input only between the barriers of the call)."""
+    shm = ShmAllreduce(COMM, piece_bytes=4096, whole_below=whole_below)
+    reduce = backend_for(np.empty(0)).reduce
+    n = 5000
+    region = shm.empty(n * 8).view(np.int64)
+    for call in range(6):
+        if (RANK + call) % P == 0:
+            time.sleep(0.05)  # one rank late, a different one each call
+        region[:] = (np.arange(n, dtype=np.int64) * 1000 + call) * P + RANK
+        want = sum((np.arange(n, dtype=np.int64) * 1000 + call) * P + q for q in range(P))
+        out = np.empty(n, np.int64)
+        shm.run(region, out, "sum", reduce)
+        assert np.array_equal(out, want), f"call {call}"
+    shm.free()  # collective: on success only
+
+
+@needs_peers
+def test_communicator_empty_gives_shared_memory_and_the_allreduce_reads_it():
+    with ddlkernels.Communicator(COMM, shm=True) as dc:
+        a = dc.empty((3, 50_000), np.float32)
+        assert a.shape == (3, 50_000) and a.dtype == np.float32 and a.flags.c_contiguous
+        a[...] = rank_data(a.size, RANK, P, np.float32).reshape(a.shape)
+        keep = a.copy()
+        want = dc.allreduce(keep)
+        got = dc.allreduce(a)
+        assert np.array_equal(got, want) and np.array_equal(a, keep)
+        assert dc._shm._flags.reshape(P, -1)[RANK, 1] > 0  # read in place, not staged
+        dc.allreduce(a, out=a)
+        assert np.array_equal(a, want)
+        # The fast path of a settled size serves it too, with the same bits.
+        with ddlkernels.Communicator(COMM) as tuned:
+            b = tuned.empty(200_000, np.float64)
+            b[...] = rank_data(b.size, RANK, P, np.float64)
+            ref = tuned.allreduce(b.copy())
+            for _ in range(80):
+                assert np.array_equal(tuned.allreduce(b), ref)
+
+
+@pytest.mark.parametrize("shm", [None, False])
+def test_communicator_empty_checks_its_arguments_on_every_rank(shm):
+    with ddlkernels.Communicator(COMM, shm=shm) as dc:
+        if P > 1:  # one rank has nothing to disagree with
+            with pytest.raises(ValueError, match="same shape and dtype"):
+                dc.empty(10 + RANK, np.float32)
+            with pytest.raises(ValueError, match="same shape and dtype"):
+                dc.empty(10, np.float32 if RANK == 0 else np.float64)
+        with pytest.raises(ValueError, match="negative"):
+            dc.empty((2, -1))
+        with pytest.raises(TypeError):
+            dc.empty(10, "not a dtype")
+        z = dc.empty(0, np.int32)
+        assert z.shape == (0,) and np.array_equal(dc.allreduce(z), z)
+        if shm is False or P == 1:  # no window: an ordinary array, and the allreduce as usual
+            x = dc.empty(7)
+            x[...] = rank_data(7, RANK, P, np.float32)
+            assert_close(dc.allreduce(x), COMM.allgather(x.copy()), "sum", np.float32, "plain empty")
