@@ -398,10 +398,13 @@ class ShmAllreduce:
         # Where my input lies, for peers to read it there (0: staged).  Written before the first
         # barrier, read by peers after it (its release and acquire order it), rewritten only by my
         # next large call, which no peer reaches before it is done reading this one's.
-        region, offset = self._shared_at(src) if self._regions and not virtual else (0, 0)
-        flags, line = self._flags, self.rank * FLAG_STRIDE
-        flags[line + 1], flags[line + 2] = region, offset
-        peers = None
+        # No regions here means none anywhere (``empty`` is collective): nothing to publish or read.
+        region, peers = 0, []
+        if self._regions:
+            region, offset = (0, 0) if virtual else self._shared_at(src)
+            line = self.rank * FLAG_STRIDE
+            self._flags[line + 1], self._flags[line + 2] = region, offset
+            peers = None
         for a in range(0, n, step):
             b = min(n, a + step)
             x = (src, a) if virtual else src[a:b]
