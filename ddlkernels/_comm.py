@@ -303,9 +303,9 @@ class Communicator:
         (checked; a mismatch raises the same ``ValueError`` on every rank).
         When every rank shares one node and the shared-memory allreduce is
         not turned off (``shm``), the array lies in an MPI shared window, and
-        a large allreduce whose input lies in such an array (the whole array
-        or any contiguous part of it, the same part on every rank) skips the
-        copy that otherwise stages the input for its peers
+        a large allreduce or reduce_scatter through the window whose input
+        lies in such an array (the whole array or any contiguous part of it)
+        skips the copy that otherwise stages the input for its peers
         (``ddlkernels._shm``); a call where only some ranks' inputs do is
         still correct.  Otherwise it is an ordinary ``numpy.empty``.
 

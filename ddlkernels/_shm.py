@@ -65,8 +65,8 @@ An input that already lies in shared memory needs no stage.
 same size on every rank, in a window of its own; an allreduce whose input
 lies in one publishes where (region, offset) in its flag line before the
 first barrier, and its peers read its blocks there instead of from its
-stage -- the ``stage`` step above is skipped, the rest is unchanged.  Each
-rank reads every peer's choice after that barrier, so ranks whose inputs
+stage -- the ``stage`` step above is skipped, the rest is unchanged (and
+the same for a large ``reduce_scatter``).  Each rank reads every peer's choice after that barrier, so ranks whose inputs
 are shared and ranks whose inputs are not can meet in one call.  This is
 what NCCL's symmetric memory (``ncclMemAlloc`` + a registered window) and
 PyTorch's ``SymmetricMemory`` offer for GPUs: buffers every peer can read.
@@ -575,6 +575,8 @@ class ShmAllreduce:
             barrier  (peers are done reading my slots before I refill them)
 
         A message under ``whole_below`` bytes is staged whole, one barrier.
+        An input in a shared region (``empty``) is not staged: peers read
+        its sub-chunks where it lies, as ``run``'s pieces do.
         """
         dtype, ufunc = self._ready(src, op, avg_p)
         p, r, n = self.p, self.rank, src.shape[0]
@@ -593,16 +595,26 @@ class ShmAllreduce:
         c = max(1, self.piece_bytes // dtype.itemsize // p)
         stage = [seg[: p * c * dtype.itemsize].view(dtype) for seg in self._segs]
         longest = max(b - a for a, b in bounds)
+        region, peers = 0, []  # an input in a shared region is read there, as run() does
+        if self._regions:
+            region, offset = self._shared_at(src)
+            line = r * FLAG_STRIDE
+            self._flags[line + 1], self._flags[line + 2] = region, offset
+            peers = None
         for k in range(0, longest, c):
-            for s in range(p):
-                a = bounds[s][0] + k
-                b = min(bounds[s][1], a + c)
-                if s != r and b > a:
-                    stage[r][s * c : s * c + b - a] = src[a:b]
+            if not region:
+                for s in range(p):
+                    a = bounds[s][0] + k
+                    b = min(bounds[s][1], a + c)
+                    if s != r and b > a:
+                        stage[r][s * c : s * c + b - a] = src[a:b]
             self._barrier(deadline)
+            if peers is None:
+                peers = self._peer_inputs(dtype, n)
             a, b = lo + k, min(hi, lo + k + c)
             if b > a:
-                ops = [src[a:b] if q == r else stage[q][r * c : r * c + b - a] for q in range(p)]
+                ops = [src[a:b] if q == r else peers[q][a:b] if peers and peers[q] is not None
+                       else stage[q][r * c : r * c + b - a] for q in range(p)]
                 _fold(out[k : k + b - a], ops, op, ufunc, reduce, avg_p)
             self._barrier(deadline)
 

@@ -458,7 +458,8 @@ def _rank_order_fold(xs, op, be):
 def test_shared_inputs_are_read_where_they_lie(dtype, op, shared, piece_bytes):
     """An input in ``empty``'s shared memory is read by peers in place, not staged: the same bits as a staged
     call, in place and out of place, at any offset into the region, with every rank's input shared or only
-    some ranks'; the shared ranks' published (region, offset) says the peers really read it there."""
+    some ranks'; the shared ranks' published (region, offset) says the peers really read it there.  The same
+    for reduce_scatter."""
     shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=0)
     be = backend_for(np.empty(0, dtype))
     item = np.dtype(dtype).itemsize
@@ -481,6 +482,8 @@ def test_shared_inputs_are_read_where_they_lie(dtype, op, shared, piece_bytes):
                 assert published[s][0] > 0 and published[s][1] == skip * item, f"{what}: rank {s} {published[s]}"
             else:
                 assert published[s][0] == 0, f"{what}: rank {s} staged but published {published[s]}"
+        # reduce_scatter reads a shared input in place too (uneven shards): the allreduce's bits.
+        _assert_shards_rebuild(shm, src, x, want, _bounds(n), redop, be.reduce, avg_p, what)
         shm.run(src, src, redop, be.reduce, avg_p=avg_p)
         assert np.array_equal(src.view(np.uint8), want.view(np.uint8)), f"{what}: in place"
     shm.free()  # collective: on success only
