@@ -66,8 +66,9 @@ same size on every rank, in a window of its own; an allreduce whose input
 lies in one publishes where (region, offset) in its flag line before the
 first barrier, and its peers read its blocks there instead of from its
 stage -- the ``stage`` step above is skipped, the rest is unchanged (and
-the same for a large ``reduce_scatter``).  Each rank reads every peer's choice after that barrier, so ranks whose inputs
-are shared and ranks whose inputs are not can meet in one call.  This is
+the same for a large ``reduce_scatter``).  Each rank reads every peer's
+choice after that barrier, so ranks whose inputs are shared and ranks
+whose inputs are not can meet in one call.  This is
 what NCCL's symmetric memory (``ncclMemAlloc`` + a registered window) and
 PyTorch's ``SymmetricMemory`` offer for GPUs: buffers every peer can read.
 
