@@ -396,21 +396,27 @@ def test_a_small_settled_size_is_measured_again_after_its_calls(kind, monkeypatc
         seen = []
         for i in range(300):
             full_path = (RANK + i) % 2
+            y = _call_by_path(dc, kind, full_path, x, strided_x, shard, strided_shard, out, count)
             if kind == "allreduce":
-                y = dc.allreduce(strided_x, "sum") if full_path else dc.allreduce(x, "sum", out=out)
                 assert_close(y, inputs, "sum", np.float64, f"call {i}")
-            elif kind == "reduce_scatter":
-                y = dc.reduce_scatter(strided_x, "sum") if full_path else dc.reduce_scatter(x, "sum", out=out)
-                assert np.allclose(y, expect[lo:hi], rtol=1e-12, atol=0), f"call {i}"
             else:
-                y = (dc.allgather(strided_shard, count=count) if full_path
-                     else dc.allgather(shard, count=count, out=out))
-                assert np.allclose(y, expect, rtol=1e-12, atol=0), f"call {i}"
+                want = expect[lo:hi] if kind == "reduce_scatter" else expect
+                assert np.allclose(y, want, rtol=1e-12, atol=0), f"call {i}"
             seen.append(dc.last_algorithm)
         assert tuner.reopens["recount"] >= 2, tuner.reopens  # 7, then 14, ... calls after each settling
         every = COMM.allgather(seen)
         assert all(s == every[0] for s in every), "every rank ran the same algorithm in every call"
     assert np.array_equal(x, rank_data(count, RANK, P, np.float64)), "input modified"
+
+
+def _call_by_path(dc, kind, full_path, x, strided_x, shard, strided_shard, out, count):
+    """One sum of ``kind``: on the full path (a strided input, which the fast paths leave to it) or on the
+    fast one (contiguous, into a reused ``out``)."""
+    if kind == "allreduce":
+        return dc.allreduce(strided_x, "sum") if full_path else dc.allreduce(x, "sum", out=out)
+    if kind == "reduce_scatter":
+        return dc.reduce_scatter(strided_x, "sum") if full_path else dc.reduce_scatter(x, "sum", out=out)
+    return dc.allgather(strided_shard, count=count) if full_path else dc.allgather(shard, count=count, out=out)
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["path-per-rank", "path-per-call"])
@@ -447,12 +453,10 @@ def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind, 
             for i in range(k):
                 full_path = (RANK + made[0]) % 2 if mixed else RANK % 2
                 made[0] += 1
+                y = _call_by_path(dc, kind, full_path, x, strided_x, shard, strided_shard, out, count)
                 if kind == "reduce_scatter":
-                    y = dc.reduce_scatter(strided_x, "sum") if full_path else dc.reduce_scatter(x, "sum", out=out)
                     assert np.allclose(y, expect[lo:hi], rtol=1e-12, atol=0), f"call {i}"
                 else:
-                    y = (dc.allgather(strided_shard, count=count) if full_path
-                         else dc.allgather(shard, count=count, out=out))
                     assert np.array_equal(y, full), f"call {i}"
                 seen.append(dc.last_algorithm)
             return seen
