@@ -59,8 +59,8 @@ run allreduce_np2_tuned "$PY" bench/allreduce.py --launch 2 --mpi-algorithm ring
 for n in 2 4; do run rs_ag_np${n}_float32 "$MPIRUN" -n $n "$PY" bench/allreduce.py -c reduce_scatter,allgather -b 4K -e 64M -f 4 \
     -n "$ITERS" -w "$WARMUP" --no-progress --json "$OUT/rs_ag_np${n}_float32.json" --plot "$OUT/rs_ag_np${n}_float32.png"
 done
-# Inputs in Communicator.empty's shared memory (peers read them in place) beside the plain line.
-for n in 2 4; do run shared_np${n}_float32 "$MPIRUN" -n $n "$PY" bench/allreduce.py -b 64K -e 64M -f 4 -n "$ITERS" \
+# Inputs (allgather: shards) in Communicator.empty's shared memory, which peers read in place, beside the plain line.
+for n in 2 4; do run shared_np${n}_float32 "$MPIRUN" -n $n "$PY" bench/allreduce.py -c all -b 64K -e 64M -f 4 -n "$ITERS" \
     -w "$WARMUP" -d float32 -o sum --no-progress --impls ddlkernels,shared,mpi,link \
     --json "$OUT/shared_np${n}_float32.json" --plot "$OUT/shared_np${n}_float32.png"
 done

@@ -652,21 +652,41 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
         else:
             out.append(Collective(name, _rs_factor, _mpi_ag_make, _mpi_ag_run, _mpi_ag_wrong,
                                   unsupported=_mpi_unsupported))
-    if "shared" in which and kind == "allreduce":
-        # ddlkernels as a user who allocates gradients with Communicator.empty
-        # gets it: the input in shared memory, which peers read in place.  Its
-        # own Communicator (shm=None is the default, but another key), so its
-        # tuner measures apart from the plain line's.
-        def make_shared(comm, count, dtype, op, inplace=False):
-            st = _make_ar(comm, count, dtype, op, inplace)
-            st["dc"] = dc = _DDL.get(comm, {"shm": None})
-            x = dc.empty(count, dtype)
-            x[...] = st["x"]
-            st["x"] = x
-            return st
+    if "shared" in which:
+        # ddlkernels as a user who allocates buffers with Communicator.empty
+        # gets it: the input (allgather: the shard) in shared memory, which
+        # peers read in place.  Its own Communicator (shm=None is the default,
+        # but another key), so its tuner measures apart from the plain line's.
+        def shared_copy(dc, a, count):
+            buf = dc.empty(count, a.dtype)[: a.size]  # the same shape on every rank: a prefix of it
+            buf[...] = a
+            return buf
 
-        out.append(Collective("ddlkernels (shared input)", _ar_factor, make_shared, _ddl_run, _wrong_ar,
-                              path=lambda st: st["dc"].last_algorithm or "", settling=_ddl_settling))
+        def sharing(make, key, count_of):
+            def make_shared(comm, count, dtype, op, inplace=False):
+                st = make(comm, count, dtype, op, inplace)
+                dc = st["dc"] = _DDL.get(comm, {"shm": None})
+                st[key] = shared_copy(dc, st[key], count_of(dc, count))
+                return st
+
+            return make_shared
+
+        name = "ddlkernels (shared input)"
+        whole = lambda dc, count: count  # noqa: E731
+        if kind == "allreduce":
+            out.append(Collective(name, _ar_factor, sharing(_make_ar, "x", whole), _ddl_run, _wrong_ar,
+                                  path=lambda st: st["dc"].last_algorithm or "", settling=_ddl_settling))
+        else:
+            plain = out[0] if out and out[0].name == "ddlkernels" else make_impls(kind, ("ddlkernels",))[0]
+
+            def longest(dc, count):
+                return max(b - a for a, b in (dc.shard_range(count, rank=q) for q in range(dc.size)))
+
+            rs = kind == "reduce_scatter"
+            out.append(Collective(name, plain.bus_factor, sharing(plain.make, "x" if rs else "shard",
+                                                                  whole if rs else longest),
+                                  plain.run, plain.wrong, path=plain.path, settling=plain.settling,
+                                  unsupported=plain.unsupported))
     if "ring" in which and kind == "allreduce":
         # The multi-dimensional ring engine alone: a fixed small_bytes of 0 turns the tuner off.
         def make_ring(comm, count, dtype, op, inplace=False):

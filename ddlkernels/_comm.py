@@ -297,17 +297,19 @@ class Communicator:
         return buf[:count]
 
     def empty(self, shape, dtype="float32") -> np.ndarray:
-        """An uninitialized host array that every rank of this node can read: an allreduce input for free.
+        """An uninitialized host array that every rank of this node can read: a collective's input for free.
 
         Collective: every rank calls with the same ``shape`` and ``dtype``
         (checked; a mismatch raises the same ``ValueError`` on every rank).
         When every rank shares one node and the shared-memory allreduce is
         not turned off (``shm``), the array lies in an MPI shared window, and
         a large allreduce or reduce_scatter through the window whose input
-        lies in such an array (the whole array or any contiguous part of it)
-        skips the copy that otherwise stages the input for its peers
-        (``ddlkernels._shm``); a call where only some ranks' inputs do is
-        still correct.  Otherwise it is an ordinary ``numpy.empty``.
+        lies in such an array (the whole array or any contiguous part of it),
+        or an allgather whose shard does, skips the copy that otherwise
+        stages it for its peers (``ddlkernels._shm``); a call where only
+        some ranks' inputs do is still correct.  Otherwise it is an ordinary
+        ``numpy.empty``.  Shards of unequal length: allocate the longest on
+        every rank and use a prefix.
 
         The array is valid until ``free()`` (or the end of a ``with`` block),
         which releases its memory: do not use it afterwards.

@@ -65,11 +65,11 @@ An input that already lies in shared memory needs no stage.
 same size on every rank, in a window of its own; an allreduce whose input
 lies in one publishes where (region, offset) in its flag line before the
 first barrier, and its peers read its blocks there instead of from its
-stage -- the ``stage`` step above is skipped, the rest is unchanged (and
-the same for a large ``reduce_scatter``).  Each rank reads every peer's
-choice after that barrier, so ranks whose inputs are shared and ranks
-whose inputs are not can meet in one call.  This is
-what NCCL's symmetric memory (``ncclMemAlloc`` + a registered window) and
+stage -- the ``stage`` step above is skipped, the rest is unchanged (the
+same for a large ``reduce_scatter``, and for the shard of a large
+``allgather``, which peers copy from where it lies).  Each rank reads
+every peer's choice after that barrier, so ranks whose inputs are shared
+and ranks whose inputs are not can meet in one call.  This is what NCCL's symmetric memory (``ncclMemAlloc`` + a registered window) and
 PyTorch's ``SymmetricMemory`` offer for GPUs: buffers every peer can read.
 
 Memory: piece + piece / p of shared memory per rank, and a small window of
@@ -625,7 +625,9 @@ class ShmAllreduce:
         Each rank publishes its shard piece by piece in its own segment, one
         barrier, every rank copies the others', a barrier before the next
         piece overwrites them; a whole message under ``whole_below`` bytes
-        goes through the small-message stages with one barrier.
+        goes through the small-message stages with one barrier.  A shard in
+        a shared region (``empty``) is not published: peers copy it from
+        where it lies.
         """
         if self._win is None:
             self._allocate()
@@ -650,23 +652,34 @@ class ShmAllreduce:
         c = max(1, self.piece_bytes // dtype.itemsize)
         slot = [seg[: c * dtype.itemsize].view(dtype) for seg in self._segs]
         longest = max(b - a for a, b in bounds)
+        region, peers = 0, []  # a shard in a shared region is copied from there, not published piece by piece
+        if self._regions:
+            region, offset = self._shared_at(shard)
+            line = r * FLAG_STRIDE
+            self._flags[line + 1], self._flags[line + 2] = region, offset
+            peers = None
         for k in range(0, longest, c):
             m = max(0, min(hi - lo - k, c))
-            slot[r][:m] = shard[k : k + m]
-            # My own part of out from the slot just written (in cache), not
-            # from the shard again: the shard is then read from memory once.
-            # Measured with the window forced, against MPI_Allgather in the
-            # same run (DDLKERNELS_SHM=1 mpirun -n 2 bench/allgather.py -b 4M
-            # -e 64M, twice each): 0.93-0.98x MPI at 16 MiB and 0.89-0.92x at
-            # 64 MiB when the whole shard went to out first, 1.07-1.14x and
-            # 1.05x this way.
-            out[lo + k : lo + k + m] = slot[r][:m]
+            if region:
+                out[lo + k : lo + k + m] = shard[k : k + m]
+            else:
+                slot[r][:m] = shard[k : k + m]
+                # My own part of out from the slot just written (in cache), not
+                # from the shard again: the shard is then read from memory once.
+                # Measured with the window forced, against MPI_Allgather in the
+                # same run (DDLKERNELS_SHM=1 mpirun -n 2 bench/allgather.py -b 4M
+                # -e 64M, twice each): 0.93-0.98x MPI at 16 MiB and 0.89-0.92x at
+                # 64 MiB when the whole shard went to out first, 1.07-1.14x and
+                # 1.05x this way.
+                out[lo + k : lo + k + m] = slot[r][:m]
             self._barrier(deadline)
+            if peers is None:
+                peers = self._peer_inputs(dtype, tuple(b - a for a, b in bounds))
             for s in range(p):
                 a = bounds[s][0] + k
                 b = min(bounds[s][1], a + c)
                 if s != r and b > a:
-                    out[a:b] = slot[s][: b - a]
+                    out[a:b] = peers[s][k : k + b - a] if peers and peers[s] is not None else slot[s][: b - a]
             self._barrier(deadline)
 
     def _piece(self, x, out, layout, op, ufunc, reduce, avg_p, deadline, region=0, peers=None, at=0, n=0):
@@ -709,6 +722,7 @@ class ShmAllreduce:
     def _peer_inputs(self, dtype, n):
         """Per rank, its ``n``-element input of ``dtype`` in its shared region as published in its flag line
         (after the first barrier of a large call), or None where it staged; ``[]`` when every rank staged.
+        ``n``: one count for every rank, or a tuple of one per rank (allgather's shards).
         Cached by what the ranks published: a loop of calls on the same buffers builds its views once."""
         lines = self._flags.reshape(self.p, FLAG_STRIDE)
         published = lines[:, 1:3].tobytes()
@@ -717,8 +731,8 @@ class ShmAllreduce:
         if hit is None:
             hit = []
             for s, (region, offset) in enumerate(lines[:, 1:3].tolist()):
-                hit.append(None if not region else
-                           self._regions[region - 1][2][s][offset : offset + n * dtype.itemsize].view(dtype))
+                end = offset + (n if isinstance(n, int) else n[s]) * dtype.itemsize
+                hit.append(None if not region else self._regions[region - 1][2][s][offset:end].view(dtype))
             if all(v is None for v in hit):
                 hit = []
             if len(self._layouts) >= 64:

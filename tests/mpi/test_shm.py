@@ -459,7 +459,7 @@ def test_shared_inputs_are_read_where_they_lie(dtype, op, shared, piece_bytes):
     """An input in ``empty``'s shared memory is read by peers in place, not staged: the same bits as a staged
     call, in place and out of place, at any offset into the region, with every rank's input shared or only
     some ranks'; the shared ranks' published (region, offset) says the peers really read it there.  The same
-    for reduce_scatter."""
+    for reduce_scatter, and for allgather's shards."""
     shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=0)
     be = backend_for(np.empty(0, dtype))
     item = np.dtype(dtype).itemsize
@@ -483,7 +483,18 @@ def test_shared_inputs_are_read_where_they_lie(dtype, op, shared, piece_bytes):
             else:
                 assert published[s][0] == 0, f"{what}: rank {s} staged but published {published[s]}"
         # reduce_scatter reads a shared input in place too (uneven shards): the allreduce's bits.
-        _assert_shards_rebuild(shm, src, x, want, _bounds(n), redop, be.reduce, avg_p, what)
+        bounds = _bounds(n)
+        _assert_shards_rebuild(shm, src, x, want, bounds, redop, be.reduce, avg_p, what)
+        # allgather copies a shared shard from where it lies (a prefix of an equal region on every rank).
+        lo, hi = bounds[RANK]
+        longest = max(b - a for a, b in bounds)
+        shards = shm.empty((longest + skip) * item).view(dtype)  # collective
+        shard = shards[skip : skip + hi - lo] if mine else np.empty(hi - lo, dtype)
+        shard[...] = want[lo:hi]
+        whole = np.full_like(x, 99)
+        shm.allgather(shard, whole, bounds)
+        assert np.array_equal(whole.view(np.uint8), want.view(np.uint8)), f"{what}: allgather of shared shards"
+        assert np.array_equal(shard.view(np.uint8), want[lo:hi].view(np.uint8)), f"{what}: shard modified"
         shm.run(src, src, redop, be.reduce, avg_p=avg_p)
         assert np.array_equal(src.view(np.uint8), want.view(np.uint8)), f"{what}: in place"
     shm.free()  # collective: on success only
