@@ -6,7 +6,8 @@ Five algorithms compute the same result (host arrays):
 * ``"nbc"``  -- MPI's own nonblocking ``MPI_Iallreduce`` + ``Wait``.  Open MPI
   runs it with a different schedule (libnbc) from the blocking call (coll
   tuned).  Here it won at 8-32 KiB with 4 ranks (1.11-1.57x the blocking
-  call in bench/results/allreduce_np4_float32*.txt) and at 16-64 KiB with 3
+  call in bench/results/allreduce_np4_float32*.txt of a set before the
+  shared-memory window, which now wins those sizes) and at 16-64 KiB with 3
   (1.31-1.96x in two runs of ``mpirun -n 3 python -m mpi4py -m ddlkernels
   job -e 256K``); with 2 ranks it never won its trials;
 * ``"ring"`` -- this library's multi-dimensional ring;
