@@ -838,11 +838,13 @@ class Communicator:
         (op, dtype, count) once settled, with the argument checks done the
         first time; everything else takes the full path.
         """
-        if op.__class__ is not str or not x.flags.c_contiguous or not x.dtype.isnative:
+        if op.__class__ is not str or not x.flags.c_contiguous:
             return None
-        key = (op, x.dtype, x.size)
+        key = (op, x.dtype, x.size)  # a native dtype never equals a byte-swapped one: checked once, below
         hit = self._rs_fast_cache.get(key)
         if hit is None:
+            if not x.dtype.isnative:
+                return None
             try:
                 opname, dtype = normalize_op(op), check_dtype(x.dtype)
             except (TypeError, ValueError):
@@ -857,15 +859,16 @@ class Communicator:
                 if algo is None:  # still measured
                     return None
             bounds = self._all_shards(x.size, None)
+            mine = (bounds[self.rank][1] - bounds[self.rank][0],)  # my shard's shape
             if algo == "shm":
                 if self._shm is None or not self._shm.allocated:
                     return None  # the full path sets the window up (collectively); ask again after it
                 # The window's prepared call where it has one (small messages), else its reduce_scatter.
                 fn = None if avg else self._shm.small_shard_fn("reduce_scatter", dtype, x.size, redop, bounds)
-                hit = ("shm", bounds, redop, self.size if avg else None, backend_for(x).reduce, fn, watch)
+                hit = ("shm", mine, bounds, redop, self.size if avg else None, backend_for(x).reduce, fn, watch)
             elif algo == "mpi":
                 counts = [hi - lo for lo, hi in bounds]
-                hit = ("mpi", bounds, None if len(set(counts)) == 1 else counts, _mpi_op(redop), avg, watch)
+                hit = ("mpi", mine, None if len(set(counts)) == 1 else counts, _mpi_op(redop), avg, watch)
             else:
                 hit = False
             if len(self._rs_fast_cache) >= 4096:
@@ -873,10 +876,9 @@ class Communicator:
             self._rs_fast_cache[key] = hit
         if hit is False:
             return None
-        lo, hi = hit[1][self.rank]
         if out is None:
-            shard = np.empty(hi - lo, x.dtype)
-        elif _plain_out(out, x, hi - lo):
+            shard = np.empty(hit[1], x.dtype)
+        elif _plain_out(out, x, hit[1]):
             shard = out
         else:
             return None  # the full path says what is wrong with out
@@ -890,10 +892,10 @@ class Communicator:
                 self.comm.Reduce_scatter(src, shard, hit[2], hit[3])
             if hit[4]:
                 _scale_inplace(shard, self.size)
-        elif hit[5] is not None:  # the window's prepared call (ShmAllreduce.small_shard_fn)
-            hit[5](src, shard)
+        elif hit[6] is not None:  # the window's prepared call (ShmAllreduce.small_shard_fn)
+            hit[6](src, shard)
         else:
-            self._shm_collectives().reduce_scatter(src, shard, hit[1], hit[2], hit[4], avg_p=hit[3])
+            self._shm_collectives().reduce_scatter(src, shard, hit[2], hit[3], hit[5], avg_p=hit[4])
         self.last_algorithm = hit[0]
         if watch is not None:
             self._shard_watch(watch, t0, self._rs_fast_cache)
@@ -965,7 +967,7 @@ class Communicator:
         ``timeout`` as for ``allreduce``.
         """
         if count is None and out is not None:
-            count = _size(out)
+            count = out.size if out.__class__ is np.ndarray else _size(out)
         if count is not None and type(shard) is np.ndarray and self._plain_call(dims, chunk_bytes, backend, validate,
                                                                                   timeout):
             done = self._ag_fast(shard, count, out)
@@ -979,11 +981,13 @@ class Communicator:
 
     def _ag_fast(self, shard, count, out):
         """An allgather with ``count`` given, settled on MPI or shared memory: straight to it, or None."""
-        if not shard.flags.c_contiguous or not shard.dtype.isnative or count.__class__ is not int:
+        if not shard.flags.c_contiguous or count.__class__ is not int:
             return None
-        key = (shard.dtype, shard.size, count)
+        key = (shard.dtype, shard.size, count)  # a native dtype never equals a byte-swapped one: checked once
         hit = self._ag_fast_cache.get(key)
         if hit is None:
+            if not shard.dtype.isnative:
+                return None
             try:
                 dtype = check_dtype(shard.dtype)
             except (TypeError, ValueError):
@@ -1018,7 +1022,7 @@ class Communicator:
             return None
         if out is None:
             out = np.empty(count, shard.dtype)
-        elif not _plain_out(out, shard, count):
+        elif not _plain_out(out, shard, (count,)):
             return None  # the full path says what is wrong with out
         src = shard if shard.ndim == 1 else shard.reshape(-1)
         watch = hit[-1]
@@ -1148,10 +1152,12 @@ def _check_out(be, out, x, dtype):
         raise ValueError(f"out is on device {be.device_id(out)} but the input on {be.device_id(x)}")
 
 
-def _plain_out(out, x, n):
-    """Whether ``out`` is a numpy array the fast paths can write ``n`` elements of ``x``'s dtype into."""
-    return (type(out) is np.ndarray and out.dtype == x.dtype and out.shape == (n,) and out.flags.c_contiguous
-            and out.flags.writeable and not np.may_share_memory(out, x))
+def _plain_out(out, x, shape):
+    """Whether ``out`` is a numpy array of ``shape`` (a 1-tuple) the fast paths can write ``x``'s dtype into."""
+    if type(out) is not np.ndarray or out.shape != shape or out.dtype != x.dtype:
+        return False
+    flags = out.flags
+    return flags.c_contiguous and flags.writeable and not np.may_share_memory(out, x)
 
 
 def _check_shard_out(be, out, x, dtype, n, what):

@@ -434,7 +434,7 @@ def test_shard_fast_paths_hold_the_windows_small_calls_and_free_drops_them():
             assert np.array_equal(shard, want[lo:hi]) and dc.last_algorithm == "shm"
             whole = dc.allgather(shard, count=count)
             assert np.array_equal(whole, want) and dc.last_algorithm == "shm"
-        assert any(h and h[5] is not None for h in dc._rs_fast_cache.values()), dc._rs_fast_cache
+        assert any(h and h[6] is not None for h in dc._rs_fast_cache.values()), dc._rs_fast_cache
         assert any(h and h[2] is not None for h in dc._ag_fast_cache.values()), dc._ag_fast_cache
         dc.free()
         assert not dc._rs_fast_cache and not dc._ag_fast_cache
