@@ -188,7 +188,12 @@ def _quiet_window(fn):
 
 def _fold(out, operands, op, ufunc, reduce, avg_p):
     """``out = ((operands[0] op operands[1]) op operands[2]) ...``; "avg" scales in the last step."""
-    if ufunc is not None:
+    if ufunc is np.add or ufunc is np.multiply:  # out positionally: cheaper (backends/_numpy.py's _DIRECT)
+        ufunc(operands[0], operands[1], out)
+        for v in operands[2:]:
+            ufunc(out, v, out)
+        return
+    if ufunc is not None:  # max/min: numpy 2 deprecates their positional out
         ufunc(operands[0], operands[1], out=out)
         for v in operands[2:]:
             ufunc(out, v, out=out)

@@ -18,6 +18,13 @@ from .._dtypes import BFLOAT16, acc_dtype, is_half
 from . import Backend
 
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+#: (op, dtype) -> ufunc for the sums and products whose reduction is numpy's own loop with nothing
+#: around it (not float16/bfloat16, which go through ddlkernels._half), looked up first by ``reduce``
+#: and called with ``out`` positionally: numpy parses a keyword ``out=`` for ~0.2 us per call
+#: (``python -m timeit``: 451 vs 213 ns for a 16-element add), which shows on the in-cache chunks of
+#: the ring and the window.  Not max/min: numpy 2 deprecates their positional ``out``.
+_DIRECT = {(op, np.dtype(t)): _UFUNC[op] for op in ("sum", "prod")
+           for t in (np.float32, np.float64, np.int32, np.int64)}
 
 
 # Without Numba, bfloat16 is reduced through float32 scratch in blocks of
@@ -90,6 +97,11 @@ class NumpyBackend(Backend):
     def reduce(self, op, dst, a, b=None, *, avg_p=None):
         if b is None:
             a, b = dst, a
+        if avg_p is None:  # the common case first: numpy's own loop, out positionally (_DIRECT)
+            ufunc = _DIRECT.get((op, dst.dtype))
+            if ufunc is not None:
+                ufunc(a, b, dst)
+                return
         if avg_p is not None and op != "sum":
             raise ValueError("avg_p is only defined for the sum")
         # float16/bfloat16: one compiled pass (ddlkernels._half); numpy below
