@@ -69,8 +69,9 @@ stage -- the ``stage`` step above is skipped, the rest is unchanged (the
 same for a large ``reduce_scatter``, and for the shard of a large
 ``allgather``, which peers copy from where it lies).  Each rank reads
 every peer's choice after that barrier, so ranks whose inputs are shared
-and ranks whose inputs are not can meet in one call.  This is what NCCL's symmetric memory (``ncclMemAlloc`` + a registered window) and
-PyTorch's ``SymmetricMemory`` offer for GPUs: buffers every peer can read.
+and ranks whose inputs are not can meet in one call.  This is what NCCL's
+symmetric memory (``ncclMemAlloc`` + a registered window) and PyTorch's
+``SymmetricMemory`` offer for GPUs: buffers every peer can read.
 
 Memory: piece + piece / p of shared memory per rank, and a small window of
 p x 64 B of flags and 2 x p x 64 KiB of small-message stages (~1.8 MiB in
@@ -308,6 +309,22 @@ class ShmAllreduce:
         self._regions.append((mine.ctypes.data, nbytes, views, win))
         return mine
 
+    def _publish(self, x):
+        """Before a large call's first barrier: where ``x`` (None: a virtual input) lies in a shared region,
+        into my flag line.  ``(region, peers)``: ``region`` 0 when ``x`` is staged as usual; ``peers``
+        None (``_peer_inputs`` reads every rank's choice after the barrier) or ``[]`` when no region
+        exists -- here, so anywhere (``empty`` is collective): nothing to publish or read.
+
+        Written before the first barrier, read by peers after it (its release and acquire order it),
+        rewritten only by my next large call, which no peer reaches before it is done with this one.
+        """
+        if not self._regions:
+            return 0, []
+        region, offset = (0, 0) if x is None else self._shared_at(x)
+        line = self.rank * FLAG_STRIDE
+        self._flags[line + 1], self._flags[line + 2] = region, offset
+        return region, None
+
     def _shared_at(self, x):
         """``(region index + 1, byte offset)`` of a 1-D array lying in one of this rank's regions, else (0, 0)."""
         at = x.ctypes.data
@@ -401,16 +418,7 @@ class ShmAllreduce:
             self._whole(src, dst, op, ufunc, reduce, avg_p, deadline)
             return
         step = max(1, self.piece_bytes // dtype.itemsize)
-        # Where my input lies, for peers to read it there (0: staged).  Written before the first
-        # barrier, read by peers after it (its release and acquire order it), rewritten only by my
-        # next large call, which no peer reaches before it is done reading this one's.
-        # No regions here means none anywhere (``empty`` is collective): nothing to publish or read.
-        region, peers = 0, []
-        if self._regions:
-            region, offset = (0, 0) if virtual else self._shared_at(src)
-            line = self.rank * FLAG_STRIDE
-            self._flags[line + 1], self._flags[line + 2] = region, offset
-            peers = None
+        region, peers = self._publish(None if virtual else src)
         for a in range(0, n, step):
             b = min(n, a + step)
             x = (src, a) if virtual else src[a:b]
@@ -601,12 +609,7 @@ class ShmAllreduce:
         c = max(1, self.piece_bytes // dtype.itemsize // p)
         stage = [seg[: p * c * dtype.itemsize].view(dtype) for seg in self._segs]
         longest = max(b - a for a, b in bounds)
-        region, peers = 0, []  # an input in a shared region is read there, as run() does
-        if self._regions:
-            region, offset = self._shared_at(src)
-            line = r * FLAG_STRIDE
-            self._flags[line + 1], self._flags[line + 2] = region, offset
-            peers = None
+        region, peers = self._publish(src)  # an input in a shared region is read there, as run() does
         for k in range(0, longest, c):
             if not region:
                 for s in range(p):
@@ -657,12 +660,7 @@ class ShmAllreduce:
         c = max(1, self.piece_bytes // dtype.itemsize)
         slot = [seg[: c * dtype.itemsize].view(dtype) for seg in self._segs]
         longest = max(b - a for a, b in bounds)
-        region, peers = 0, []  # a shard in a shared region is copied from there, not published piece by piece
-        if self._regions:
-            region, offset = self._shared_at(shard)
-            line = r * FLAG_STRIDE
-            self._flags[line + 1], self._flags[line + 2] = region, offset
-            peers = None
+        region, peers = self._publish(shard)  # a shard in a shared region is copied from there, not published
         for k in range(0, longest, c):
             m = max(0, min(hi - lo - k, c))
             if region:
