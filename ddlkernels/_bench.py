@@ -589,7 +589,9 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
     "linkchunk": the link's ring step moved as 1 MiB Isend/Irecv pieces, all
     posted at once (the step as a chunked pipeline would see it); "copy": for
     allreduce, every rank copying its input buffer into its output (the
-    memory traffic an out-of-place allreduce cannot avoid).
+    memory traffic an out-of-place allreduce cannot avoid); "shared": ddlkernels on
+    an input (allgather: a shard) allocated with ``Communicator.empty``, which the
+    shared-memory window's peers read in place.
 
     ``ddl_options``: dicts of ``Communicator`` keyword arguments (e.g.
     ``{"chunk_bytes": 262144}``), one ddlkernels line each.  ``mpi_label``:
