@@ -55,7 +55,7 @@ def add_bench_arguments(p, collective_default="allreduce"):
                    help="out of place (default), in place, or both")
     g.add_argument("--inplace", dest="place", action="store_const", const="in", help="same as --place in")
     g.add_argument("--impls", default=",".join(_DEFAULT_IMPLS),
-                   help="lines to run: ddlkernels, shared (allreduce: ddlkernels with its input in "
+                   help="lines to run: ddlkernels, shared (ddlkernels with its input, allgather: its shard, in "
                         "Communicator.empty's shared memory), ring (allreduce: ddlkernels' ring engine alone, "
                         "small_bytes=0), "
                         "mpi (MPI's own collective), link (Sendrecv of one ring step), "
