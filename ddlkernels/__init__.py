@@ -31,6 +31,7 @@ __all__ = [
     "reduce_scatter",
     "allgather",
     "shard_range",
+    "empty",
     "CollectiveTimeout",
     "abort_on_exception",
     "OPS",
@@ -91,3 +92,14 @@ def shard_range(count, *, comm=None, dims=None, rank=None):
     ``dims=(p,)`` rank r owns block r, as in ``MPI_Reduce_scatter_block``.
     """
     return as_communicator(comm).shard_range(count, dims, rank)
+
+
+def empty(shape, dtype="float32", *, comm=None):
+    """An array every rank of this node can read, so that collectives on it skip a staging copy (collective).
+
+    ``Communicator.empty`` of the communicator the module functions use for
+    ``comm`` (``as_communicator``): ``allreduce(a, ..., comm=comm)`` on it
+    then reads peers' inputs where they lie.  It lives as long as that
+    communicator (for ``comm=None``, until MPI is finalized).
+    """
+    return as_communicator(comm).empty(shape, dtype)

@@ -560,3 +560,18 @@ def test_communicator_empty_checks_its_arguments_on_every_rank(shm):
             x = dc.empty(7)
             x[...] = rank_data(7, RANK, P, np.float32)
             assert_close(dc.allreduce(x), COMM.allgather(x.copy()), "sum", np.float32, "plain empty")
+
+
+@needs_peers
+def test_module_level_empty_is_read_in_place_by_the_module_functions():
+    """``ddlkernels.empty`` allocates in the communicator the module functions use, which then reads it where
+    it lies (whatever the tuner chose, the result is the same: exact data)."""
+    a = ddlkernels.empty(300_000, np.float64)
+    a[...] = rank_data(a.size, RANK, P, np.float64)
+    keep = a.copy()
+    want = ddlkernels.allreduce(keep)
+    dc = ddlkernels.as_communicator()
+    for _ in range(60):  # through the tuner's trials to its choice
+        assert np.array_equal(ddlkernels.allreduce(a), want) and np.array_equal(a, keep)
+    if dc.last_algorithm == "shm":
+        assert dc._shm._shared_at(a)[0] > 0 and dc._shm._flags.reshape(P, -1)[RANK, 1] > 0
