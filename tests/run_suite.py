@@ -5,7 +5,9 @@
 Each MPI run is ``mpirun -n N python -m mpi4py tests/_mpi_pytest.py tests/mpi``
 with ``MPIEXEC_TIMEOUT`` set, so a rank that fails aborts the job (through
 mpi4py's abort-on-exception and tests/mpi/conftest.py) and a hang is killed.
-Running as root and with more ranks than cores works without flags.
+Running as root and with more ranks than cores works without flags.  A run
+whose launcher fails before any test starts (``LAUNCH_FAILURES``) is
+launched again, at most ``LAUNCHES`` times in all; nothing else is retried.
 The last line is the total in pytest's words, e.g. "123 passed, 0 failed".
 """
 
