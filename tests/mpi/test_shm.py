@@ -504,7 +504,10 @@ def test_shared_inputs_are_read_where_they_lie(dtype, op, shared, piece_bytes):
 @pytest.mark.parametrize("whole_below", [0, 1 << 20], ids=["pieces", "whole"])
 def test_skewed_ranks_never_read_a_shared_input_too_early_or_too_late(whole_below):
     """Ranks that refill their shared input right after a call returns, while a peer is late: every result is
-    still the sum of that call's inputs (a peer reads my input only between the barriers of the call)."""
+    still the sum of that call's inputs (a peer reads my input only between the barriers of the call).  Half
+    the ranks of each call wait with a timeout (polled barriers), the others without: the same barriers."""
+    from ddlkernels._wait import Deadline
+
     shm = ShmAllreduce(COMM, piece_bytes=4096, whole_below=whole_below)
     reduce = backend_for(np.empty(0)).reduce
     n = 5000
@@ -515,7 +518,8 @@ def test_skewed_ranks_never_read_a_shared_input_too_early_or_too_late(whole_belo
         region[:] = (np.arange(n, dtype=np.int64) * 1000 + call) * P + RANK
         want = sum((np.arange(n, dtype=np.int64) * 1000 + call) * P + q for q in range(P))
         out = np.empty(n, np.int64)
-        shm.run(region, out, "sum", reduce)
+        deadline = Deadline("allreduce", RANK, 60.0) if (RANK + call) % 2 else None
+        shm.run(region, out, "sum", reduce, deadline=deadline)
         assert np.array_equal(out, want), f"call {call}"
     shm.free()  # collective: on success only
 
