@@ -318,10 +318,11 @@ class Communicator:
         shape = (operator.index(shape),) if np.ndim(shape) == 0 else tuple(operator.index(d) for d in shape)
         if any(d < 0 for d in shape):
             raise ValueError(f"empty: negative dimension in shape {shape}")
-        asked = self.comm.allgather((shape, dt.str))
-        if any(a != asked[0] for a in asked):
-            detail = ", ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(asked[:8]))
-            raise ValueError(f"empty: every rank must ask for the same shape and dtype; got {detail}")
+        from ._fusion import check_same_on_all_ranks
+
+        # Its signature layout: (call, op, settings, then one (dtype, shape) per array).
+        check_same_on_all_ranks(self.comm, ("empty", "-", (), (dt.str, shape)),
+                                "empty: every rank must ask for the same shape and dtype")
         count = int(np.prod(shape, dtype=np.int64))
         if self._shm_mode is None:
             return np.empty(shape, dt)

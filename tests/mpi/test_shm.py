@@ -229,6 +229,16 @@ def test_allreduce_many_through_shm_equals_separate_calls():
         assert np.array_equal(g, w)
 
 
+def _rank_order_fold(xs, op, be):
+    """((x0 op x1) op x2) ...: what every form of the window's allreduce computes, bit for bit."""
+    redop, avg_p = ("sum", P) if op == "avg" else (op, None)
+    want = np.empty_like(xs[0])
+    be.reduce(redop, want, xs[0], xs[1], avg_p=avg_p if P == 2 else None)
+    for i in range(2, P):
+        be.reduce(redop, want, want, xs[i], avg_p=avg_p if i == P - 1 else None)
+    return want
+
+
 @needs_peers
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", OPS)
@@ -241,10 +251,7 @@ def test_every_element_is_the_rank_order_fold_bitwise(dtype, op, piece_bytes, wh
     xs = COMM.allgather(x)
     be = backend_for(x)
     redop, avg_p = ("sum", P) if op == "avg" else (op, None)
-    want = np.empty_like(x)
-    be.reduce(redop, want, xs[0], xs[1], avg_p=avg_p if P == 2 else None)
-    for i in range(2, P):
-        be.reduce(redop, want, want, xs[i], avg_p=avg_p if i == P - 1 else None)
+    want = _rank_order_fold(xs, op, be)
     shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=whole_below)
     got = np.empty_like(x)
     shm.run(x, got, redop, be.reduce, avg_p=avg_p)
@@ -438,16 +445,6 @@ def test_shard_fast_paths_hold_the_windows_small_calls_and_free_drops_them():
         assert any(h and h[2] is not None for h in dc._ag_fast_cache.values()), dc._ag_fast_cache
         dc.free()
         assert not dc._rs_fast_cache and not dc._ag_fast_cache
-
-
-def _rank_order_fold(xs, op, be):
-    """((x0 op x1) op x2) ...: what every form of the window's allreduce computes, bit for bit."""
-    redop, avg_p = ("sum", P) if op == "avg" else (op, None)
-    want = np.empty_like(xs[0])
-    be.reduce(redop, want, xs[0], xs[1], avg_p=avg_p if P == 2 else None)
-    for i in range(2, P):
-        be.reduce(redop, want, want, xs[i], avg_p=avg_p if i == P - 1 else None)
-    return want
 
 
 @needs_peers
