@@ -11,7 +11,7 @@ barrier on the slowest rank (median over rounds, milliseconds per call):
 * ``memcpy``: every rank copies its N-byte input into its N-byte output, the
   memory traffic no out-of-place allreduce avoids;
 * ``shm``: ``ddlkernels._shm.ShmAllreduce.run``, the shared-memory allreduce;
-* ``private``: the same numpy steps per piece as ``shm`` (stage the peers'
+* ``private``: the steps per piece of ``shm``, as numpy calls (stage the peers'
   blocks, fold p operands into a result, copy it to out, copy the p - 1
   other results to out), on buffers private to each rank and without
   barriers: the algorithm's memory traffic with nothing crossing between

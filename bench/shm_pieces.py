@@ -6,6 +6,8 @@
                                                    # barrier polls before yielding (SPIN)
     mpirun -n 2 python -m mpi4py bench/shm_pieces.py --small --shards --sizes 4K,16K
                                                    # whole-message reduce_scatter and allgather
+    mpirun -n 2 python -m mpi4py bench/shm_pieces.py --loop   # the compiled piece loop vs the Python one,
+                                                   # 64K..16M
 
 Each line is ``ddlkernels._shm.ShmAllreduce.run`` with one setting, called
 directly (no tuner, no argument checks), interleaved round by round with the
@@ -58,6 +60,9 @@ def main():
     ap.add_argument("--shards", action="store_true",
                     help="with --small: time the window's reduce_scatter and allgather (whole message, equal "
                          "shards) beside MPI_Reduce_scatter_block and MPI_Allgather instead")
+    ap.add_argument("--loop", action="store_true",
+                    help="compare the compiled piece loop (ddlkernels._shm_loops.pieces_allreduce, what run takes) "
+                         "with the Python one (ShmAllreduce._pieces, what a timeout= or a shared input takes)")
     ap.add_argument("--rounds", type=int, default=15)
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
@@ -70,6 +75,9 @@ def main():
             variants = {f"spin {int(s)}": ShmAllreduce(comm, whole_below=whole, spin=int(s)) for s in a.spins.split(",")}
         else:
             variants = {"whole": ShmAllreduce(comm, whole_below=whole), "pieces": ShmAllreduce(comm, whole_below=0)}
+    elif a.loop:
+        sizes = a.sizes or "64K,256K,1M,4M,16M"
+        variants = {"compiled": ShmAllreduce(comm, whole_below=0), "python": ShmAllreduce(comm, whole_below=0)}
     else:
         sizes = a.sizes or "4M,16M,64M"
         variants = {f"piece {format_size(parse_size(s))}": ShmAllreduce(comm, piece_bytes=parse_size(s), whole_below=0)
@@ -94,6 +102,10 @@ def main():
             fns.update(_shard_lines(comm, x, want, variants["whole"]))
         else:
             fns.update({k: (lambda v=v, o=outs[k]: v.run(x, o, "sum", reduce)) for k, v in variants.items()})
+        if a.loop:
+            py, o = variants["python"], outs["python"]
+            py.run(x[:1], o[:1], "sum", reduce)  # allocates its window (collective), which _pieces expects
+            fns["python"] = lambda: py._pieces(x, o, "sum", np.add, reduce, None, None)
         for f in fns.values():
             f()
             f()
@@ -107,7 +119,8 @@ def main():
                 res[k].append(timed(f, batch))
         if rank == 0:
             med = {k: float(np.median(v)) for k, v in res.items()}
-            print(f"{format_size(nb):>6} " + "  ".join(f"{k} {v:8.2f}" for k, v in med.items()), flush=True)
+            ratio = f"  python/compiled {med['python'] / med['compiled']:.2f}" if a.loop else ""
+            print(f"{format_size(nb):>6} " + "  ".join(f"{k} {v:8.2f}" for k, v in med.items()) + ratio, flush=True)
     for v in variants.values():
         v.free()
 

@@ -35,6 +35,17 @@ the 2-core machine by ``bench/shm_pieces.py``: 1 MiB pieces were the fastest,
 or within 2 % of it, at 4, 16 and 64 MiB with 2 and 4 ranks; 256 KiB pieces
 took 1.07-1.42x as long, 2 MiB pieces 1.00-1.35x).
 
+For numpy's own types and ops (not "avg", float16 or bfloat16) and no
+``timeout=``, the whole piece loop is one compiled call
+(``ddlkernels._shm_loops.pieces_allreduce``), its copies libc's memcpy:
+Python's dozen numpy calls per piece were most of a call's time at 64-256
+KiB.  ``bench/shm_pieces.py --loop`` (the two loops interleaved in one run,
+two runs each): with 2 ranks the compiled loop was 1.78-1.80x as fast at 64
+KiB, 1.37-1.44x at 256 KiB, 1.07-1.10x at 1 MiB and 0.97-1.11x from 4 MiB
+(memory-bound); with 4 ranks on the 2 cores 1.61-1.84x, 1.48x, 1.05-1.17x
+and 1.03-1.11x.  The steps and barriers are the same, so a rank with a
+``timeout=`` (Python, polling its barriers) meets ranks without one.
+
 Two barriers per piece are enough, with one set of buffers reused by every
 piece.  A rank overwrites its stage for piece k + 1 only after the second
 barrier of piece k, which every peer reaches only after it has read that
@@ -405,7 +416,7 @@ class ShmAllreduce:
         """
         if deadline is None and avg_p is None and src.__class__ is np.ndarray:
             fn = self._small.get((src.dtype, src.shape[0], op))
-            if fn is not None:  # a small message seen before: no checks left to make
+            if fn is not None:  # a message seen before, compiled: no checks left to make
                 fn(src, dst)
                 return
         dtype, ufunc = self._ready(src, op, avg_p)
@@ -417,6 +428,15 @@ class ShmAllreduce:
                 src = dst
             self._whole(src, dst, op, ufunc, reduce, avg_p, deadline)
             return
+        if ufunc is not None and deadline is None and not virtual and not self._regions:
+            self._compiled(dtype, n, op)(src, dst)
+            return
+        self._pieces(src, dst, op, ufunc, reduce, avg_p, deadline)
+
+    def _pieces(self, src, dst, op, ufunc, reduce, avg_p, deadline):
+        """``run``'s piece loop in Python: for any dtype, op and input, a deadline, shared inputs."""
+        dtype, n = src.dtype, src.shape[0]
+        virtual = not isinstance(src, np.ndarray)
         step = max(1, self.piece_bytes // dtype.itemsize)
         region, peers = self._publish(None if virtual else src)
         for a in range(0, n, step):
@@ -424,6 +444,38 @@ class ShmAllreduce:
             x = (src, a) if virtual else src[a:b]
             peers = self._piece(x, dst[a:b], self._layout(dtype, b - a), op, ufunc, reduce, avg_p, deadline,
                                 region, peers, a, n)
+
+    def _compiled(self, dtype, n, op):
+        """``f(x, out)``: the pieces of an ``n``-element message as one compiled call
+        (``ddlkernels._shm_loops.pieces_allreduce``), for a numpy ufunc's dtype and op and no deadline (cached).
+
+        Every view is built once.  While shared regions exist (``empty``) ``f``
+        takes the Python pieces instead: those publish where each input lies
+        and read the peers', and every rank of a call must take the same
+        steps (the regions exist on all ranks or on none).
+        """
+        key = (dtype, n, op)
+        fn = self._small.get(key)
+        if fn is not None:
+            return fn
+        item, rb = dtype.itemsize, self._stage_bytes
+        step = max(1, self.piece_bytes // item)
+        stages = tuple(seg[: step * item].view(dtype) for seg in self._segs)
+        results = tuple(seg[rb : rb + -(-step // self.p) * item].view(dtype) for seg in self._segs)
+        call, flags, rank, code, spin, me = self._loops.pieces_allreduce, self._flags, self.rank, OPCODES[op], \
+            self.spin, self
+        barriers = 2 * -(-n // step)
+        ufunc = _ufunc(dtype, op)
+
+        def fn(x, out):
+            if me._regions:
+                me._pieces(x, out, op, ufunc, None, None, None)
+                return
+            e = me._epoch + 1
+            me._epoch += barriers
+            call(x, stages, results, rank, out, flags, e, code, spin, step)
+
+        return self._remember(key, fn)
 
     def _whole(self, x, out, op, ufunc, reduce, avg_p, deadline):
         """A small message: every rank stages all of it, one barrier, every rank reduces all of it.
@@ -444,17 +496,20 @@ class ShmAllreduce:
     def small_fn(self, dtype, n, op):
         """``f(x, out)``: ``run(x, out, op, ...)`` for 1-D arrays of ``n`` elements of ``dtype``, or None.
 
-        For a message below ``whole_below`` bytes whose op numpy computes
-        directly (not "avg", not float16 or bfloat16: ``_ufunc``), on a
-        window already allocated;
-        None otherwise.  For a caller that has settled on this path and
-        wants no per-call lookups (``Communicator``'s fast path).
+        For a message whose op numpy computes directly (not "avg", not
+        float16 or bfloat16: ``_ufunc``), on a window already allocated: the
+        compiled small-message call below ``whole_below`` bytes, the compiled
+        pieces from there (``_compiled``); None otherwise.  For a caller
+        that has settled on this path and wants no per-call lookups
+        (``Communicator``'s fast path).
         """
         dtype = np.dtype(dtype)
         ufunc = _ufunc(dtype, op)
-        if not self.allocated or ufunc is None or not 0 < n * dtype.itemsize < self.whole_below:
+        if not self.allocated or ufunc is None or n <= 0:
             return None
-        return self._small_fn(dtype, n, op, ufunc)
+        if n * dtype.itemsize < self.whole_below:
+            return self._small_fn(dtype, n, op, ufunc)
+        return self._compiled(dtype, n, op)
 
     def _small_fn(self, dtype, n, op, ufunc):
         """``_whole`` for ``n`` elements of ``dtype`` and a numpy ufunc, as one function ``f(x, out)`` (cached).

@@ -1,4 +1,5 @@
-"""Compiled pieces of the shared-memory collectives (``ddlkernels._shm``): a flag barrier and the small-message calls.
+"""Compiled parts of the shared-memory collectives (``ddlkernels._shm``): a flag barrier, the small-message calls
+and the large allreduce's piece loop.
 
 Why compiled: a latency-bound allreduce through the window is a copy, a
 barrier and an addition of a few KiB.  Done as numpy calls around
@@ -47,7 +48,7 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.core.extending import intrinsic
+from numba.core.extending import intrinsic, overload
 from numba.np.arrayobj import make_array
 
 from ._shm import FLAG_STRIDE as STRIDE
@@ -247,3 +248,138 @@ def small_allgather(shard, stage, me, out, flags, epoch, spin, los, his):
             dst, src = out[los[s] : his[s]], stage[s]
             for i in range(his[s] - los[s]):
                 dst[i] = src[i]
+
+
+@intrinsic
+def _memcpy(typingctx, dst, src):
+    """``dst[:len(src)] = src`` for two C-contiguous 1-D arrays of one dtype, as LLVM's memcpy (libc's for
+    long runs: as fast as numpy's own copies, where a loop was not when the source came from memory)."""
+
+    def codegen(context, builder, sig, args):
+        darr = make_array(sig.args[0])(context, builder, args[0])
+        sarr = make_array(sig.args[1])(context, builder, args[1])
+        count = builder.extract_value(sarr.shape, 0)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(sig.args[1].dtype)))
+        cgutils.raw_memcpy(builder, darr.data, sarr.data, count, itemsize)
+        return context.get_dummy_value()
+
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == src.ndim == 1
+            and dst.layout == src.layout == "C" and dst.dtype == src.dtype):
+        return None
+    return types.void(dst, src), codegen
+
+
+def _copy(dst, src):
+    """``dst[:len(src)] = src`` (1-D arrays of one dtype, ``dst`` at least as long, not overlapping)."""
+
+
+@overload(_copy, inline="always")
+def _copy_impl(dst, src):
+    if dst.layout == src.layout == "C":
+        return lambda dst, src: _memcpy(dst, src)
+
+    def loop(dst, src):
+        for i in range(src.shape[0]):
+            dst[i] = src[i]
+
+    return loop
+
+
+# The pieces' sum and product: plain IEEE arithmetic.  Unlike the small call,
+# where every rank folds every element and so must pick the same of two NaNs
+# wherever its loop puts the element (_sum), each block of a piece is folded
+# by one rank and copied by the others: the bits agree everywhere as they
+# are.  LLVM may swap the operands, so which of two NaNs comes out is open,
+# as it is in numpy; everything else is numpy's bits.
+@njit(inline="always")
+def _add(u, v):
+    return u + v
+
+
+@njit(inline="always")
+def _mul(u, v):
+    return u * v
+
+
+@njit(inline="always")
+def _combine_into(res, a, b, combine):
+    for i in range(res.shape[0]):
+        res[i] = combine(a[i], b[i])
+
+
+@njit(inline="always")
+def _fold_block(res, own, stages, me, lo, hi, combine):
+    # res = ((operand 0 op operand 1) op operand 2) ..., operand s being my own block ``own`` for s == me
+    # and rank s's stage[lo:hi] otherwise: the rank order of _fold.  Each operand pair is its own call,
+    # so that ``own`` (a slice of the caller's x, perhaps read-only) and the stages keep their own types.
+    if me == 0:
+        _combine_into(res, own, stages[1][lo:hi], combine)
+    elif me == 1:
+        _combine_into(res, stages[0][lo:hi], own, combine)
+    else:
+        _combine_into(res, stages[0][lo:hi], stages[1][lo:hi], combine)
+    for s in range(2, len(stages)):
+        if s == me:
+            _combine_into(res, res, own, combine)
+        else:
+            _combine_into(res, res, stages[s][lo:hi], combine)
+
+
+@njit(inline="always")
+def _pieces(x, stages, results, me, out, flags, epoch, spin, step, combine):
+    p = len(stages)
+    mine = stages[me]
+    e = epoch
+    for a in range(0, x.shape[0], step):
+        b = min(x.shape[0], a + step)
+        xs, os = x[a:b], out[a:b]
+        q, m = divmod(b - a, p)
+        lo = me * q + min(me, m)
+        hi = lo + q + (1 if me < m else 0)
+        # Stage what my peers need of this piece (all but my own block), then barrier: every stage is full.
+        _copy(mine[:lo], xs[:lo])
+        _copy(mine[hi : b - a], xs[hi:])
+        barrier(flags, me, p, e, spin)
+        # My block, summed in rank order into my published result, then copied to out (out is only written).
+        k = hi - lo
+        res, own, dst = results[me][:k], xs[lo:hi], os[lo:hi]
+        _fold_block(res, own, stages, me, lo, hi, combine)
+        _copy(dst, res)
+        barrier(flags, me, p, e + 1, spin)
+        # Every other block from its owner's result.
+        for s in range(p):
+            if s != me:
+                slo = s * q + min(s, m)
+                shi = slo + q + (1 if s < m else 0)
+                _copy(os[slo:shi], results[s][: shi - slo])
+        e += 2
+
+
+@njit(cache=True, nogil=True)
+def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step):
+    """``out = ((x0 op x1) op x2) ...`` over the ranks, piece by piece through the large window.
+
+    Purpose: ``ShmAllreduce``'s piece loop (its module comment) as one call
+    -- stage, barrier, fold my block, barrier, gather, per piece of ``step``
+    elements -- instead of a dozen numpy calls per piece: at 64-256 KiB the
+    calls, not the memory, were most of the time.
+    Preconditions: ``stages[s]`` / ``results[s]`` are rank s's stage (at
+    least ``step`` elements) and result (at least ceil(step / p)) in the
+    window, of ``x``'s dtype; ``out`` holds len(x) elements (it may be
+    ``x``); the pieces' barriers are ``epoch``, ``epoch + 1``, ... (two per
+    piece), and every rank calls with the same length, ``step``, ``epoch``
+    and op (``ddlkernels._shm.OPCODES``); a peer may run the same pieces
+    from Python (``ShmAllreduce._piece``): the steps and barriers are the
+    same.
+    Use: ``ShmAllreduce._compiled``.  The bits are numpy's but for which of
+    two NaNs a sum or product returns (see the combines above), and the same
+    on every rank.
+    """
+    if op == 0:
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, _add)
+    elif op == 1:
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, _mul)
+    elif op == 2:
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, _max)
+    else:
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, _min)

@@ -367,17 +367,20 @@ def _special(dtype, n, rank):
 @needs_peers
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
-def test_compiled_small_call_keeps_numpys_bits_for_nan_zero_and_inf(dtype, op):
-    """The compiled small-message call (ddlkernels._shm_loops) is numpy's ufunc fold bit for bit, signed zeros,
-    infinities and NaNs included, in and out of place -- but for which NaN a sum or product of two NaNs returns,
-    which numpy itself does not fix (it varies with the element's place in the array): there the result is a NaN
-    of one of the inputs, quieted, and the same on every rank."""
+@pytest.mark.parametrize("form", ["whole", "pieces"])
+def test_compiled_calls_keep_numpys_bits_for_nan_zero_and_inf(dtype, op, form):
+    """The compiled small-message call and the compiled pieces (ddlkernels._shm_loops) are numpy's ufunc fold bit
+    for bit, signed zeros, infinities and NaNs included, in and out of place -- but for which NaN a sum or product
+    of two NaNs returns, which numpy itself does not fix (it varies with the element's place in the array): there
+    the result is a NaN of one of the inputs, quieted, and the same on every rank."""
     n = len(_SPECIAL) ** min(P, 3)
     x = _special(dtype, n, RANK)
     keep = x.copy()
     xs = COMM.allgather(x)
     ufunc = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
-    shm = ShmAllreduce(COMM, whole_below=1 << 20)
+    # pieces: 64-byte pieces, so that the message is many pieces and a shorter last one.
+    shm = ShmAllreduce(COMM, whole_below=1 << 20) if form == "whole" else ShmAllreduce(COMM, piece_bytes=64,
+                                                                                        whole_below=0)
     reduce = backend_for(x).reduce
     with np.errstate(all="ignore"):
         want = ufunc(xs[0], xs[1])
