@@ -5,9 +5,11 @@
     mpirun -n 2 python -m mpi4py bench/shm_pieces.py --small --spins 0,100,1000 --sizes 4K
                                                    # barrier polls before yielding (SPIN)
     mpirun -n 2 python -m mpi4py bench/shm_pieces.py --small --shards --sizes 4K,16K
-                                                   # whole-message reduce_scatter and allgather
+                                                   # reduce_scatter and allgather, whole and in pieces
     mpirun -n 2 python -m mpi4py bench/shm_pieces.py --loop   # the compiled piece loop vs the Python one,
                                                    # 64K..16M
+    mpirun -n 2 python -m mpi4py bench/shm_pieces.py --loop --shards   # the same for reduce_scatter and
+                                                   # allgather
 
 Each line is ``ddlkernels._shm.ShmAllreduce.run`` with one setting, called
 directly (no tuner, no argument checks), interleaved round by round with the
@@ -30,8 +32,9 @@ from ddlkernels._shm import ShmAllreduce
 from ddlkernels.backends import backend_for
 
 
-def _shard_lines(comm, x, want, shm):
-    """reduce_scatter and allgather lines, the window's and MPI's, on equal shards of ``x`` (checked once)."""
+def _shard_lines(comm, x, want, shm, python=False):
+    """reduce_scatter and allgather lines, the window's and MPI's, on equal shards of ``x`` (checked once);
+    ``python``: also the window's Python loops (``ShmAllreduce._rs_loop`` / ``_ag_loop``)."""
     p, r = comm.Get_size(), comm.Get_rank()
     n = x.shape[0] // p * p
     x = x[:n]
@@ -42,12 +45,21 @@ def _shard_lines(comm, x, want, shm):
     shm.allgather(shard, whole, bounds)
     if not (np.array_equal(shard, want[r * c : (r + 1) * c]) and np.array_equal(whole, want[:n])):
         raise SystemExit("the window's reduce_scatter or allgather: wrong result")
-    return {
+    lines = {
         "MPI_Reduce_scatter_block": lambda: comm.Reduce_scatter_block(x, shard, MPI.SUM),
         "reduce_scatter": lambda: shm.reduce_scatter(x, shard, bounds, "sum", None),
         "MPI_Allgather": lambda: comm.Allgather(shard, whole),
         "allgather": lambda: shm.allgather(shard, whole, bounds),
     }
+    if python:
+        lines["reduce_scatter python"] = lambda: shm._rs_loop(x, shard, bounds, "sum", np.add, None, None, None)
+        lines["allgather python"] = lambda: shm._ag_loop(shard, whole, bounds, None)
+        shard[:], whole[:] = 0, 0
+        lines["reduce_scatter python"]()
+        lines["allgather python"]()
+        if not (np.array_equal(shard, want[r * c : (r + 1) * c]) and np.array_equal(whole, want[:n])):
+            raise SystemExit("the window's Python reduce_scatter or allgather loop: wrong result")
+    return lines
 
 
 def main():
@@ -58,8 +70,8 @@ def main():
     ap.add_argument("--spins", default=None,
                     help="with --small: compare whole-message calls with these barrier spin counts instead")
     ap.add_argument("--shards", action="store_true",
-                    help="with --small: time the window's reduce_scatter and allgather (whole message, equal "
-                         "shards) beside MPI_Reduce_scatter_block and MPI_Allgather instead")
+                    help="with --small or --loop: time the window's reduce_scatter and allgather (equal shards; "
+                         "whole message, or both loops) beside MPI_Reduce_scatter_block and MPI_Allgather instead")
     ap.add_argument("--loop", action="store_true",
                     help="compare the compiled piece loop (ddlkernels._shm_loops.pieces_allreduce, what run takes) "
                          "with the Python one (ShmAllreduce._pieces, what a timeout= or a shared input takes)")
@@ -98,11 +110,14 @@ def main():
         comm.Allreduce(x, want, MPI.SUM)
         outs = {k: np.empty_like(x) for k in variants}
         fns = {"MPI_Allreduce": lambda: comm.Allreduce(x, want, MPI.SUM)}
-        if a.small and a.shards:
-            fns.update(_shard_lines(comm, x, want, variants["whole"]))
+        if a.shards:
+            fns.update(_shard_lines(comm, x, want, variants["whole" if a.small else "compiled"], python=a.loop))
+            if "pieces" in variants:  # --small: the same calls in pieces, where the crossover is
+                fns.update({k + " pieces": f for k, f in _shard_lines(comm, x, want, variants["pieces"]).items()
+                            if not k.startswith("MPI")})
         else:
             fns.update({k: (lambda v=v, o=outs[k]: v.run(x, o, "sum", reduce)) for k, v in variants.items()})
-        if a.loop:
+        if a.loop and not a.shards:
             py, o = variants["python"], outs["python"]
             py.run(x[:1], o[:1], "sum", reduce)  # allocates its window (collective), which _pieces expects
             fns["python"] = lambda: py._pieces(x, o, "sum", np.add, reduce, None, None)
@@ -119,7 +134,12 @@ def main():
                 res[k].append(timed(f, batch))
         if rank == 0:
             med = {k: float(np.median(v)) for k, v in res.items()}
-            ratio = f"  python/compiled {med['python'] / med['compiled']:.2f}" if a.loop else ""
+            ratio = ""
+            if a.loop and a.shards:
+                ratio = "".join(f"  {k} python/compiled {med[k + ' python'] / med[k]:.2f}"
+                                for k in ("reduce_scatter", "allgather"))
+            elif a.loop:
+                ratio = f"  python/compiled {med['python'] / med['compiled']:.2f}"
             print(f"{format_size(nb):>6} " + "  ".join(f"{k} {v:8.2f}" for k, v in med.items()) + ratio, flush=True)
     for v in variants.values():
         v.free()

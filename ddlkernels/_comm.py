@@ -865,7 +865,7 @@ class Communicator:
                 if self._shm is None or not self._shm.allocated:
                     return None  # the full path sets the window up (collectively); ask again after it
                 # The window's prepared call where it has one (small messages), else its reduce_scatter.
-                fn = None if avg else self._shm.small_shard_fn("reduce_scatter", dtype, x.size, redop, bounds)
+                fn = None if avg else self._shm.shard_fn("reduce_scatter", dtype, x.size, redop, bounds)
                 hit = ("shm", mine, bounds, redop, self.size if avg else None, backend_for(x).reduce, fn, watch)
             elif algo == "mpi":
                 counts = [hi - lo for lo, hi in bounds]
@@ -893,7 +893,7 @@ class Communicator:
                 self.comm.Reduce_scatter(src, shard, hit[2], hit[3])
             if hit[4]:
                 _scale_inplace(shard, self.size)
-        elif hit[6] is not None:  # the window's prepared call (ShmAllreduce.small_shard_fn)
+        elif hit[6] is not None:  # the window's prepared call (ShmAllreduce.shard_fn)
             hit[6](src, shard)
         else:
             self._shm_collectives().reduce_scatter(src, shard, hit[2], hit[3], hit[5], avg_p=hit[4])
@@ -1006,7 +1006,7 @@ class Communicator:
             if algo == "shm":
                 if self._shm is None or not self._shm.allocated:
                     return None  # the full path sets the window up (collectively); ask again after it
-                fn = self._shm.small_shard_fn("allgather", dtype, count, None, bounds)
+                fn = self._shm.shard_fn("allgather", dtype, count, None, bounds)
                 hit = ("shm", bounds, fn, watch)
             elif algo == "mpi":
                 item = dtype.itemsize
@@ -1034,7 +1034,7 @@ class Communicator:
                 self.comm.Allgather(send, recv)
             else:
                 self.comm.Allgatherv(send.view(np.uint8), [recv.view(np.uint8), hit[1], hit[2], _MPI_OPS["BYTE"]])
-        elif hit[2] is not None:  # the window's prepared call (ShmAllreduce.small_shard_fn)
+        elif hit[2] is not None:  # the window's prepared call (ShmAllreduce.shard_fn)
             hit[2](src, out)
         else:
             self._shm_collectives().allgather(src, out, hit[1])

@@ -43,8 +43,14 @@ KiB.  ``bench/shm_pieces.py --loop`` (the two loops interleaved in one run,
 two runs each): with 2 ranks the compiled loop was 1.78-1.80x as fast at 64
 KiB, 1.37-1.44x at 256 KiB, 1.07-1.10x at 1 MiB and 0.97-1.11x from 4 MiB
 (memory-bound); with 4 ranks on the 2 cores 1.61-1.84x, 1.48x, 1.05-1.17x
-and 1.03-1.11x.  The steps and barriers are the same, so a rank with a
-``timeout=`` (Python, polling its barriers) meets ranks without one.
+and 1.03-1.11x.  reduce_scatter's and allgather's loops below are
+compiled alike (``--loop --shards``): reduce_scatter 2.42x / 2.10x as fast
+at 64 KiB with 2 / 4 ranks, 1.65x / 1.69x at 256 KiB, 1.24-1.29x / 1.21x
+at 1 MiB, 0.94-1.34x / 1.18-1.20x from 4 MiB; allgather 2.24x / 1.72x,
+1.58x / 1.46x, then 0.76-1.11x from 1 MiB (copies only: both loops are
+memcpy, and the spread is the machine's).  The steps and barriers are the
+same as Python's, so a rank with a ``timeout=`` (Python, polling its
+barriers) meets ranks without one.
 
 Two barriers per piece are enough, with one set of buffers reused by every
 piece.  A rank overwrites its stage for piece k + 1 only after the second
@@ -52,10 +58,11 @@ barrier of piece k, which every peer reaches only after it has read that
 stage; it overwrites its result for piece k + 1 only after the first barrier
 of piece k + 1, which every peer reaches only after it has gathered piece k.
 
-Small messages (below 64 KiB) skip the pieces: every rank stages all of
-its message, one barrier, and every rank sums all p copies in rank order --
-p - 1 additions of the whole message instead of one block's, but one barrier
-instead of two, which is what a latency-bound call pays for
+Small messages (below 8 KiB x p, at most 64 KiB) skip the pieces: every
+rank stages all of its message, one barrier, and every rank sums all p
+copies in rank order -- p - 1 additions of the whole message instead of one
+block's, but one barrier instead of two, which is what a latency-bound call
+pays for
 (``ShmAllreduce._whole``); for numpy's own types and ops the copy, barrier
 and sum are one compiled call (``ddlkernels._shm_loops``), and so are the
 small reduce_scatter and allgather below.
@@ -85,9 +92,9 @@ symmetric memory (``ncclMemAlloc`` + a registered window) and PyTorch's
 ``SymmetricMemory`` offer for GPUs: buffers every peer can read.
 
 Memory: piece + piece / p of shared memory per rank, and a small window of
-p x 64 B of flags and 2 x p x 64 KiB of small-message stages (~1.8 MiB in
-all with the default piece and 2 ranks), allocated on the first call that
-uses them.
+p x 64 B of flags and 2 x p small-message stages of 8 KiB x p (at most 64
+KiB) each (~1.6 MiB in all with the default piece and 2 ranks), allocated
+on the first call that uses them.
 """
 
 from __future__ import annotations
@@ -113,17 +120,21 @@ def _ufunc(dtype, op):
     """
     return _UFUNC.get(op) if dtype.kind in "fiu" and not is_half(dtype) else None
 
-#: Messages of fewer bytes go in one piece that every rank reduces whole,
-#: after a single barrier (``ShmAllreduce._whole``): p - 1 additions of the
-#: whole message instead of (p - 1) / p of it, but one barrier instead of two.
-#: Measured by ``bench/shm_pieces.py --small --sizes
-#: 16K,32K,48K,64K,96K,128K,256K`` on the 2-core machine, with the compiled
-#: small-message call (``ddlkernels._shm_loops``): with 2 ranks whole took
-#: 8.5 / 12.6 / 16.4 us at 32 / 48 / 64 KiB against 10.4 / 13.2 / 17.3 for
-#: pieces, and lost at 96 KiB (21.1 vs 17.6); with 4 ranks 21.9 / 27.1 /
-#: 34.4 against 32.3 / 33.3 / 36.1, and lost at 96 KiB (50.6 vs 43.4).
-#: (With numpy calls around MPI_Barrier, before, whole had lost at 64 KiB
-#: with 2 ranks.)
+#: Messages of fewer bytes than WHOLE_PER_RANK x p (at most WHOLE_BELOW) go
+#: in one piece that every rank reduces whole, after a single barrier
+#: (``ShmAllreduce._whole``): p - 1 additions of the whole message instead of
+#: (p - 1) / p of it, but one barrier instead of two.  With the pieces
+#: compiled too (``ddlkernels._shm_loops``) the crossover grows with p, as the
+#: whole form's additions do.  ``bench/shm_pieces.py --small --sizes
+#: 4K,8K,12K,16K,24K,32K``, two runs, whole against pieces: with 2 ranks
+#: 4.32 / 2.37 us against 4.68 / 2.83 at 8 KiB, 7.06 / 3.19 against 5.85 /
+#: 3.19 at 16 KiB; with 4 ranks on the 2 cores 13.15 / 15.81 against 17.36 /
+#: 15.78 at 16 KiB, 11.76 / 23.91 against 11.78 / 18.06 at 32 KiB.  The
+#: reduce_scatter and allgather (``--small --shards``) cross over alike:
+#: pieces won from 8 KiB with 2 ranks, and from 32 KiB (reduce_scatter) or
+#: 64 KiB (allgather) with 4.  The cap keeps the small stages (2 p of them)
+#: small when p is large.
+WHOLE_PER_RANK = 8 << 10
 WHOLE_BELOW = 64 << 10
 #: Bytes of a message handled per pair of barriers (see the module comment).
 PIECE_BYTES = 1 << 20
@@ -222,19 +233,19 @@ class ShmAllreduce:
     ``comm``: an mpi4py Intracomm (the caller checked ``one_node``).
     ``piece_bytes``: bytes per piece.  ``whole_below``: messages of fewer
     bytes are reduced whole by every rank after one barrier (``_whole``);
-    default ``WHOLE_BELOW``.  ``spin``: barrier polls before yielding
+    default ``WHOLE_PER_RANK`` x p, at most ``WHOLE_BELOW``.  ``spin``: barrier polls before yielding
     (default ``SPIN``).  The window
     is allocated by the first ``run`` (collective, as every call is); ``free``
     releases it (collective).
     """
 
-    def __init__(self, comm, piece_bytes: int = PIECE_BYTES, whole_below: int = WHOLE_BELOW,
+    def __init__(self, comm, piece_bytes: int = PIECE_BYTES, whole_below: int | None = None,
                  spin: int | None = None):
         self.comm = comm
         self.p = comm.Get_size()
         self.rank = comm.Get_rank()
         self.piece_bytes = int(piece_bytes)
-        self.whole_below = int(whole_below)
+        self.whole_below = min(WHOLE_BELOW, WHOLE_PER_RANK * self.p) if whole_below is None else int(whole_below)
         self._stage_bytes = _up(self.piece_bytes)
         self._bytes = self._stage_bytes + _up(-(-self.piece_bytes // self.p))
         # The small window: every rank's flag line, then two small-message
@@ -548,21 +559,22 @@ class ShmAllreduce:
         self._small[key] = fn
         return fn
 
-    def small_shard_fn(self, kind, dtype, n, op, bounds):
-        """``f(x, out)``: the small-message ``reduce_scatter`` or ``allgather`` as one compiled call, or None.
+    def shard_fn(self, kind, dtype, n, op, bounds):
+        """``f(x, out)``: ``reduce_scatter`` or ``allgather`` as one compiled call, or None.
 
         ``kind``: "reduce_scatter" (``x``: the n elements, ``out``: my shard)
         or "allgather" (``x``: my shard, ``out``: the n elements); ``op``: the
         reduce_scatter's op (not "avg"); ``bounds``: every rank's (lo, hi).
-        None unless the window is allocated, the message is below
-        ``whole_below`` bytes and Numba can compute it (numpy's own types and
+        Below ``whole_below`` bytes the small-message call, from there the
+        compiled sub-chunk loop (``_compiled_shards``).  None unless the window
+        is allocated, n > 0 and Numba can compute it (numpy's own types and
         ops for reduce_scatter; no float16 or bfloat16).  Cached, so that a
         caller that has settled on this path (``Communicator``'s fast paths)
         pays for no lookups; ``_whole``'s stage alternation and the barrier
         epochs are shared with every other call.
         """
         dtype = np.dtype(dtype)
-        if not self.allocated or not 0 < n * dtype.itemsize < self.whole_below or is_half(dtype):
+        if not self.allocated or n <= 0 or is_half(dtype):
             return None
         rs = kind == "reduce_scatter"
         if rs and _ufunc(dtype, op) is None:
@@ -572,6 +584,8 @@ class ShmAllreduce:
         fn = self._small.get(key)
         if fn is not None:
             return fn
+        if n * dtype.itemsize >= self.whole_below:
+            return self._remember(key, self._compiled_shards(kind, dtype, op, bounds))
         if rs:
             lo, hi = bounds[self.rank]
             fn = self._prepared(self._loops.small_reduce_scatter, dtype, OPCODES[op], self.spin, lo, hi)
@@ -581,13 +595,48 @@ class ShmAllreduce:
             fn = self._prepared(self._loops.small_allgather, dtype, self.spin, los, his)
         return self._remember(key, fn)
 
+    def _compiled_shards(self, kind, dtype, op, bounds):
+        """``f(x, out)``: the sub-chunk loop of ``reduce_scatter`` or ``allgather`` as one compiled call
+        (``ddlkernels._shm_loops.pieces_reduce_scatter`` / ``pieces_allgather``), every view built once.
+
+        While shared regions exist (``empty``) ``f`` takes the Python loop, as ``_compiled``'s does.
+        """
+        item, p, rs = dtype.itemsize, self.p, kind == "reduce_scatter"
+        c = max(1, self.piece_bytes // item // p) if rs else max(1, self.piece_bytes // item)
+        stages = tuple(seg[: (p * c if rs else c) * item].view(dtype) for seg in self._segs)
+        los = np.array([b[0] for b in bounds], dtype=np.int64)
+        his = np.array([b[1] for b in bounds], dtype=np.int64)
+        barriers = 2 * -(-int((his - los).max()) // c)
+        flags, rank, spin, me, bounds = self._flags, self.rank, self.spin, self, [tuple(b) for b in bounds]
+        if rs:
+            call, code, ufunc = self._loops.pieces_reduce_scatter, OPCODES[op], _ufunc(dtype, op)
+
+            def fn(x, out):
+                if me._regions:
+                    me._rs_loop(x, out, bounds, op, ufunc, None, None, None)
+                    return
+                e = me._epoch + 1
+                me._epoch += barriers
+                call(x, stages, rank, out, flags, e, code, spin, c, los, his)
+        else:
+            call = self._loops.pieces_allgather
+
+            def fn(shard, out):
+                if me._regions:
+                    me._ag_loop(shard, out, bounds, None)
+                    return
+                e = me._epoch + 1
+                me._epoch += barriers
+                call(shard, stages, rank, out, flags, e, spin, c, los, his)
+        return fn
+
     def _last_shard_fn(self, kind, dtype, n, op, bounds):
-        """``small_shard_fn``, remembering the last answer per kind: a loop of calls with equal arguments
+        """``shard_fn``, remembering the last answer per kind: a loop of calls with equal arguments
         then compares them instead of building the cache key."""
         last = self._last_shard.get(kind)
         if last is not None and last[1] == n and last[2] is dtype and last[3] == op and last[0] == bounds:
             return last[4]
-        fn = self.small_shard_fn(kind, dtype, n, op, bounds)
+        fn = self.shard_fn(kind, dtype, n, op, bounds)
         self._last_shard[kind] = (list(bounds), n, dtype, op, fn)
         return fn
 
@@ -661,6 +710,12 @@ class ShmAllreduce:
             self._barrier(deadline)
             _fold(out, [v[lo:hi] for v in stage], op, ufunc, reduce, avg_p)
             return
+        self._rs_loop(src, out, bounds, op, ufunc, reduce, avg_p, deadline)
+
+    def _rs_loop(self, src, out, bounds, op, ufunc, reduce, avg_p, deadline):
+        """``reduce_scatter``'s sub-chunk loop in Python: any dtype and op, a deadline, shared inputs."""
+        dtype, p, r, n = src.dtype, self.p, self.rank, src.shape[0]
+        lo, hi = bounds[r]
         c = max(1, self.piece_bytes // dtype.itemsize // p)
         stage = [seg[: p * c * dtype.itemsize].view(dtype) for seg in self._segs]
         longest = max(b - a for a, b in bounds)
@@ -712,6 +767,12 @@ class ShmAllreduce:
                     a, b = bounds[s]
                     out[a:b] = stage[s][: b - a]
             return
+        self._ag_loop(shard, out, bounds, deadline)
+
+    def _ag_loop(self, shard, out, bounds, deadline):
+        """``allgather``'s chunk loop in Python: any dtype, a deadline, a shard in a shared region."""
+        p, r, dtype = self.p, self.rank, shard.dtype
+        lo, hi = bounds[r]
         c = max(1, self.piece_bytes // dtype.itemsize)
         slot = [seg[: c * dtype.itemsize].view(dtype) for seg in self._segs]
         longest = max(b - a for a, b in bounds)

@@ -383,3 +383,88 @@ def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step):
         _pieces(x, stages, results, me, out, flags, epoch, spin, step, _max)
     else:
         _pieces(x, stages, results, me, out, flags, epoch, spin, step, _min)
+
+
+@njit(inline="always")
+def _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, combine):
+    p = len(stages)
+    mine = stages[me]
+    lo, hi = los[me], his[me]
+    e = epoch
+    for k in range(0, (his - los).max(), c):
+        # Sub-chunk k of every peer's shard into my slot for that peer, then barrier: every slot is full.
+        for s in range(p):
+            a = los[s] + k
+            b = min(his[s], a + c)
+            if s != me and b > a:
+                _copy(mine[s * c : s * c + b - a], x[a:b])
+        barrier(flags, me, p, e, spin)
+        # Sub-chunk k of my shard: the peers' slots for me and my own x, in rank order, straight into out.
+        a = lo + k
+        b = min(hi, a + c)
+        if b > a:
+            _fold_block(out[k : k + b - a], x[a:b], stages, me, me * c, me * c + b - a, combine)
+        barrier(flags, me, p, e + 1, spin)  # every peer is done with my slots before I refill them
+        e += 2
+
+
+@njit(cache=True, nogil=True)
+def pieces_reduce_scatter(x, stages, me, out, flags, epoch, op, spin, c, los, his):
+    """``out = (((x0 op x1) op x2) ...)[los[me]:his[me]]``, sub-chunk by sub-chunk through the large window.
+
+    Purpose: ``ShmAllreduce.reduce_scatter``'s loop (its docstring) as one
+    call: per step k, stage sub-chunk k of every peer's shard in my slot
+    for it, barrier, fold sub-chunk k of my shard, barrier.
+    Preconditions: ``stages[s]`` is rank s's stage in the window, at least
+    p * c elements of ``x``'s dtype, slot q at [q * c, (q + 1) * c);
+    ``los``/``his`` (int64, p each) the shards, in ``x``; ``out`` holds
+    my shard and does not overlap ``x``; barriers ``epoch``, ``epoch + 1``,
+    ... (two per step, ceil(longest shard / c) steps), the same on every
+    rank, as are ``c``, the shards and op; a peer may run the same steps
+    from Python.
+    Use: ``ShmAllreduce._compiled_shards``.  Plain IEEE sum and product, as
+    in ``pieces_allreduce`` (each sub-chunk is folded by one rank).
+    """
+    if op == 0:
+        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, _add)
+    elif op == 1:
+        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, _mul)
+    elif op == 2:
+        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, _max)
+    else:
+        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, _min)
+
+
+@njit(cache=True, nogil=True)
+def pieces_allgather(shard, stages, me, out, flags, epoch, spin, c, los, his):
+    """``out[los[s]:his[s]] = shard of rank s`` for every s, chunk by chunk through the large window.
+
+    Purpose: ``ShmAllreduce.allgather``'s loop as one call: per step k,
+    publish chunk k of my shard in my stage (and copy it to my part of out
+    from there, in cache), barrier, copy chunk k of every peer's shard,
+    barrier.
+    Preconditions: ``stages[s]`` is rank s's stage in the window, at least
+    ``c`` elements of the shard's dtype; ``los``/``his`` (int64, p each)
+    place the shards in ``out``, mine holding ``len(shard)`` elements;
+    ``out`` does not overlap ``shard``; barriers ``epoch``, ``epoch + 1``,
+    ... (two per step, ceil(longest shard / c) steps), the same on every
+    rank, as are ``c`` and the shards; a peer may run the same steps from
+    Python.
+    Use: ``ShmAllreduce._compiled_shards``.
+    """
+    p = len(stages)
+    mine = stages[me]
+    lo, hi = los[me], his[me]
+    e = epoch
+    for k in range(0, (his - los).max(), c):
+        m = max(0, min(hi - lo - k, c))
+        _copy(mine[:m], shard[k : k + m])
+        _copy(out[lo + k : lo + k + m], mine[:m])
+        barrier(flags, me, p, e, spin)
+        for s in range(p):
+            a = los[s] + k
+            b = min(his[s], a + c)
+            if s != me and b > a:
+                _copy(out[a:b], stages[s][: b - a])
+        barrier(flags, me, p, e + 1, spin)
+        e += 2

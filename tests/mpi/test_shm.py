@@ -414,12 +414,15 @@ def test_compiled_calls_keep_numpys_bits_for_nan_zero_and_inf(dtype, op, form):
 @needs_peers
 @pytest.mark.parametrize("whole_below", [0, 1 << 20], ids=["pieces", "whole"])
 def test_ranks_with_and_without_a_timeout_meet_in_the_same_barrier(whole_below):
-    """``timeout=`` is per call and per rank: a rank polling its barrier from Python and a rank in the compiled
-    barrier still meet, call after call."""
+    """``timeout=`` is per call and per rank: a rank in the Python loop, polling its barrier from Python, and a
+    rank in the compiled loop (and barrier) still meet, call after call -- allreduce, reduce_scatter and
+    allgather alike."""
     from ddlkernels._wait import Deadline
 
     shm = ShmAllreduce(COMM, piece_bytes=64, whole_below=whole_below)
     reduce = backend_for(np.empty(0)).reduce
+    bounds = _bounds(37)
+    lo, hi = bounds[RANK]
     for call in range(8):
         x = (np.arange(37, dtype=np.int64) * 100 + call) * P + RANK
         want = sum((np.arange(37, dtype=np.int64) * 100 + call) * P + q for q in range(P))
@@ -427,6 +430,12 @@ def test_ranks_with_and_without_a_timeout_meet_in_the_same_barrier(whole_below):
         out = np.empty_like(x)
         shm.run(x, out, "sum", reduce, deadline=deadline)
         assert np.array_equal(out, want), f"call {call}"
+        shard = np.empty(hi - lo, x.dtype)
+        shm.reduce_scatter(x, shard, bounds, "sum", reduce, deadline=deadline)
+        assert np.array_equal(shard, want[lo:hi]), f"reduce_scatter, call {call}"
+        whole = np.empty_like(x)
+        shm.allgather(shard, whole, bounds, deadline=deadline)
+        assert np.array_equal(whole, want), f"allgather, call {call}"
     shm.free()  # collective: on success only
 
 
