@@ -265,6 +265,8 @@ class ShmAllreduce:
         #: Shared input regions (``empty``), in allocation order -- the same on every rank, so a region's
         #: index names it to peers: (this rank's address, bytes, every rank's uint8 view, window).
         self._regions = []
+        #: Every rank's region at its address here, a row per region (``ddlkernels._shm_loops._peer_inputs``).
+        self._bases = np.zeros((0, self.p), dtype=np.int64)
 
     def _allocate(self):
         from mpi4py import MPI
@@ -329,6 +331,7 @@ class ShmAllreduce:
         views = [np.frombuffer(win.Shared_query(s)[0], dtype=np.uint8, count=nbytes) for s in range(self.p)]
         mine = views[self.rank]
         self._regions.append((mine.ctypes.data, nbytes, views, win))
+        self._bases = np.array([[v.ctypes.data for v in reg[2]] for reg in self._regions], dtype=np.int64)
         return mine
 
     def _publish(self, x):
@@ -368,6 +371,7 @@ class ShmAllreduce:
                 w.Free()
             self._win = self._small_win = None
             self._regions.clear()
+            self._bases = np.zeros((0, self.p), dtype=np.int64)
 
     def _barrier(self, deadline):
         """Every rank of the window's communicator, through the flags (``ddlkernels._shm_loops``).
@@ -439,7 +443,7 @@ class ShmAllreduce:
                 src = dst
             self._whole(src, dst, op, ufunc, reduce, avg_p, deadline)
             return
-        if ufunc is not None and deadline is None and not virtual and not self._regions:
+        if ufunc is not None and deadline is None and not virtual:
             self._compiled(dtype, n, op)(src, dst)
             return
         self._pieces(src, dst, op, ufunc, reduce, avg_p, deadline)
@@ -461,9 +465,8 @@ class ShmAllreduce:
         (``ddlkernels._shm_loops.pieces_allreduce``), for a numpy ufunc's dtype and op and no deadline (cached).
 
         Every view is built once.  While shared regions exist (``empty``) ``f``
-        takes the Python pieces instead: those publish where each input lies
-        and read the peers', and every rank of a call must take the same
-        steps (the regions exist on all ranks or on none).
+        publishes where its input lies, as the Python pieces do, and the
+        compiled loop reads its peers' inputs where they lie.
         """
         key = (dtype, n, op)
         fn = self._small.get(key)
@@ -476,15 +479,12 @@ class ShmAllreduce:
         call, flags, rank, code, spin, me = self._loops.pieces_allreduce, self._flags, self.rank, OPCODES[op], \
             self.spin, self
         barriers = 2 * -(-n // step)
-        ufunc = _ufunc(dtype, op)
 
         def fn(x, out):
-            if me._regions:
-                me._pieces(x, out, op, ufunc, None, None, None)
-                return
+            region = me._publish(x)[0] if me._regions else 0
             e = me._epoch + 1
             me._epoch += barriers
-            call(x, stages, results, rank, out, flags, e, code, spin, step)
+            call(x, stages, results, rank, out, flags, e, code, spin, step, region == 0, me._bases)
 
         return self._remember(key, fn)
 
@@ -599,7 +599,7 @@ class ShmAllreduce:
         """``f(x, out)``: the sub-chunk loop of ``reduce_scatter`` or ``allgather`` as one compiled call
         (``ddlkernels._shm_loops.pieces_reduce_scatter`` / ``pieces_allgather``), every view built once.
 
-        While shared regions exist (``empty``) ``f`` takes the Python loop, as ``_compiled``'s does.
+        Shared inputs (``empty``) are published and read where they lie, as in ``_compiled``.
         """
         item, p, rs = dtype.itemsize, self.p, kind == "reduce_scatter"
         c = max(1, self.piece_bytes // item // p) if rs else max(1, self.piece_bytes // item)
@@ -607,27 +607,23 @@ class ShmAllreduce:
         los = np.array([b[0] for b in bounds], dtype=np.int64)
         his = np.array([b[1] for b in bounds], dtype=np.int64)
         barriers = 2 * -(-int((his - los).max()) // c)
-        flags, rank, spin, me, bounds = self._flags, self.rank, self.spin, self, [tuple(b) for b in bounds]
+        flags, rank, spin, me = self._flags, self.rank, self.spin, self
         if rs:
-            call, code, ufunc = self._loops.pieces_reduce_scatter, OPCODES[op], _ufunc(dtype, op)
+            call, code = self._loops.pieces_reduce_scatter, OPCODES[op]
 
             def fn(x, out):
-                if me._regions:
-                    me._rs_loop(x, out, bounds, op, ufunc, None, None, None)
-                    return
+                region = me._publish(x)[0] if me._regions else 0
                 e = me._epoch + 1
                 me._epoch += barriers
-                call(x, stages, rank, out, flags, e, code, spin, c, los, his)
+                call(x, stages, rank, out, flags, e, code, spin, c, los, his, region == 0, me._bases)
         else:
             call = self._loops.pieces_allgather
 
             def fn(shard, out):
-                if me._regions:
-                    me._ag_loop(shard, out, bounds, None)
-                    return
+                region = me._publish(shard)[0] if me._regions else 0
                 e = me._epoch + 1
                 me._epoch += barriers
-                call(shard, stages, rank, out, flags, e, spin, c, los, his)
+                call(shard, stages, rank, out, flags, e, spin, c, los, his, region == 0, me._bases)
         return fn
 
     def _last_shard_fn(self, kind, dtype, n, op, bounds):

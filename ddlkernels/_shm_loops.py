@@ -45,8 +45,9 @@ same barrier whether or not it has a timeout.
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic, overload
 from numba.np.arrayobj import make_array
@@ -307,28 +308,58 @@ def _combine_into(res, a, b, combine):
         res[i] = combine(a[i], b[i])
 
 
+@intrinsic
+def _pointer(typingctx, addr, like):
+    """The address ``addr`` (int64) as a pointer to ``like``'s dtype, for ``numba.carray``."""
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return types.CPointer(like.dtype)(addr, like), codegen
+
+
 @njit(inline="always")
-def _fold_block(res, own, stages, me, lo, hi, combine):
+def _peer_inputs(flags, bases, addr):
+    # After a large call's first barrier: where each rank published its input (ShmAllreduce._publish: region
+    # index + 1 and byte offset in words 1 and 2 of its flag line), as an address in this process, or 0
+    # where it staged.  bases[k, s]: rank s's region k, mapped here.
+    for s in range(addr.shape[0]):
+        region = flags[s * STRIDE + 1]
+        addr[s] = bases[region - 1, s] + flags[s * STRIDE + 2] if region > 0 else 0
+
+
+@njit(inline="always")
+def _operand(stages, addr, s, lo, hi, at, like):
+    # Rank s's operand: its input from element ``at`` where it lies in a shared region, else its stage[lo:hi].
+    if addr[s] != 0:
+        return carray(_pointer(addr[s] + at * like.itemsize, like), hi - lo)
+    return stages[s][lo:hi]
+
+
+@njit(inline="always")
+def _fold_block(res, own, stages, addr, me, lo, hi, at, combine):
     # res = ((operand 0 op operand 1) op operand 2) ..., operand s being my own block ``own`` for s == me
-    # and rank s's stage[lo:hi] otherwise: the rank order of _fold.  Each operand pair is its own call,
-    # so that ``own`` (a slice of the caller's x, perhaps read-only) and the stages keep their own types.
+    # and rank s's (_operand) otherwise: the rank order of _fold.  Each operand pair is its own call, so
+    # that ``own`` (a slice of the caller's x, perhaps read-only) and the peers' blocks keep their types.
     if me == 0:
-        _combine_into(res, own, stages[1][lo:hi], combine)
+        _combine_into(res, own, _operand(stages, addr, 1, lo, hi, at, res), combine)
     elif me == 1:
-        _combine_into(res, stages[0][lo:hi], own, combine)
+        _combine_into(res, _operand(stages, addr, 0, lo, hi, at, res), own, combine)
     else:
-        _combine_into(res, stages[0][lo:hi], stages[1][lo:hi], combine)
+        _combine_into(res, _operand(stages, addr, 0, lo, hi, at, res), _operand(stages, addr, 1, lo, hi, at, res),
+                      combine)
     for s in range(2, len(stages)):
         if s == me:
             _combine_into(res, res, own, combine)
         else:
-            _combine_into(res, res, stages[s][lo:hi], combine)
+            _combine_into(res, res, _operand(stages, addr, s, lo, hi, at, res), combine)
 
 
 @njit(inline="always")
-def _pieces(x, stages, results, me, out, flags, epoch, spin, step, combine):
+def _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases, combine):
     p = len(stages)
     mine = stages[me]
+    addr = np.zeros(p, np.int64)
     e = epoch
     for a in range(0, x.shape[0], step):
         b = min(x.shape[0], a + step)
@@ -337,13 +368,16 @@ def _pieces(x, stages, results, me, out, flags, epoch, spin, step, combine):
         lo = me * q + min(me, m)
         hi = lo + q + (1 if me < m else 0)
         # Stage what my peers need of this piece (all but my own block), then barrier: every stage is full.
-        _copy(mine[:lo], xs[:lo])
-        _copy(mine[hi : b - a], xs[hi:])
+        if staged:
+            _copy(mine[:lo], xs[:lo])
+            _copy(mine[hi : b - a], xs[hi:])
         barrier(flags, me, p, e, spin)
+        if a == 0 and bases.shape[0] > 0:
+            _peer_inputs(flags, bases, addr)
         # My block, summed in rank order into my published result, then copied to out (out is only written).
         k = hi - lo
-        res, own, dst = results[me][:k], xs[lo:hi], os[lo:hi]
-        _fold_block(res, own, stages, me, lo, hi, combine)
+        res, dst = results[me][:k], os[lo:hi]
+        _fold_block(res, xs[lo:hi], stages, addr, me, lo, hi, a + lo, combine)
         _copy(dst, res)
         barrier(flags, me, p, e + 1, spin)
         # Every other block from its owner's result.
@@ -356,7 +390,7 @@ def _pieces(x, stages, results, me, out, flags, epoch, spin, step, combine):
 
 
 @njit(cache=True, nogil=True)
-def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step):
+def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, staged, bases):
     """``out = ((x0 op x1) op x2) ...`` over the ranks, piece by piece through the large window.
 
     Purpose: ``ShmAllreduce``'s piece loop (its module comment) as one call
@@ -370,46 +404,55 @@ def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step):
     piece), and every rank calls with the same length, ``step``, ``epoch``
     and op (``ddlkernels._shm.OPCODES``); a peer may run the same pieces
     from Python (``ShmAllreduce._piece``): the steps and barriers are the
-    same.
+    same.  ``bases`` (int64, regions x p): every rank's shared region
+    (``ShmAllreduce.empty``) at its address here, none (0 rows) when there
+    are none; each rank has published in its flag line where its input lies
+    (``ShmAllreduce._publish``), and ``staged`` is False when mine lies in
+    one: peers then read it there, and I stage nothing.
     Use: ``ShmAllreduce._compiled``.  The bits are numpy's but for which of
     two NaNs a sum or product returns (see the combines above), and the same
     on every rank.
     """
     if op == 0:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, _add)
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases, _add)
     elif op == 1:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, _mul)
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases, _mul)
     elif op == 2:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, _max)
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases, _max)
     else:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, _min)
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases, _min)
 
 
 @njit(inline="always")
-def _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, combine):
+def _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, combine):
     p = len(stages)
     mine = stages[me]
+    addr = np.zeros(p, np.int64)
     lo, hi = los[me], his[me]
     e = epoch
     for k in range(0, (his - los).max(), c):
         # Sub-chunk k of every peer's shard into my slot for that peer, then barrier: every slot is full.
-        for s in range(p):
-            a = los[s] + k
-            b = min(his[s], a + c)
-            if s != me and b > a:
-                _copy(mine[s * c : s * c + b - a], x[a:b])
+        if staged:
+            for s in range(p):
+                a = los[s] + k
+                b = min(his[s], a + c)
+                if s != me and b > a:
+                    _copy(mine[s * c : s * c + b - a], x[a:b])
         barrier(flags, me, p, e, spin)
-        # Sub-chunk k of my shard: the peers' slots for me and my own x, in rank order, straight into out.
+        if k == 0 and bases.shape[0] > 0:
+            _peer_inputs(flags, bases, addr)
+        # Sub-chunk k of my shard: the peers' slots for me (or their inputs) and my own x, in rank order,
+        # straight into out.
         a = lo + k
         b = min(hi, a + c)
         if b > a:
-            _fold_block(out[k : k + b - a], x[a:b], stages, me, me * c, me * c + b - a, combine)
+            _fold_block(out[k : k + b - a], x[a:b], stages, addr, me, me * c, me * c + b - a, a, combine)
         barrier(flags, me, p, e + 1, spin)  # every peer is done with my slots before I refill them
         e += 2
 
 
 @njit(cache=True, nogil=True)
-def pieces_reduce_scatter(x, stages, me, out, flags, epoch, op, spin, c, los, his):
+def pieces_reduce_scatter(x, stages, me, out, flags, epoch, op, spin, c, los, his, staged, bases):
     """``out = (((x0 op x1) op x2) ...)[los[me]:his[me]]``, sub-chunk by sub-chunk through the large window.
 
     Purpose: ``ShmAllreduce.reduce_scatter``'s loop (its docstring) as one
@@ -421,22 +464,22 @@ def pieces_reduce_scatter(x, stages, me, out, flags, epoch, op, spin, c, los, hi
     my shard and does not overlap ``x``; barriers ``epoch``, ``epoch + 1``,
     ... (two per step, ceil(longest shard / c) steps), the same on every
     rank, as are ``c``, the shards and op; a peer may run the same steps
-    from Python.
+    from Python.  ``staged`` and ``bases``: as for ``pieces_allreduce``.
     Use: ``ShmAllreduce._compiled_shards``.  Plain IEEE sum and product, as
     in ``pieces_allreduce`` (each sub-chunk is folded by one rank).
     """
     if op == 0:
-        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, _add)
+        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, _add)
     elif op == 1:
-        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, _mul)
+        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, _mul)
     elif op == 2:
-        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, _max)
+        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, _max)
     else:
-        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, _min)
+        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, _min)
 
 
 @njit(cache=True, nogil=True)
-def pieces_allgather(shard, stages, me, out, flags, epoch, spin, c, los, his):
+def pieces_allgather(shard, stages, me, out, flags, epoch, spin, c, los, his, staged, bases):
     """``out[los[s]:his[s]] = shard of rank s`` for every s, chunk by chunk through the large window.
 
     Purpose: ``ShmAllreduce.allgather``'s loop as one call: per step k,
@@ -449,22 +492,29 @@ def pieces_allgather(shard, stages, me, out, flags, epoch, spin, c, los, his):
     ``out`` does not overlap ``shard``; barriers ``epoch``, ``epoch + 1``,
     ... (two per step, ceil(longest shard / c) steps), the same on every
     rank, as are ``c`` and the shards; a peer may run the same steps from
-    Python.
+    Python.  ``staged`` and ``bases``: as for ``pieces_allreduce`` (a shard
+    in a shared region is copied from where it lies).
     Use: ``ShmAllreduce._compiled_shards``.
     """
     p = len(stages)
     mine = stages[me]
+    addr = np.zeros(p, np.int64)
     lo, hi = los[me], his[me]
     e = epoch
     for k in range(0, (his - los).max(), c):
         m = max(0, min(hi - lo - k, c))
-        _copy(mine[:m], shard[k : k + m])
-        _copy(out[lo + k : lo + k + m], mine[:m])
+        if staged:
+            _copy(mine[:m], shard[k : k + m])
+            _copy(out[lo + k : lo + k + m], mine[:m])
+        else:
+            _copy(out[lo + k : lo + k + m], shard[k : k + m])
         barrier(flags, me, p, e, spin)
+        if k == 0 and bases.shape[0] > 0:
+            _peer_inputs(flags, bases, addr)
         for s in range(p):
             a = los[s] + k
             b = min(his[s], a + c)
             if s != me and b > a:
-                _copy(out[a:b], stages[s][: b - a])
+                _copy(out[a:b], _operand(stages, addr, s, 0, b - a, k, out))
         barrier(flags, me, p, e + 1, spin)
         e += 2

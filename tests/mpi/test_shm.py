@@ -440,11 +440,12 @@ def test_ranks_with_and_without_a_timeout_meet_in_the_same_barrier(whole_below):
 
 
 @needs_peers
-def test_shard_fast_paths_hold_the_windows_small_calls_and_free_drops_them():
-    """A small reduce_scatter/allgather on the window: after the first call (the full path, which allocates
-    the window) the fast paths keep its prepared compiled call; free() forgets them with the window."""
+@pytest.mark.parametrize("count", [50 * P + 3, 20000 * P + 3], ids=["whole", "pieces"])
+def test_shard_fast_paths_hold_the_windows_compiled_calls_and_free_drops_them(count):
+    """A reduce_scatter/allgather on the window, small (one compiled call) or large (the compiled loop): after
+    the first call (the full path, which allocates the window) the fast paths keep its prepared call; free()
+    forgets them with the window."""
     with ddlkernels.Communicator(COMM, shm=True) as dc:
-        count = 50 * P + 3
         x = rank_data(count, RANK, P, np.float64)
         want = dc.allreduce(x)
         lo, hi = dc.shard_range(count)
