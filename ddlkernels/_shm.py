@@ -474,8 +474,9 @@ class ShmAllreduce:
             return fn
         item, rb = dtype.itemsize, self._stage_bytes
         step = max(1, self.piece_bytes // item)
-        stages = tuple(seg[: step * item].view(dtype) for seg in self._segs)
-        results = tuple(seg[rb : rb + -(-step // self.p) * item].view(dtype) for seg in self._segs)
+        # Every rank's stage and result as addresses (``ddlkernels._shm_loops._row``), valid until ``free``.
+        stages = np.array([seg.ctypes.data for seg in self._segs], dtype=np.int64)
+        results = stages + rb
         call, flags, rank, code, spin, me = self._loops.pieces_allreduce, self._flags, self.rank, OPCODES[op], \
             self.spin, self
         barriers = 2 * -(-n // step)
@@ -603,7 +604,7 @@ class ShmAllreduce:
         """
         item, p, rs = dtype.itemsize, self.p, kind == "reduce_scatter"
         c = max(1, self.piece_bytes // item // p) if rs else max(1, self.piece_bytes // item)
-        stages = tuple(seg[: (p * c if rs else c) * item].view(dtype) for seg in self._segs)
+        stages = np.array([seg.ctypes.data for seg in self._segs], dtype=np.int64)  # as in _compiled
         los = np.array([b[0] for b in bounds], dtype=np.int64)
         his = np.array([b[1] for b in bounds], dtype=np.int64)
         barriers = 2 * -(-int((his - los).max()) // c)

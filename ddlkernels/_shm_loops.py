@@ -319,6 +319,14 @@ def _pointer(typingctx, addr, like):
 
 
 @njit(inline="always")
+def _row(addrs, s, lo, n, like):
+    # ``n`` elements of ``like``'s dtype from element ``lo`` of the segment at ``addrs[s]`` (rank s's stage or
+    # result): every rank's segments as one int64 array of addresses, so that one compiled function serves
+    # every number of ranks (a tuple of p arrays would be a type, and a compilation, per p).
+    return carray(_pointer(addrs[s] + lo * like.itemsize, like), n)
+
+
+@njit(inline="always")
 def _peer_inputs(flags, bases, addr):
     # After a large call's first barrier: where each rank published its input (ShmAllreduce._publish: region
     # index + 1 and byte offset in words 1 and 2 of its flag line), as an address in this process, or 0
@@ -333,7 +341,7 @@ def _operand(stages, addr, s, lo, hi, at, like):
     # Rank s's operand: its input from element ``at`` where it lies in a shared region, else its stage[lo:hi].
     if addr[s] != 0:
         return carray(_pointer(addr[s] + at * like.itemsize, like), hi - lo)
-    return stages[s][lo:hi]
+    return _row(stages, s, lo, hi - lo, like)
 
 
 @njit(inline="always")
@@ -348,7 +356,7 @@ def _fold_block(res, own, stages, addr, me, lo, hi, at, combine):
     else:
         _combine_into(res, _operand(stages, addr, 0, lo, hi, at, res), _operand(stages, addr, 1, lo, hi, at, res),
                       combine)
-    for s in range(2, len(stages)):
+    for s in range(2, stages.shape[0]):
         if s == me:
             _combine_into(res, res, own, combine)
         else:
@@ -357,8 +365,7 @@ def _fold_block(res, own, stages, addr, me, lo, hi, at, combine):
 
 @njit(inline="always")
 def _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases, combine):
-    p = len(stages)
-    mine = stages[me]
+    p = stages.shape[0]
     addr = np.zeros(p, np.int64)
     e = epoch
     for a in range(0, x.shape[0], step):
@@ -369,14 +376,14 @@ def _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases
         hi = lo + q + (1 if me < m else 0)
         # Stage what my peers need of this piece (all but my own block), then barrier: every stage is full.
         if staged:
-            _copy(mine[:lo], xs[:lo])
-            _copy(mine[hi : b - a], xs[hi:])
+            _copy(_row(stages, me, 0, lo, x), xs[:lo])
+            _copy(_row(stages, me, hi, b - a - hi, x), xs[hi:])
         barrier(flags, me, p, e, spin)
         if a == 0 and bases.shape[0] > 0:
             _peer_inputs(flags, bases, addr)
         # My block, summed in rank order into my published result, then copied to out (out is only written).
         k = hi - lo
-        res, dst = results[me][:k], os[lo:hi]
+        res, dst = _row(results, me, 0, k, x), os[lo:hi]
         _fold_block(res, xs[lo:hi], stages, addr, me, lo, hi, a + lo, combine)
         _copy(dst, res)
         barrier(flags, me, p, e + 1, spin)
@@ -385,7 +392,7 @@ def _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases
             if s != me:
                 slo = s * q + min(s, m)
                 shi = slo + q + (1 if s < m else 0)
-                _copy(os[slo:shi], results[s][: shi - slo])
+                _copy(os[slo:shi], _row(results, s, 0, shi - slo, x))
         e += 2
 
 
@@ -397,9 +404,9 @@ def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, 
     -- stage, barrier, fold my block, barrier, gather, per piece of ``step``
     elements -- instead of a dozen numpy calls per piece: at 64-256 KiB the
     calls, not the memory, were most of the time.
-    Preconditions: ``stages[s]`` / ``results[s]`` are rank s's stage (at
-    least ``step`` elements) and result (at least ceil(step / p)) in the
-    window, of ``x``'s dtype; ``out`` holds len(x) elements (it may be
+    Preconditions: ``stages[s]`` / ``results[s]`` (int64) are the addresses
+    of rank s's stage (at least ``step`` elements) and result (at least
+    ceil(step / p)) in the window, for ``x``'s dtype; ``out`` holds len(x) elements (it may be
     ``x``); the pieces' barriers are ``epoch``, ``epoch + 1``, ... (two per
     piece), and every rank calls with the same length, ``step``, ``epoch``
     and op (``ddlkernels._shm.OPCODES``); a peer may run the same pieces
@@ -425,8 +432,7 @@ def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, 
 
 @njit(inline="always")
 def _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, combine):
-    p = len(stages)
-    mine = stages[me]
+    p = stages.shape[0]
     addr = np.zeros(p, np.int64)
     lo, hi = los[me], his[me]
     e = epoch
@@ -437,7 +443,7 @@ def _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, base
                 a = los[s] + k
                 b = min(his[s], a + c)
                 if s != me and b > a:
-                    _copy(mine[s * c : s * c + b - a], x[a:b])
+                    _copy(_row(stages, me, s * c, b - a, x), x[a:b])
         barrier(flags, me, p, e, spin)
         if k == 0 and bases.shape[0] > 0:
             _peer_inputs(flags, bases, addr)
@@ -458,8 +464,9 @@ def pieces_reduce_scatter(x, stages, me, out, flags, epoch, op, spin, c, los, hi
     Purpose: ``ShmAllreduce.reduce_scatter``'s loop (its docstring) as one
     call: per step k, stage sub-chunk k of every peer's shard in my slot
     for it, barrier, fold sub-chunk k of my shard, barrier.
-    Preconditions: ``stages[s]`` is rank s's stage in the window, at least
-    p * c elements of ``x``'s dtype, slot q at [q * c, (q + 1) * c);
+    Preconditions: ``stages[s]`` (int64) is the address of rank s's stage in
+    the window, at least p * c elements of ``x``'s dtype, slot q at
+    [q * c, (q + 1) * c);
     ``los``/``his`` (int64, p each) the shards, in ``x``; ``out`` holds
     my shard and does not overlap ``x``; barriers ``epoch``, ``epoch + 1``,
     ... (two per step, ceil(longest shard / c) steps), the same on every
@@ -486,8 +493,8 @@ def pieces_allgather(shard, stages, me, out, flags, epoch, spin, c, los, his, st
     publish chunk k of my shard in my stage (and copy it to my part of out
     from there, in cache), barrier, copy chunk k of every peer's shard,
     barrier.
-    Preconditions: ``stages[s]`` is rank s's stage in the window, at least
-    ``c`` elements of the shard's dtype; ``los``/``his`` (int64, p each)
+    Preconditions: ``stages[s]`` (int64) is the address of rank s's stage in
+    the window, at least ``c`` elements of the shard's dtype; ``los``/``his`` (int64, p each)
     place the shards in ``out``, mine holding ``len(shard)`` elements;
     ``out`` does not overlap ``shard``; barriers ``epoch``, ``epoch + 1``,
     ... (two per step, ceil(longest shard / c) steps), the same on every
@@ -496,16 +503,16 @@ def pieces_allgather(shard, stages, me, out, flags, epoch, spin, c, los, his, st
     in a shared region is copied from where it lies).
     Use: ``ShmAllreduce._compiled_shards``.
     """
-    p = len(stages)
-    mine = stages[me]
+    p = stages.shape[0]
     addr = np.zeros(p, np.int64)
     lo, hi = los[me], his[me]
     e = epoch
     for k in range(0, (his - los).max(), c):
         m = max(0, min(hi - lo - k, c))
         if staged:
-            _copy(mine[:m], shard[k : k + m])
-            _copy(out[lo + k : lo + k + m], mine[:m])
+            mine = _row(stages, me, 0, m, shard)
+            _copy(mine, shard[k : k + m])
+            _copy(out[lo + k : lo + k + m], mine)
         else:
             _copy(out[lo + k : lo + k + m], shard[k : k + m])
         barrier(flags, me, p, e, spin)
