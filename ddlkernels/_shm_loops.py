@@ -1,5 +1,5 @@
 """Compiled parts of the shared-memory collectives (``ddlkernels._shm``): a flag barrier, the small-message calls
-and the large allreduce's piece loop.
+and the large calls' piece loops (allreduce, reduce_scatter, allgather).
 
 Why compiled: a latency-bound allreduce through the window is a copy, a
 barrier and an addition of a few KiB.  Done as numpy calls around
@@ -406,8 +406,8 @@ def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, 
     calls, not the memory, were most of the time.
     Preconditions: ``stages[s]`` / ``results[s]`` (int64) are the addresses
     of rank s's stage (at least ``step`` elements) and result (at least
-    ceil(step / p)) in the window, for ``x``'s dtype; ``out`` holds len(x) elements (it may be
-    ``x``); the pieces' barriers are ``epoch``, ``epoch + 1``, ... (two per
+    ceil(step / p)) in the window, for ``x``'s dtype; ``out`` holds len(x)
+    elements (it may be ``x``); the pieces' barriers are ``epoch``, ``epoch + 1``, ... (two per
     piece), and every rank calls with the same length, ``step``, ``epoch``
     and op (``ddlkernels._shm.OPCODES``); a peer may run the same pieces
     from Python (``ShmAllreduce._piece``): the steps and barriers are the
@@ -466,8 +466,8 @@ def pieces_reduce_scatter(x, stages, me, out, flags, epoch, op, spin, c, los, hi
     for it, barrier, fold sub-chunk k of my shard, barrier.
     Preconditions: ``stages[s]`` (int64) is the address of rank s's stage in
     the window, at least p * c elements of ``x``'s dtype, slot q at
-    [q * c, (q + 1) * c);
-    ``los``/``his`` (int64, p each) the shards, in ``x``; ``out`` holds
+    [q * c, (q + 1) * c); ``los``/``his`` (int64, p each) the shards, in
+    ``x``; ``out`` holds
     my shard and does not overlap ``x``; barriers ``epoch``, ``epoch + 1``,
     ... (two per step, ceil(longest shard / c) steps), the same on every
     rank, as are ``c``, the shards and op; a peer may run the same steps
@@ -494,8 +494,8 @@ def pieces_allgather(shard, stages, me, out, flags, epoch, spin, c, los, his, st
     from there, in cache), barrier, copy chunk k of every peer's shard,
     barrier.
     Preconditions: ``stages[s]`` (int64) is the address of rank s's stage in
-    the window, at least ``c`` elements of the shard's dtype; ``los``/``his`` (int64, p each)
-    place the shards in ``out``, mine holding ``len(shard)`` elements;
+    the window, at least ``c`` elements of the shard's dtype;
+    ``los``/``his`` (int64, p each) place the shards in ``out``, mine holding ``len(shard)`` elements;
     ``out`` does not overlap ``shard``; barriers ``epoch``, ``epoch + 1``,
     ... (two per step, ceil(longest shard / c) steps), the same on every
     rank, as are ``c`` and the shards; a peer may run the same steps from
