@@ -464,9 +464,9 @@ class ShmAllreduce:
         """``f(x, out)``: the pieces of an ``n``-element message as one compiled call
         (``ddlkernels._shm_loops.pieces_allreduce``), for a numpy ufunc's dtype and op and no deadline (cached).
 
-        Every view is built once.  While shared regions exist (``empty``) ``f``
-        publishes where its input lies, as the Python pieces do, and the
-        compiled loop reads its peers' inputs where they lie.
+        Every address is looked up once.  While shared regions exist
+        (``empty``) ``f`` publishes where its input lies, as the Python pieces
+        do, and the compiled loop reads its peers' inputs where they lie.
         """
         key = (dtype, n, op)
         fn = self._small.get(key)
@@ -598,7 +598,7 @@ class ShmAllreduce:
 
     def _compiled_shards(self, kind, dtype, op, bounds):
         """``f(x, out)``: the sub-chunk loop of ``reduce_scatter`` or ``allgather`` as one compiled call
-        (``ddlkernels._shm_loops.pieces_reduce_scatter`` / ``pieces_allgather``), every view built once.
+        (``ddlkernels._shm_loops.pieces_reduce_scatter`` / ``pieces_allgather``), every address looked up once.
 
         Shared inputs (``empty``) are published and read where they lie, as in ``_compiled``.
         """
