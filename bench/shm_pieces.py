@@ -74,7 +74,7 @@ def main():
                          "whole message, or both loops) beside MPI_Reduce_scatter_block and MPI_Allgather instead")
     ap.add_argument("--loop", action="store_true",
                     help="compare the compiled piece loop (ddlkernels._shm_loops.pieces_allreduce, what run takes) "
-                         "with the Python one (ShmAllreduce._pieces, what a timeout= or a shared input takes)")
+                         "with the Python one (ShmAllreduce._pieces, what a timeout=, \"avg\" or float16 takes)")
     ap.add_argument("--rounds", type=int, default=15)
     a = ap.parse_args()
     comm = MPI.COMM_WORLD

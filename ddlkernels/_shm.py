@@ -256,6 +256,7 @@ class ShmAllreduce:
         self.spin = SPIN if spin is None else int(spin)
         self._win = self._small_win = None
         self._segs = None  # per rank: uint8 view of its whole segment
+        self._seg_addrs = None  # per rank: its segment's address here (int64), for the compiled loops
         self._small_seg = self._flags = None  # the small window, and its flags as int64
         self._epoch = 0  # barriers entered since the window was allocated
         self._last_shard = {}  # kind -> (bounds, n, dtype, op, fn): _last_shard_fn's memory
@@ -305,6 +306,7 @@ class ShmAllreduce:
         self._epoch = 0
         self._loops = _shm_loops
         self._win, self._small_win, self._segs = win, small, segs
+        self._seg_addrs = np.array([seg.ctypes.data for seg in segs], dtype=np.int64)
 
     @property
     def allocated(self) -> bool:
@@ -362,7 +364,7 @@ class ShmAllreduce:
         """Release the window and every region of ``empty`` (collective); a later ``run`` allocates a new
         window."""
         if self._win is not None:
-            self._segs = self._small_seg = self._flags = None
+            self._segs = self._seg_addrs = self._small_seg = self._flags = None
             self._layouts.clear()
             self._small.clear()
             self._last_shard.clear()
@@ -472,22 +474,27 @@ class ShmAllreduce:
         fn = self._small.get(key)
         if fn is not None:
             return fn
-        item, rb = dtype.itemsize, self._stage_bytes
-        step = max(1, self.piece_bytes // item)
+        step = max(1, self.piece_bytes // dtype.itemsize)
         # Every rank's stage and result as addresses (``ddlkernels._shm_loops._row``), valid until ``free``.
-        stages = np.array([seg.ctypes.data for seg in self._segs], dtype=np.int64)
-        results = stages + rb
-        call, flags, rank, code, spin, me = self._loops.pieces_allreduce, self._flags, self.rank, OPCODES[op], \
-            self.spin, self
-        barriers = 2 * -(-n // step)
+        stages = self._seg_addrs
+        results = stages + self._stage_bytes
+        fn = self._loop_fn(self._loops.pieces_allreduce, 2 * -(-n // step), (stages, results, self.rank),
+                           (OPCODES[op], self.spin, step))
+        return self._remember(key, fn)
+
+    def _loop_fn(self, call, barriers, head, tail):
+        """``f(x, out)``: ``call(x, *head, out, flags, epoch, *tail, staged, bases)``, a compiled loop of
+        ``barriers`` barriers from the next epoch on, after publishing where ``x`` lies when shared regions
+        exist (``_publish``; ``staged``: it lies in none)."""
+        flags, me = self._flags, self
 
         def fn(x, out):
             region = me._publish(x)[0] if me._regions else 0
             e = me._epoch + 1
             me._epoch += barriers
-            call(x, stages, results, rank, out, flags, e, code, spin, step, region == 0, me._bases)
+            call(x, *head, out, flags, e, *tail, region == 0, me._bases)
 
-        return self._remember(key, fn)
+        return fn
 
     def _whole(self, x, out, op, ufunc, reduce, avg_p, deadline):
         """A small message: every rank stages all of it, one barrier, every rank reduces all of it.
@@ -604,28 +611,14 @@ class ShmAllreduce:
         """
         item, p, rs = dtype.itemsize, self.p, kind == "reduce_scatter"
         c = max(1, self.piece_bytes // item // p) if rs else max(1, self.piece_bytes // item)
-        stages = np.array([seg.ctypes.data for seg in self._segs], dtype=np.int64)  # as in _compiled
         los = np.array([b[0] for b in bounds], dtype=np.int64)
         his = np.array([b[1] for b in bounds], dtype=np.int64)
         barriers = 2 * -(-int((his - los).max()) // c)
-        flags, rank, spin, me = self._flags, self.rank, self.spin, self
+        head = (self._seg_addrs, self.rank)
         if rs:
-            call, code = self._loops.pieces_reduce_scatter, OPCODES[op]
-
-            def fn(x, out):
-                region = me._publish(x)[0] if me._regions else 0
-                e = me._epoch + 1
-                me._epoch += barriers
-                call(x, stages, rank, out, flags, e, code, spin, c, los, his, region == 0, me._bases)
-        else:
-            call = self._loops.pieces_allgather
-
-            def fn(shard, out):
-                region = me._publish(shard)[0] if me._regions else 0
-                e = me._epoch + 1
-                me._epoch += barriers
-                call(shard, stages, rank, out, flags, e, spin, c, los, his, region == 0, me._bases)
-        return fn
+            return self._loop_fn(self._loops.pieces_reduce_scatter, barriers, head,
+                                 (OPCODES[op], self.spin, c, los, his))
+        return self._loop_fn(self._loops.pieces_allgather, barriers, head, (self.spin, c, los, his))
 
     def _last_shard_fn(self, kind, dtype, n, op, bounds):
         """``shard_fn``, remembering the last answer per kind: a loop of calls with equal arguments
