@@ -10,13 +10,15 @@
                                                    # 64K..16M
     mpirun -n 2 python -m mpi4py bench/shm_pieces.py --loop --shards   # the same for reduce_scatter and
                                                    # allgather
+    mpirun -n 2 python -m mpi4py bench/shm_pieces.py --stream  # out written with non-temporal stores or
+                                                   # normal ones, 1-64 MiB (--shards: allgather's)
 
 Each line is ``ddlkernels._shm.ShmAllreduce.run`` with one setting, called
 directly (no tuner, no argument checks), interleaved round by round with the
 other settings and MPI's own allreduce; a round times back-to-back calls
 lasting about 2 ms (one call for large messages) after a barrier, on the
 slowest rank.  Prints the median over rounds, in microseconds per call.
-Where PIECE_BYTES, WHOLE_BELOW and SPIN (ddlkernels/_shm.py) come from.
+Where PIECE_BYTES, WHOLE_BELOW, SPIN and STREAM_FROM (ddlkernels/_shm.py) come from.
 """
 
 from __future__ import annotations
@@ -70,11 +72,14 @@ def main():
     ap.add_argument("--spins", default=None,
                     help="with --small: compare whole-message calls with these barrier spin counts instead")
     ap.add_argument("--shards", action="store_true",
-                    help="with --small or --loop: time the window's reduce_scatter and allgather (equal shards; "
-                         "whole message, or both loops) beside MPI_Reduce_scatter_block and MPI_Allgather instead")
+                    help="with --small, --loop or --stream: time the window's reduce_scatter and allgather (equal "
+                         "shards; whole message, or both loops, or both stores) beside MPI_Reduce_scatter_block and MPI_Allgather instead")
     ap.add_argument("--loop", action="store_true",
                     help="compare the compiled piece loop (ddlkernels._shm_loops.pieces_allreduce, what run takes) "
                          "with the Python one (ShmAllreduce._pieces, what a timeout=, \"avg\" or float16 takes)")
+    ap.add_argument("--stream", action="store_true",
+                    help="compare the compiled piece loop writing out with non-temporal stores (\"streamed\") "
+                         "and with normal ones (\"cached\"), 1-64 MiB: where STREAM_FROM comes from")
     ap.add_argument("--rounds", type=int, default=15)
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
@@ -87,6 +92,10 @@ def main():
             variants = {f"spin {int(s)}": ShmAllreduce(comm, whole_below=whole, spin=int(s)) for s in a.spins.split(",")}
         else:
             variants = {"whole": ShmAllreduce(comm, whole_below=whole), "pieces": ShmAllreduce(comm, whole_below=0)}
+    elif a.stream:
+        sizes = a.sizes or "1M,4M,16M,64M"
+        variants = {"cached": ShmAllreduce(comm, whole_below=0, stream_from=1 << 62),
+                    "streamed": ShmAllreduce(comm, whole_below=0, stream_from=0)}
     elif a.loop:
         sizes = a.sizes or "64K,256K,1M,4M,16M"
         variants = {"compiled": ShmAllreduce(comm, whole_below=0), "python": ShmAllreduce(comm, whole_below=0)}
@@ -110,7 +119,11 @@ def main():
         comm.Allreduce(x, want, MPI.SUM)
         outs = {k: np.empty_like(x) for k in variants}
         fns = {"MPI_Allreduce": lambda: comm.Allreduce(x, want, MPI.SUM)}
-        if a.shards:
+        if a.shards and a.stream:
+            for k, v in variants.items():
+                fns.update({(f if f.startswith("MPI") else f"{f} {k}"): g
+                            for f, g in _shard_lines(comm, x, want, v).items()})
+        elif a.shards:
             fns.update(_shard_lines(comm, x, want, variants["whole" if a.small else "compiled"], python=a.loop))
             if "pieces" in variants:  # --small: the same calls in pieces, where the crossover is
                 fns.update({k + " pieces": f for k, f in _shard_lines(comm, x, want, variants["pieces"]).items()
@@ -140,6 +153,11 @@ def main():
                                 for k in ("reduce_scatter", "allgather"))
             elif a.loop:
                 ratio = f"  python/compiled {med['python'] / med['compiled']:.2f}"
+            elif a.stream and a.shards:
+                ratio = "".join(f"  {k} cached/streamed {med[k + ' cached'] / med[k + ' streamed']:.2f}"
+                                for k in ("reduce_scatter", "allgather"))
+            elif a.stream:
+                ratio = f"  cached/streamed {med['cached'] / med['streamed']:.2f}"
             print(f"{format_size(nb):>6} " + "  ".join(f"{k} {v:8.2f}" for k, v in med.items()) + ratio, flush=True)
     for v in variants.values():
         v.free()

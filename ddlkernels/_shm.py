@@ -37,9 +37,9 @@ took 1.07-1.42x as long, 2 MiB pieces 1.00-1.35x).
 
 For numpy's own types and ops (not "avg", float16 or bfloat16) and no
 ``timeout=``, the whole piece loop is one compiled call
-(``ddlkernels._shm_loops.pieces_allreduce``), its copies libc's memcpy:
-Python's dozen numpy calls per piece were most of a call's time at 64-256
-KiB.  ``bench/shm_pieces.py --loop`` (the two loops interleaved in one run,
+(``ddlkernels._shm_loops.pieces_allreduce``), its copies libc's memcpy, or
+non-temporal stores into a large message's output (``STREAM_FROM``): Python's
+dozen numpy calls per piece were most of a call's time at 64-256 KiB.  ``bench/shm_pieces.py --loop`` (the two loops interleaved in one run,
 two runs each): with 2 ranks the compiled loop was 1.78-1.80x as fast at 64
 KiB, 1.37-1.44x at 256 KiB, 1.07-1.10x at 1 MiB and 0.97-1.11x from 4 MiB
 (memory-bound); with 4 ranks on the 2 cores 1.61-1.84x, 1.48x, 1.05-1.17x
@@ -138,6 +138,20 @@ WHOLE_PER_RANK = 8 << 10
 WHOLE_BELOW = 64 << 10
 #: Bytes of a message handled per pair of barriers (see the module comment).
 PIECE_BYTES = 1 << 20
+#: An allreduce of at least this many bytes writes ``out`` with non-temporal
+#: stores in its compiled loop (``ddlkernels._shm_loops._stream``): they skip
+#: the read of every output line that a normal store makes first, a third of
+#: a large copy's memory traffic, but a caller that reads ``out`` soon would
+#: find it in the cache without them.  ``bench/shm_pieces.py --stream``, the
+#: two interleaved, time with normal stores / time streamed, float32 sum: with
+#: 2 ranks 0.67 / 0.62-0.89 at 1-2 MiB, 0.96-1.24 at 4 MiB, 0.99-1.08 at 8,
+#: 1.02-1.14 at 16 and 1.15-1.21 at 64 MiB (five runs); with 4 ranks 0.81-1.00
+#: at 1 MiB, 0.98-1.12 at 2-16 MiB, 1.05-1.15 at 64 MiB (two runs).
+STREAM_FROM = 8 << 20
+#: The same for an allgather's output, which gains from a smaller size: its
+#: loop only copies (``--stream --shards``: 0.53 at 1 MiB with 2 ranks, 1.14-1.16
+#: with 4; from 2 MiB 1.19-1.65 with 2 ranks and 1.21-1.55 with 4).
+GATHER_STREAM_FROM = 2 << 20
 _ALIGN = 64
 #: Polls before a rank waiting in a barrier yields its core between polls
 #: (``ddlkernels._shm_loops``).  ``bench/shm_pieces.py --small --spins
@@ -234,13 +248,15 @@ class ShmAllreduce:
     ``piece_bytes``: bytes per piece.  ``whole_below``: messages of fewer
     bytes are reduced whole by every rank after one barrier (``_whole``);
     default ``WHOLE_PER_RANK`` x p, at most ``WHOLE_BELOW``.  ``spin``: barrier polls before yielding
-    (default ``SPIN``).  The window
+    (default ``SPIN``).  ``stream_from``: an allreduce or allgather whose
+    output has at least this many bytes writes it with non-temporal stores
+    (default ``STREAM_FROM`` and ``GATHER_STREAM_FROM``).  The window
     is allocated by the first ``run`` (collective, as every call is); ``free``
     releases it (collective).
     """
 
     def __init__(self, comm, piece_bytes: int = PIECE_BYTES, whole_below: int | None = None,
-                 spin: int | None = None):
+                 spin: int | None = None, stream_from: int | None = None):
         self.comm = comm
         self.p = comm.Get_size()
         self.rank = comm.Get_rank()
@@ -254,6 +270,8 @@ class ShmAllreduce:
         self._whole_bytes = _up(self.whole_below)
         self._small_bytes = self._flag_bytes + 2 * self.p * self._whole_bytes
         self.spin = SPIN if spin is None else int(spin)
+        self.stream_from = STREAM_FROM if stream_from is None else int(stream_from)
+        self.gather_stream_from = GATHER_STREAM_FROM if stream_from is None else int(stream_from)
         self._win = self._small_win = None
         self._segs = None  # per rank: uint8 view of its whole segment
         self._seg_addrs = None  # per rank: its segment's address here (int64), for the compiled loops
@@ -479,7 +497,7 @@ class ShmAllreduce:
         stages = self._seg_addrs
         results = stages + self._stage_bytes
         fn = self._loop_fn(self._loops.pieces_allreduce, 2 * -(-n // step), (stages, results, self.rank),
-                           (OPCODES[op], self.spin, step))
+                           (OPCODES[op], self.spin, step, n * dtype.itemsize >= self.stream_from))
         return self._remember(key, fn)
 
     def _loop_fn(self, call, barriers, head, tail):
@@ -618,7 +636,8 @@ class ShmAllreduce:
         if rs:
             return self._loop_fn(self._loops.pieces_reduce_scatter, barriers, head,
                                  (OPCODES[op], self.spin, c, los, his))
-        return self._loop_fn(self._loops.pieces_allgather, barriers, head, (self.spin, c, los, his))
+        stream = int(his.max()) * item >= self.gather_stream_from
+        return self._loop_fn(self._loops.pieces_allgather, barriers, head, (self.spin, c, los, his, stream))
 
     def _last_shard_fn(self, kind, dtype, n, op, bounds):
         """``shard_fn``, remembering the last answer per kind: a loop of calls with equal arguments

@@ -286,6 +286,75 @@ def _copy_impl(dst, src):
     return loop
 
 
+@intrinsic
+def _stream_memcpy(typingctx, dst, src):
+    """``dst[:len(src)] = src`` for two C-contiguous 1-D arrays of one dtype, the destination's aligned
+    64-byte lines written with non-temporal stores, then a full fence (see ``_stream``)."""
+
+    def codegen(context, builder, sig, args):
+        darr = make_array(sig.args[0])(context, builder, args[0])
+        sarr = make_array(sig.args[1])(context, builder, args[1])
+        i64 = ir.IntType(64)
+        itemsize = context.get_abi_sizeof(context.get_data_type(sig.args[1].dtype))
+        nbytes = builder.mul(builder.extract_value(sarr.shape, 0), i64(itemsize))
+        dst_addr = builder.ptrtoint(darr.data, i64)
+        src_addr = builder.ptrtoint(sarr.data, i64)
+        # Bytes before the destination's first 64-byte boundary (or all of them, if fewer), then whole lines,
+        # then the rest: only whole aligned lines can be streamed.
+        head = builder.and_(builder.neg(dst_addr), i64(63))
+        head = builder.select(builder.icmp_unsigned("<", nbytes, head), nbytes, head)
+        lines = builder.lshr(builder.sub(nbytes, head), i64(6))
+        body = builder.shl(lines, i64(6))
+        byte_ptr = ir.IntType(8).as_pointer()
+
+        def copy(offset, count):
+            cgutils.raw_memcpy(builder, builder.inttoptr(builder.add(dst_addr, offset), byte_ptr),
+                               builder.inttoptr(builder.add(src_addr, offset), byte_ptr), count, i64(1))
+
+        copy(i64(0), head)
+        line = ir.VectorType(i64, 8).as_pointer()
+        nontemporal = builder.module.add_metadata([ir.IntType(32)(1)])
+        with cgutils.for_range(builder, lines) as loop:
+            offset = builder.add(head, builder.shl(loop.index, i64(6)))
+            value = builder.load(builder.inttoptr(builder.add(src_addr, offset), line), align=1)
+            store = builder.store(value, builder.inttoptr(builder.add(dst_addr, offset), line), align=64)
+            store.set_metadata("nontemporal", nontemporal)
+        copy(builder.add(head, body), builder.sub(builder.sub(nbytes, head), body))
+        # Non-temporal stores are weakly ordered, even on x86: without the fence a later release store (a
+        # barrier's) could become visible before them.
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == src.ndim == 1
+            and dst.layout == src.layout == "C" and dst.dtype == src.dtype):
+        return None
+    return types.void(dst, src), codegen
+
+
+def _stream(dst, src, stream):
+    """``_copy(dst, src)``; if ``stream``, with non-temporal stores where both are C-contiguous.
+
+    Non-temporal stores go to memory without first reading the line into the
+    cache, as a normal store must (a third of a large copy's memory traffic),
+    and without evicting what the cache holds.  For a destination nobody
+    reads soon: a large message's ``out``, as libc's memcpy does for copies
+    larger than the cache.
+    """
+
+
+@overload(_stream, inline="always")
+def _stream_impl(dst, src, stream):
+    if dst.layout == src.layout == "C":
+        def fast(dst, src, stream):
+            if stream:
+                _stream_memcpy(dst, src)
+            else:
+                _memcpy(dst, src)
+
+        return fast
+    return lambda dst, src, stream: _copy(dst, src)
+
+
 # The pieces' sum and product: plain IEEE arithmetic.  Unlike the small call,
 # where every rank folds every element and so must pick the same of two NaNs
 # wherever its loop puts the element (_sum), each block of a piece is folded
@@ -364,7 +433,7 @@ def _fold_block(res, own, stages, addr, me, lo, hi, at, combine):
 
 
 @njit(inline="always")
-def _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases, combine):
+def _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, staged, bases, combine):
     p = stages.shape[0]
     addr = np.zeros(p, np.int64)
     e = epoch
@@ -385,19 +454,19 @@ def _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases
         k = hi - lo
         res, dst = _row(results, me, 0, k, x), os[lo:hi]
         _fold_block(res, xs[lo:hi], stages, addr, me, lo, hi, a + lo, combine)
-        _copy(dst, res)
+        _stream(dst, res, stream)
         barrier(flags, me, p, e + 1, spin)
         # Every other block from its owner's result.
         for s in range(p):
             if s != me:
                 slo = s * q + min(s, m)
                 shi = slo + q + (1 if s < m else 0)
-                _copy(os[slo:shi], _row(results, s, 0, shi - slo, x))
+                _stream(os[slo:shi], _row(results, s, 0, shi - slo, x), stream)
         e += 2
 
 
 @njit(cache=True, nogil=True)
-def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, staged, bases):
+def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, stream, staged, bases):
     """``out = ((x0 op x1) op x2) ...`` over the ranks, piece by piece through the large window.
 
     Purpose: ``ShmAllreduce``'s piece loop (its module comment) as one call
@@ -415,19 +484,21 @@ def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, 
     (``ShmAllreduce.empty``) at its address here, none (0 rows) when there
     are none; each rank has published in its flag line where its input lies
     (``ShmAllreduce._publish``), and ``staged`` is False when mine lies in
-    one: peers then read it there, and I stage nothing.
+    one: peers then read it there, and I stage nothing.  ``stream``: write
+    ``out`` with non-temporal stores (``_stream``; for messages larger than
+    the cache).
     Use: ``ShmAllreduce._compiled``.  The bits are numpy's but for which of
     two NaNs a sum or product returns (see the combines above), and the same
     on every rank.
     """
     if op == 0:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases, _add)
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, staged, bases, _add)
     elif op == 1:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases, _mul)
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, staged, bases, _mul)
     elif op == 2:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases, _max)
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, staged, bases, _max)
     else:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, staged, bases, _min)
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, staged, bases, _min)
 
 
 @njit(inline="always")
@@ -486,7 +557,7 @@ def pieces_reduce_scatter(x, stages, me, out, flags, epoch, op, spin, c, los, hi
 
 
 @njit(cache=True, nogil=True)
-def pieces_allgather(shard, stages, me, out, flags, epoch, spin, c, los, his, staged, bases):
+def pieces_allgather(shard, stages, me, out, flags, epoch, spin, c, los, his, stream, staged, bases):
     """``out[los[s]:his[s]] = shard of rank s`` for every s, chunk by chunk through the large window.
 
     Purpose: ``ShmAllreduce.allgather``'s loop as one call: per step k,
@@ -500,7 +571,7 @@ def pieces_allgather(shard, stages, me, out, flags, epoch, spin, c, los, his, st
     ... (two per step, ceil(longest shard / c) steps), the same on every
     rank, as are ``c`` and the shards; a peer may run the same steps from
     Python.  ``staged`` and ``bases``: as for ``pieces_allreduce`` (a shard
-    in a shared region is copied from where it lies).
+    in a shared region is copied from where it lies); ``stream`` as well.
     Use: ``ShmAllreduce._compiled_shards``.
     """
     p = stages.shape[0]
@@ -512,9 +583,9 @@ def pieces_allgather(shard, stages, me, out, flags, epoch, spin, c, los, his, st
         if staged:
             mine = _row(stages, me, 0, m, shard)
             _copy(mine, shard[k : k + m])
-            _copy(out[lo + k : lo + k + m], mine)
+            _stream(out[lo + k : lo + k + m], mine, stream)
         else:
-            _copy(out[lo + k : lo + k + m], shard[k : k + m])
+            _stream(out[lo + k : lo + k + m], shard[k : k + m], stream)
         barrier(flags, me, p, e, spin)
         if k == 0 and bases.shape[0] > 0:
             _peer_inputs(flags, bases, addr)
@@ -522,6 +593,6 @@ def pieces_allgather(shard, stages, me, out, flags, epoch, spin, c, los, his, st
             a = los[s] + k
             b = min(his[s], a + c)
             if s != me and b > a:
-                _copy(out[a:b], _operand(stages, addr, s, 0, b - a, k, out))
+                _stream(out[a:b], _operand(stages, addr, s, 0, b - a, k, out), stream)
         barrier(flags, me, p, e + 1, spin)
         e += 2

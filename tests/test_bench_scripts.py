@@ -38,6 +38,11 @@ def test_shm_pieces_compares_every_setting_with_mpi():
     rows = [ln for ln in out.splitlines() if not ln.startswith("#")]
     assert len(rows) == 2 and all(f" {k} " in ln for ln in rows for k in
                                   ("MPI_Reduce_scatter_block", "reduce_scatter", "MPI_Allgather", "allgather"))
+    # Non-temporal stores or not: both lines' results are checked against MPI's.
+    out = run("bench/shm_pieces.py", "--stream", "--sizes", "64K", "--rounds", "2")
+    assert " cached " in out and " streamed " in out and "cached/streamed" in out
+    out = run("bench/shm_pieces.py", "--stream", "--shards", "--sizes", "64K", "--rounds", "2")
+    assert " allgather cached " in out and " allgather streamed " in out and "allgather cached/streamed" in out
 
 
 def test_shm_costs_prints_every_line_and_checks_the_allreduce():

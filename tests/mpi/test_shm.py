@@ -242,17 +242,20 @@ def _rank_order_fold(xs, op, be):
 @needs_peers
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("piece_bytes,whole_below", [(24, 0), (1000, 0), (1 << 20, 0), (1 << 20, 1 << 20)],
-                         ids=["pieces24B", "pieces1000B", "one-piece", "whole"])
-def test_every_element_is_the_rank_order_fold_bitwise(dtype, op, piece_bytes, whole_below):
-    """((x0 op x1) op x2) ...: the same bits whatever the piece size or form, in place or not."""
+@pytest.mark.parametrize("piece_bytes,whole_below,stream_from",
+                         [(24, 0, None), (1000, 0, None), (1000, 0, 0), (1 << 20, 0, None),
+                          (1 << 20, 1 << 20, None)],
+                         ids=["pieces24B", "pieces1000B", "pieces1000B-streamed", "one-piece", "whole"])
+def test_every_element_is_the_rank_order_fold_bitwise(dtype, op, piece_bytes, whole_below, stream_from):
+    """((x0 op x1) op x2) ...: the same bits whatever the piece size or form, in place or not, and whether
+    the output is written with non-temporal stores (``stream_from``) or not."""
     n = 997
     x = rank_data(n, RANK, P, dtype, salt=11)
     xs = COMM.allgather(x)
     be = backend_for(x)
     redop, avg_p = ("sum", P) if op == "avg" else (op, None)
     want = _rank_order_fold(xs, op, be)
-    shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=whole_below)
+    shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=whole_below, stream_from=stream_from)
     got = np.empty_like(x)
     shm.run(x, got, redop, be.reduce, avg_p=avg_p)
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{op} {dtype}: not the rank-order fold"
@@ -272,11 +275,13 @@ def _bounds(n):
 @needs_peers
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("piece_bytes,whole_below", [(24, 0), (1000, 0), (1 << 20, 1 << 20)],
-                         ids=["pieces24B", "pieces1000B", "whole"])
-def test_reduce_scatter_and_allgather_through_the_window(dtype, op, piece_bytes, whole_below):
-    """Each shard is the rank-order fold of its range (the allreduce's bits); allgather puts every shard back."""
-    shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=whole_below)
+@pytest.mark.parametrize("piece_bytes,whole_below,stream_from",
+                         [(24, 0, None), (1000, 0, None), (1000, 0, 0), (1 << 20, 1 << 20, None)],
+                         ids=["pieces24B", "pieces1000B", "pieces1000B-streamed", "whole"])
+def test_reduce_scatter_and_allgather_through_the_window(dtype, op, piece_bytes, whole_below, stream_from):
+    """Each shard is the rank-order fold of its range (the allreduce's bits); allgather puts every shard back,
+    with or without non-temporal stores."""
+    shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=whole_below, stream_from=stream_from)
     be = backend_for(np.empty(0))
     redop, avg_p = ("sum", P) if op == "avg" else (op, None)
     for n in (0, 1, P + 1, 211):
@@ -464,13 +469,14 @@ def test_shard_fast_paths_hold_the_windows_compiled_calls_and_free_drops_them(co
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("shared", ["all", "odd ranks"])
-@pytest.mark.parametrize("piece_bytes", [100, 1 << 20])
-def test_shared_inputs_are_read_where_they_lie(dtype, op, shared, piece_bytes):
+@pytest.mark.parametrize("piece_bytes,stream_from", [(100, None), (1 << 20, None), (4096, 0)],
+                         ids=["pieces100B", "pieces1M", "pieces4K-streamed"])
+def test_shared_inputs_are_read_where_they_lie(dtype, op, shared, piece_bytes, stream_from):
     """An input in ``empty``'s shared memory is read by peers in place, not staged: the same bits as a staged
     call, in place and out of place, at any offset into the region, with every rank's input shared or only
     some ranks'; the shared ranks' published (region, offset) says the peers really read it there.  The same
     for reduce_scatter, and for allgather's shards."""
-    shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=0)
+    shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=0, stream_from=stream_from)
     be = backend_for(np.empty(0, dtype))
     item = np.dtype(dtype).itemsize
     for n, skip in ((1, 0), (P + 1, 3), (4099, 1), (300_007, 0)):
