@@ -3,7 +3,7 @@
     mpirun -n 2 python -m mpi4py bench/shm_costs.py                 # 16 and 64 MiB, float32
     mpirun -n 2 python -m mpi4py bench/shm_costs.py --sizes 64M --rounds 21
 
-Four lines, interleaved round by round in one run, each timed after a
+Five lines, interleaved round by round in one run, each timed after a
 barrier on the slowest rank (median over rounds, milliseconds per call):
 
 * ``link``: every rank ``Sendrecv``'s N/p bytes to its neighbour, as the
@@ -11,6 +11,9 @@ barrier on the slowest rank (median over rounds, milliseconds per call):
 * ``memcpy``: every rank copies its N-byte input into its N-byte output, the
   memory traffic no out-of-place allreduce avoids;
 * ``shm``: ``ddlkernels._shm.ShmAllreduce.run``, the shared-memory allreduce;
+* ``ring``: this library's ring over MPI's transport (``ddlkernels.Communicator``
+  with the window and the tuner off), the other algorithm the tuner weighs
+  at these sizes;
 * ``private``: the steps per piece of ``shm``, as numpy calls (stage the peers'
   blocks, fold p operands into a result, copy it to out, copy the p - 1
   other results to out), on buffers private to each rank and without
@@ -18,8 +21,27 @@ barrier on the slowest rank (median over rounds, milliseconds per call):
   cores.  Its result is not an allreduce (no rank sees another's data).
 
 Then ``shm`` as busbw / link (the harness's ratio: 2 (p - 1) / p x N / t
-against (N / p) / t_link), and ``shm`` - ``private``: what exchanging data
-through the window costs over moving it privately.
+against (N / p) / t_link), ``ring`` / ``shm`` (above 1: the window is the
+faster), and ``shm`` - ``private``: what exchanging data through the window
+costs over moving it privately.
+
+The 2-core machine switches, minutes apart, between two states, which this
+shows side by side.  Fourteen runs at 32 MiB, ``--sizes 32M --rounds 7``, 28 s
+apart, 2 ranks (ms):
+
+    runs   link        memcpy      shm         ring        private     shm busbw / link
+    8      1.78-2.50   3.46-5.01   3.46-4.72   5.11-7.14   3.82-4.71   0.93-1.06
+    6      1.36-1.59   2.74-3.19   5.66-6.08   5.11-5.84   3.39-3.66   0.46-0.56
+
+In the second, memory is faster (memcpy, private, the link: a copy from
+a peer's input that nobody writes) and everything a core just wrote and its
+peer then reads is slower, as when the two cores sit on different
+core complexes, each with its own L3: the window's exchange then costs 2.0-2.5
+ms more than the same steps on private buffers, and the ring is hardly
+faster.  (Tried, not kept: writing the result blocks with non-temporal
+stores, so that a peer reads them from memory, was faster in that state and
+slower in the other, in a throwaway comparison; to gain, it would have to be
+one more choice for the tuner to measure.)
 """
 
 from __future__ import annotations
@@ -30,6 +52,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+import ddlkernels
 from ddlkernels._bench import format_size, parse_size
 from ddlkernels._shm import PIECE_BYTES, ShmAllreduce
 
@@ -71,6 +94,7 @@ def main():
     if p < 2:
         raise SystemExit("needs 2 or more ranks")
     shm = ShmAllreduce(comm, whole_below=0)
+    ring = ddlkernels.Communicator(comm, shm=False, small_bytes=0)
 
     def timed(fn):
         comm.Barrier()
@@ -93,11 +117,14 @@ def main():
             "link": lambda: comm.Sendrecv(send, (r + 1) % p, 7, recv, (r - 1) % p, 7),
             "memcpy": lambda: np.copyto(out, x),
             "shm": lambda: shm.run(x, out, "sum", None),
+            "ring": lambda: ring.allreduce(x, "sum", out=out),
             "private": _private_steps(x, out, p, r, PIECE_BYTES // 4),
         }
-        shm.run(x, out, "sum", None)
-        if not np.array_equal(out, want):  # exact: small integers
-            raise SystemExit(f"shm: wrong result at {nb} B")
+        for name in ("shm", "ring"):
+            out[...] = 0
+            fns[name]()
+            if not np.array_equal(out, want):  # exact: small integers
+                raise SystemExit(f"{name}: wrong result at {nb} B")
         for f in fns.values():
             f()
         res = {k: [] for k in fns}
@@ -108,8 +135,10 @@ def main():
             med = {k: float(np.median(v)) for k, v in res.items()}
             ratio = (2 * (p - 1) / p * nb / med["shm"]) / ((nb // p) / med["link"])
             print(f"{format_size(nb):>5} " + "  ".join(f"{k} {v:7.2f}" for k, v in med.items())
-                  + f"  | shm busbw / link {ratio:.2f}, shm - private {med['shm'] - med['private']:.2f} ms", flush=True)
+                  + f"  | shm busbw / link {ratio:.2f}, ring / shm {med['ring'] / med['shm']:.2f}, "
+                  f"shm - private {med['shm'] - med['private']:.2f} ms", flush=True)
     shm.free()
+    ring.free()
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ def test_shm_costs_prints_every_line_and_checks_the_allreduce():
     rows = [ln for ln in out.splitlines() if not ln.startswith("#")]
     assert [ln.split()[0] for ln in rows] == ["1M", "3M"]
     for ln in rows:
-        assert all(f" {k} " in ln for k in ("link", "memcpy", "shm", "private")) and "shm busbw / link" in ln
+        assert all(f" {k} " in ln for k in ("link", "memcpy", "shm", "ring", "private")) and "shm busbw / link" in ln
+        assert "ring / shm" in ln
 
 
 def test_tuner_watch_prints_rounds_and_checks_every_result():
