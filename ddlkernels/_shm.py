@@ -152,6 +152,8 @@ STREAM_FROM = 8 << 20
 #: loop only copies (``--stream --shards``: 0.53 at 1 MiB with 2 ranks, 1.14-1.16
 #: with 4; from 2 MiB 1.19-1.65 with 2 ranks and 1.21-1.55 with 4).
 GATHER_STREAM_FROM = 2 << 20
+# Not reduce_scatter: its fold writes its shard of the output directly, and
+# folding into the stage and streaming from there lost at 4-64 MiB (tried).
 _ALIGN = 64
 #: Polls before a rank waiting in a barrier yields its core between polls
 #: (``ddlkernels._shm_loops``).  ``bench/shm_pieces.py --small --spins
