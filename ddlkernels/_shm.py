@@ -39,8 +39,9 @@ For numpy's own types and ops (not "avg", float16 or bfloat16) and no
 ``timeout=``, the whole piece loop is one compiled call
 (``ddlkernels._shm_loops.pieces_allreduce``), its copies libc's memcpy, or
 non-temporal stores into a large message's output (``STREAM_FROM``): Python's
-dozen numpy calls per piece were most of a call's time at 64-256 KiB.  ``bench/shm_pieces.py --loop`` (the two loops interleaved in one run,
-two runs each): with 2 ranks the compiled loop was 1.78-1.80x as fast at 64
+dozen numpy calls per piece were most of a call's time at 64-256 KiB.
+``bench/shm_pieces.py --loop`` (the two loops interleaved in one run, two
+runs each): with 2 ranks the compiled loop was 1.78-1.80x as fast at 64
 KiB, 1.37-1.44x at 256 KiB, 1.07-1.10x at 1 MiB and 0.97-1.11x from 4 MiB
 (memory-bound); with 4 ranks on the 2 cores 1.61-1.84x, 1.48x, 1.05-1.17x
 and 1.03-1.11x.  reduce_scatter's and allgather's loops below are
@@ -144,13 +145,14 @@ PIECE_BYTES = 1 << 20
 #: a large copy's memory traffic, but a caller that reads ``out`` soon would
 #: find it in the cache without them.  ``bench/shm_pieces.py --stream``, the
 #: two interleaved, time with normal stores / time streamed, float32 sum: with
-#: 2 ranks 0.67 / 0.62-0.89 at 1-2 MiB, 0.96-1.24 at 4 MiB, 0.99-1.08 at 8,
-#: 1.02-1.14 at 16 and 1.15-1.21 at 64 MiB (five runs); with 4 ranks 0.81-1.00
-#: at 1 MiB, 0.98-1.12 at 2-16 MiB, 1.05-1.15 at 64 MiB (two runs).
+#: 2 ranks 0.67 at 1 MiB (one run), 0.62-0.89 at 2 MiB (four runs), 0.96-1.24
+#: at 4 MiB (five), 0.99-1.08 at 8 (four), 1.02-1.14 at 16 (three) and
+#: 1.15-1.21 at 64 MiB (three); with 4 ranks 0.81-1.00 at 1 MiB, 0.98-1.12
+#: at 2-16 MiB, 1.05-1.15 at 64 MiB (two runs).
 STREAM_FROM = 8 << 20
 #: The same for an allgather's output, which gains from a smaller size: its
-#: loop only copies (``--stream --shards``: 0.53 at 1 MiB with 2 ranks, 1.14-1.16
-#: with 4; from 2 MiB 1.19-1.65 with 2 ranks and 1.21-1.55 with 4).
+#: loop only copies (``--stream --shards``: 0.53-0.62 at 1 MiB with 2 ranks in
+#: three runs, 1.14-1.16 with 4 in two; from 2 MiB 1.07-1.65 and 1.21-1.55).
 GATHER_STREAM_FROM = 2 << 20
 # Not reduce_scatter: its fold writes its shard of the output directly, and
 # folding into the stage and streaming from there lost at 4-64 MiB (tried).
