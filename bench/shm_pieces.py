@@ -73,7 +73,8 @@ def main():
                     help="with --small: compare whole-message calls with these barrier spin counts instead")
     ap.add_argument("--shards", action="store_true",
                     help="with --small, --loop or --stream: time the window's reduce_scatter and allgather (equal "
-                         "shards; whole message, or both loops, or both stores) beside MPI_Reduce_scatter_block and MPI_Allgather instead")
+                         "shards; whole message, or both loops, or both stores) beside MPI_Reduce_scatter_block "
+                         "and MPI_Allgather instead")
     ap.add_argument("--loop", action="store_true",
                     help="compare the compiled piece loop (ddlkernels._shm_loops.pieces_allreduce, what run takes) "
                          "with the Python one (ShmAllreduce._pieces, what a timeout=, \"avg\" or float16 takes)")
