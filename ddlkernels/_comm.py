@@ -155,7 +155,7 @@ class Communicator:
         self._schedules: dict = {}
         self._buffers: dict = {}
         self._transports: dict = {}
-        #: "ring", "mpi", "nbc" or "shm": which algorithm the last allreduce, reduce_scatter or allgather ran
+        #: "ring", "mpi", "nbc", "shm" or "hier": which algorithm the last allreduce, reduce_scatter or allgather ran
         #: (for reports; ddlkernels._tuner).
         self.last_algorithm = None
 

@@ -76,8 +76,10 @@ def test_node_check_is_collective_and_refuses_uneven_or_single_nodes():
         uneven.Free()
 
 
-def test_communicator_measures_it_across_nodes(monkeypatch):
-    """Wiring: a Communicator whose ranks span nodes of equal size makes "hier" a tuner candidate."""
+@pytest.mark.parametrize("validate", [False, True])
+def test_communicator_measures_it_across_nodes(monkeypatch, validate):
+    """Wiring: a Communicator whose ranks span nodes of equal size makes "hier" a tuner candidate; with
+    ``validate=True`` every rank agrees on it before the call, as on any other path."""
     import ddlkernels._comm as comm_mod
     import ddlkernels._hier as hier_mod
     from ddlkernels._tuner import tuning_calls
@@ -91,7 +93,7 @@ def test_communicator_measures_it_across_nodes(monkeypatch):
         seen = []
         n = tuning_calls(x.nbytes, 3)
         for k in range(n + 3):
-            y = dc.allreduce(x, "sum")
+            y = dc.allreduce(x, "sum", validate=validate)
             assert_close(y, inputs, "sum", np.float32, f"call {k}")
             assert_same_on_all_ranks(COMM, y, f"call {k}")
             seen.append(dc.last_algorithm)
