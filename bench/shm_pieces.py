@@ -12,13 +12,16 @@
                                                    # allgather
     mpirun -n 2 python -m mpi4py bench/shm_pieces.py --stream  # out written with non-temporal stores or
                                                    # normal ones, 1-64 MiB (--shards: allgather's)
+    mpirun -n 2 python -m mpi4py bench/shm_pieces.py --spill   # the result blocks too (the tuner's
+                                                   # "shm-nt"), 4-64 MiB
 
 Each line is ``ddlkernels._shm.ShmAllreduce.run`` with one setting, called
 directly (no tuner, no argument checks), interleaved round by round with the
 other settings and MPI's own allreduce; a round times back-to-back calls
 lasting about 2 ms (one call for large messages) after a barrier, on the
 slowest rank.  Prints the median over rounds, in microseconds per call.
-Where PIECE_BYTES, WHOLE_BELOW, SPIN and STREAM_FROM (ddlkernels/_shm.py) come from.
+Where PIECE_BYTES, WHOLE_BELOW, SPIN and STREAM_FROM (ddlkernels/_shm.py) and SPILL_FROM
+(ddlkernels/_tuner.py) come from.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ def main():
     ap.add_argument("--stream", action="store_true",
                     help="compare the compiled piece loop writing out with non-temporal stores (\"streamed\") "
                          "and with normal ones (\"cached\"), 1-64 MiB: where STREAM_FROM comes from")
+    ap.add_argument("--spill", action="store_true",
+                    help="compare run(spill=True) (\"spilled\": each rank's result blocks written with non-temporal "
+                         "stores) with run() (\"kept\"), 4-64 MiB: what SPILL_FROM and the tuner's \"shm-nt\" weigh")
     ap.add_argument("--rounds", type=int, default=15)
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
@@ -93,6 +99,9 @@ def main():
             variants = {f"spin {int(s)}": ShmAllreduce(comm, whole_below=whole, spin=int(s)) for s in a.spins.split(",")}
         else:
             variants = {"whole": ShmAllreduce(comm, whole_below=whole), "pieces": ShmAllreduce(comm, whole_below=0)}
+    elif a.spill:
+        sizes = a.sizes or "4M,8M,16M,32M,64M"
+        variants = {"kept": ShmAllreduce(comm, whole_below=0), "spilled": ShmAllreduce(comm, whole_below=0)}
     elif a.stream:
         sizes = a.sizes or "1M,4M,16M,64M"
         variants = {"cached": ShmAllreduce(comm, whole_below=0, stream_from=1 << 62),
@@ -130,7 +139,8 @@ def main():
                 fns.update({k + " pieces": f for k, f in _shard_lines(comm, x, want, variants["pieces"]).items()
                             if not k.startswith("MPI")})
         else:
-            fns.update({k: (lambda v=v, o=outs[k]: v.run(x, o, "sum", reduce)) for k, v in variants.items()})
+            fns.update({k: (lambda v=v, o=outs[k], s=k == "spilled": v.run(x, o, "sum", reduce, spill=s))
+                        for k, v in variants.items()})
         if a.loop and not a.shards:
             py, o = variants["python"], outs["python"]
             py.run(x[:1], o[:1], "sum", reduce)  # allocates its window (collective), which _pieces expects
@@ -159,6 +169,8 @@ def main():
                                 for k in ("reduce_scatter", "allgather"))
             elif a.stream:
                 ratio = f"  cached/streamed {med['cached'] / med['streamed']:.2f}"
+            elif a.spill:
+                ratio = f"  kept/spilled {med['kept'] / med['spilled']:.2f}"
             print(f"{format_size(nb):>6} " + "  ".join(f"{k} {v:8.2f}" for k, v in med.items()) + ratio, flush=True)
     for v in variants.values():
         v.free()

@@ -155,7 +155,8 @@ class Communicator:
         self._schedules: dict = {}
         self._buffers: dict = {}
         self._transports: dict = {}
-        #: "ring", "mpi", "nbc", "shm" or "hier": which algorithm the last allreduce, reduce_scatter or allgather ran
+        #: "ring", "mpi", "nbc", "shm", "shm-nt" or "hier": which algorithm the last allreduce, reduce_scatter or
+        #: allgather ran
         #: (for reports; ddlkernels._tuner).
         self.last_algorithm = None
 
@@ -444,12 +445,12 @@ class Communicator:
             dst = out
         else:
             return None
-        algo, how, avg, watch, recount = hit  # how: the MPI op, or for "shm" the op's name or a ShmAllreduce.small_fn
+        algo, how, avg, watch, recount = hit  # how: the MPI op, or for the window the op's name or a small_fn
         if watch is not None:  # a watched size (ddlkernels._tuner.WATCH_FROM): time the call for the tuner
             t0 = perf_counter()
-        if algo == "shm":
+        if algo == "shm" or algo == "shm-nt":
             if how.__class__ is str:
-                self._shm.run(x.reshape(-1), dst.reshape(-1), how, None)
+                self._shm.run(x.reshape(-1), dst.reshape(-1), how, None, spill=algo == "shm-nt")
             else:
                 how(x if x.ndim == 1 else x.reshape(-1), dst if dst.ndim == 1 else dst.reshape(-1))
         elif algo == "mpi":
@@ -493,10 +494,11 @@ class Communicator:
             self._fast.clear()
         if algo in ("mpi", "nbc"):
             hit = (algo, entry[0], entry[1], watch, recount)
-        elif algo == "shm" and not entry[1]:  # "avg" takes the full path
+        elif (algo == "shm" or algo == "shm-nt") and not entry[1]:  # "avg" takes the full path
             if self._shm is None or not self._shm.allocated:
                 return None  # the full path sets the window up (collectively); ask again after it
-            hit = (algo, self._shm.small_fn(dt, nbytes // dt.itemsize, op) or op, False, watch, recount)
+            fn = self._shm.small_fn(dt, nbytes // dt.itemsize, op, spill=algo == "shm-nt")
+            hit = (algo, fn or op, False, watch, recount)
         else:
             hit = False
         self._fast[op, dt, nbytes, inplace] = hit
@@ -666,14 +668,15 @@ class Communicator:
                 self._fast.clear()  # measured again from the next call, on every rank
 
     def _allreduce_path(self, algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call):
-        """Run ``algo``: "mpi" (MPI_Allreduce), "nbc" (MPI_Iallreduce + Wait), "shm" (shared window) or "ring"."""
+        """Run ``algo``: "mpi" (MPI_Allreduce), "nbc" (MPI_Iallreduce + Wait), "shm" / "shm-nt" (shared window,
+        result blocks written normally / with non-temporal stores), "hier" or "ring"."""
         if call is not None:
             call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=None if algo != "ring" else chunk,
                        path=algo)
-        if algo == "shm":
+        if algo == "shm" or algo == "shm-nt":
             self.last_algorithm = algo
             self._shm_collectives().run(src, dst, redop, be.reduce, avg_p=self.size if avg else None,
-                                        deadline=None if call is None else call.deadline)
+                                        deadline=None if call is None else call.deadline, spill=algo == "shm-nt")
             return
         if algo == "hier":
             self.last_algorithm = algo

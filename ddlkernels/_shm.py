@@ -156,6 +156,14 @@ STREAM_FROM = 8 << 20
 GATHER_STREAM_FROM = 2 << 20
 # Not reduce_scatter: its fold writes its shard of the output directly, and
 # folding into the stage and streaming from there lost at 4-64 MiB (tried).
+#
+# ``run(spill=True)`` writes the result blocks, which the peers read, with
+# non-temporal stores too, so that they read them from memory instead of from
+# the writing core's cache.  Which is faster depends on where the cores sit:
+# in this VM's exchange-slow state (``bench/shm_costs.py``), where a line one
+# core wrote is slow to reach the other, spilling wins; in the other state it
+# loses.  So it is not a fixed choice but a tuner candidate of its own, "shm-nt"
+# (``ddlkernels._tuner.SPILL_FROM``).
 _ALIGN = 64
 #: Polls before a rank waiting in a barrier yields its core between polls
 #: (``ddlkernels._shm_loops``).  ``bench/shm_pieces.py --small --spins
@@ -441,7 +449,7 @@ class ShmAllreduce:
         self._layouts[key] = hit
         return hit
 
-    def run(self, src, dst, op, reduce, avg_p=None, deadline=None) -> None:
+    def run(self, src, dst, op, reduce, avg_p=None, deadline=None, spill=False) -> None:
         """``dst = op over ranks of src`` (1-D host arrays of one dtype, ``src is dst`` allowed).
 
         ``src`` may also be a ``ddlkernels._engine.Segments`` (a fusion bucket
@@ -450,10 +458,12 @@ class ShmAllreduce:
         ``reduce``: a backend's ``reduce(op, out, a, b, avg_p=...)``, used for
         "avg", float16 and bfloat16 (numpy's ufuncs do the rest directly);
         ``avg_p``: divide by it in the last reduction ("avg").  ``deadline``:
-        a ``ddlkernels._wait.Deadline`` or None.  Every rank calls with the
-        same count, dtype and op.
+        a ``ddlkernels._wait.Deadline`` or None.  ``spill``: the compiled
+        pieces write each rank's result blocks with non-temporal stores (see
+        the comment at ``STREAM_FROM``; the Python loop ignores it).  Every rank calls with the
+        same count, dtype and op; ``spill`` may differ between ranks.
         """
-        if deadline is None and avg_p is None and src.__class__ is np.ndarray:
+        if deadline is None and avg_p is None and src.__class__ is np.ndarray and not spill:
             fn = self._small.get((src.dtype, src.shape[0], op))
             if fn is not None:  # a message seen before, compiled: no checks left to make
                 fn(src, dst)
@@ -468,7 +478,7 @@ class ShmAllreduce:
             self._whole(src, dst, op, ufunc, reduce, avg_p, deadline)
             return
         if ufunc is not None and deadline is None and not virtual:
-            self._compiled(dtype, n, op)(src, dst)
+            self._compiled(dtype, n, op, spill)(src, dst)
             return
         self._pieces(src, dst, op, ufunc, reduce, avg_p, deadline)
 
@@ -484,15 +494,16 @@ class ShmAllreduce:
             peers = self._piece(x, dst[a:b], self._layout(dtype, b - a), op, ufunc, reduce, avg_p, deadline,
                                 region, peers, a, n)
 
-    def _compiled(self, dtype, n, op):
+    def _compiled(self, dtype, n, op, spill=False):
         """``f(x, out)``: the pieces of an ``n``-element message as one compiled call
         (``ddlkernels._shm_loops.pieces_allreduce``), for a numpy ufunc's dtype and op and no deadline (cached).
 
         Every address is looked up once.  While shared regions exist
         (``empty``) ``f`` publishes where its input lies, as the Python pieces
         do, and the compiled loop reads its peers' inputs where they lie.
+        ``spill``: as for ``run`` (a function of its own).
         """
-        key = (dtype, n, op)
+        key = (dtype, n, op, True) if spill else (dtype, n, op)
         fn = self._small.get(key)
         if fn is not None:
             return fn
@@ -501,7 +512,7 @@ class ShmAllreduce:
         stages = self._seg_addrs
         results = stages + self._stage_bytes
         fn = self._loop_fn(self._loops.pieces_allreduce, 2 * -(-n // step), (stages, results, self.rank),
-                           (OPCODES[op], self.spin, step, n * dtype.itemsize >= self.stream_from))
+                           (OPCODES[op], self.spin, step, n * dtype.itemsize >= self.stream_from, bool(spill)))
         return self._remember(key, fn)
 
     def _loop_fn(self, call, barriers, head, tail):
@@ -534,15 +545,15 @@ class ShmAllreduce:
         self._barrier(deadline)
         _fold(out, stage, op, ufunc, reduce, avg_p)
 
-    def small_fn(self, dtype, n, op):
+    def small_fn(self, dtype, n, op, spill=False):
         """``f(x, out)``: ``run(x, out, op, ...)`` for 1-D arrays of ``n`` elements of ``dtype``, or None.
 
         For a message whose op numpy computes directly (not "avg", not
         float16 or bfloat16: ``_ufunc``), on a window already allocated: the
         compiled small-message call below ``whole_below`` bytes, the compiled
-        pieces from there (``_compiled``); None otherwise.  For a caller
-        that has settled on this path and wants no per-call lookups
-        (``Communicator``'s fast path).
+        pieces from there (``_compiled``, with ``spill`` as for ``run``);
+        None otherwise.  For a caller that has settled on this path and wants
+        no per-call lookups (``Communicator``'s fast path).
         """
         dtype = np.dtype(dtype)
         ufunc = _ufunc(dtype, op)
@@ -550,7 +561,7 @@ class ShmAllreduce:
             return None
         if n * dtype.itemsize < self.whole_below:
             return self._small_fn(dtype, n, op, ufunc)
-        return self._compiled(dtype, n, op)
+        return self._compiled(dtype, n, op, spill)
 
     def _small_fn(self, dtype, n, op, ufunc):
         """``_whole`` for ``n`` elements of ``dtype`` and a numpy ufunc, as one function ``f(x, out)`` (cached).

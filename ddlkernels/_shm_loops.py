@@ -433,7 +433,7 @@ def _fold_block(res, own, stages, addr, me, lo, hi, at, combine):
 
 
 @njit(inline="always")
-def _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, staged, bases, combine):
+def _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, combine):
     p = stages.shape[0]
     addr = np.zeros(p, np.int64)
     e = epoch
@@ -453,8 +453,16 @@ def _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, stage
         # My block, summed in rank order into my published result, then copied to out (out is only written).
         k = hi - lo
         res, dst = _row(results, me, 0, k, x), os[lo:hi]
-        _fold_block(res, xs[lo:hi], stages, addr, me, lo, hi, a + lo, combine)
-        _stream(dst, res, stream)
+        if spill:
+            # Summed into my stage's slot for my own block, which nobody reads, then written to the result
+            # with non-temporal stores: the peers read it from memory, not from this core's cache.
+            mine = _row(stages, me, lo, k, x)
+            _fold_block(mine, xs[lo:hi], stages, addr, me, lo, hi, a + lo, combine)
+            _stream(res, mine, True)
+            _stream(dst, mine, stream)
+        else:
+            _fold_block(res, xs[lo:hi], stages, addr, me, lo, hi, a + lo, combine)
+            _stream(dst, res, stream)
         barrier(flags, me, p, e + 1, spin)
         # Every other block from its owner's result.
         for s in range(p):
@@ -466,7 +474,7 @@ def _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, stage
 
 
 @njit(cache=True, nogil=True)
-def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, stream, staged, bases):
+def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, stream, spill, staged, bases):
     """``out = ((x0 op x1) op x2) ...`` over the ranks, piece by piece through the large window.
 
     Purpose: ``ShmAllreduce``'s piece loop (its module comment) as one call
@@ -486,19 +494,20 @@ def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, 
     (``ShmAllreduce._publish``), and ``staged`` is False when mine lies in
     one: peers then read it there, and I stage nothing.  ``stream``: write
     ``out`` with non-temporal stores (``_stream``; for messages larger than
-    the cache).
+    the cache); ``spill``: write my result blocks so (the peers then read
+    them from memory: ``ddlkernels._shm.SPILL_FROM``).
     Use: ``ShmAllreduce._compiled``.  The bits are numpy's but for which of
     two NaNs a sum or product returns (see the combines above), and the same
     on every rank.
     """
     if op == 0:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, staged, bases, _add)
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, _add)
     elif op == 1:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, staged, bases, _mul)
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, _mul)
     elif op == 2:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, staged, bases, _max)
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, _max)
     else:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, staged, bases, _min)
+        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, _min)
 
 
 @njit(inline="always")

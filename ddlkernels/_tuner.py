@@ -13,6 +13,12 @@ Five algorithms compute the same result (host arrays):
 * ``"ring"`` -- this library's multi-dimensional ring;
 * ``"shm"``  -- the shared-memory window allreduce (``ddlkernels._shm``),
   a candidate only when every rank shares one node;
+* ``"shm-nt"`` -- the same window allreduce with each rank's result blocks
+  written with non-temporal stores (``ShmAllreduce.run(spill=True)``): a
+  candidate wherever "shm" is, from ``SPILL_FROM`` bytes.  On this VM it wins
+  in the state where the two cores exchange data slowly and loses in the
+  other (``bench/shm_pieces.py --spill``), so the tuner, whose watch follows
+  the machine, decides;
 * ``"hier"`` -- the window inside each node and an allreduce of one shard
   across nodes (``ddlkernels._hier``), a candidate when the ranks span
   several nodes that all hold the same number (2 or more) of them.
@@ -30,7 +36,9 @@ placement (in place or not: ``SizeTuner``):
   can win there), "shm";
 * from ``MPI_BELOW`` to ``RING_FROM``: "mpi", "ring", "shm";
 * at ``RING_FROM`` bytes and above: "ring", "shm" (MPI's own call never came
-  close there).
+  close there);
+
+each followed by "shm-nt" from ``SPILL_FROM`` and by "hier" where they apply.
 
 The first candidate is the incumbent; the first calls of a bucket go round
 the candidates in blocks of consecutive calls (each call still computes a
@@ -95,7 +103,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN", "margin", "candidates",
+__all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "SPILL_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN", "margin", "candidates",
            "trials", "block", "tuning_calls", "WATCH_FROM", "WATCH_CALLS", "WATCH_MIN_CALLS", "WATCH_MAX_CALLS",
            "CHECK_SECONDS", "DRIFT", "EXPLORE_CHECKS", "RECOUNT_CALLS", "RECOUNT_MAX_CALLS", "watch_interval"]
 
@@ -104,6 +112,15 @@ __all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "TRIALS", "SMALL_TRIALS", "MAR
 # never came close to the ring at 32 MiB and above.
 MPI_BELOW = 256 << 10
 RING_FROM = 32 << 20
+#: "shm-nt" is a candidate from this size (see the module comment).
+#: ``bench/shm_pieces.py --spill``, six runs seconds apart, each after
+#: ``bench/shm_costs.py --sizes 32M`` to tell the machine's state; time of
+#: "shm" / time of "shm-nt" at 4 / 8 / 16 / 32 / 64 MiB, 2 ranks: in the three
+#: runs where the ring beat the window (the exchange-slow state) 0.74-1.27 /
+#: 0.84-1.56 / 0.83-1.49 / 1.21-1.32 / 1.34-1.37, in the three others
+#: 0.67-0.73 / 0.86-1.38 / 0.77-1.24 / 0.74-1.29 / 0.76-1.37.  Below 8 MiB it
+#: lost in most runs of either state.
+SPILL_FROM = 8 << 20
 #: From MPI_BELOW: timed calls per candidate, in blocks of 3, so 4 blocks each.
 #: With 6 (2 blocks), one block hit by a burst of other work (4 ranks on 2
 #: cores, a kernel thread taking a core) moved the median enough to settle
@@ -228,7 +245,7 @@ def candidates(nbytes: int, *, mpi: bool = True, shm: bool = False, hier: bool =
     shared-memory allreduce is available (all ranks on one node); ``hier``:
     the hierarchical one is (several nodes of equal size, ``ddlkernels._hier``).
     """
-    extra = ("shm",) * bool(shm) + ("hier",) * bool(hier)
+    extra = ("shm",) * bool(shm) + ("shm-nt",) * bool(shm and nbytes >= SPILL_FROM) + ("hier",) * bool(hier)
     if not mpi or nbytes >= RING_FROM:
         return ("ring",) + extra
     if nbytes < MPI_BELOW:

@@ -57,9 +57,9 @@ __all__ = ["check_agreement", "report_local_failure", "Call", "KINDS", "PATHS"]
 #: Collectives, by code in the record.
 KINDS = ("allreduce", "reduce_scatter", "allgather")
 #: Algorithm a rank is about to run (ddlkernels._tuner).
-#: The ring, MPI_Allreduce, MPI_Iallreduce + Wait, the shared window, the window per node + across nodes
-#: (every name ``Communicator._allreduce_path`` runs).
-PATHS = ("ring", "mpi", "nbc", "shm", "hier")
+#: The ring, MPI_Allreduce, MPI_Iallreduce + Wait, the shared window (result blocks stored normally or
+#: non-temporally), the window per node + across nodes (every name ``Communicator._allreduce_path`` runs).
+PATHS = ("ring", "mpi", "nbc", "shm", "hier", "shm-nt")
 
 _MAGIC = 0x64646C6B  # "ddlk": a record from something else is reported, not misread
 _MAX_DIMS = 7

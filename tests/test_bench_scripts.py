@@ -43,6 +43,8 @@ def test_shm_pieces_compares_every_setting_with_mpi():
     assert " cached " in out and " streamed " in out and "cached/streamed" in out
     out = run("bench/shm_pieces.py", "--stream", "--shards", "--sizes", "64K", "--rounds", "2")
     assert " allgather cached " in out and " allgather streamed " in out and "allgather cached/streamed" in out
+    out = run("bench/shm_pieces.py", "--spill", "--sizes", "64K", "--rounds", "2")
+    assert " kept " in out and " spilled " in out and "kept/spilled" in out
 
 
 def test_shm_costs_prints_every_line_and_checks_the_allreduce():

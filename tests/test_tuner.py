@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from ddlkernels._tuner import MARGIN, MPI_BELOW, SMALL_MARGIN, margin, RING_FROM, SizeTuner, block, candidates, trials, tuning_calls
+from ddlkernels._tuner import (MARGIN, MPI_BELOW, RING_FROM, SMALL_MARGIN, SPILL_FROM, SizeTuner, block, candidates,
+                               margin, trials, tuning_calls)
 
 
 class OneRank:
@@ -19,9 +20,12 @@ class OneRank:
         (0, True, False, ("mpi", "nbc")),
         (MPI_BELOW - 1, True, True, ("mpi", "nbc", "shm")),
         (MPI_BELOW, True, False, ("mpi", "ring")),
-        (RING_FROM - 1, True, True, ("mpi", "ring", "shm")),
+        (SPILL_FROM - 1, True, True, ("mpi", "ring", "shm")),
+        (SPILL_FROM, True, False, ("mpi", "ring")),
+        (SPILL_FROM, True, True, ("mpi", "ring", "shm", "shm-nt")),  # the window with its results spilled too
+        (RING_FROM - 1, True, True, ("mpi", "ring", "shm", "shm-nt")),
         (RING_FROM, True, False, ("ring",)),
-        (RING_FROM, True, True, ("ring", "shm")),
+        (RING_FROM, True, True, ("ring", "shm", "shm-nt")),
         (16, False, False, ("ring",)),  # e.g. float max/min, bfloat16: MPI is no candidate
         (16, False, True, ("ring", "shm")),
     ],

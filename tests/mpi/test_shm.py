@@ -178,6 +178,36 @@ def test_fast_path_of_a_size_settled_on_shm(dtype, op):
                 assert not fast  # the full path ran
 
 
+@needs_peers
+def test_the_tuner_weighs_the_window_with_spilled_results_and_either_runs_on_both_paths():
+    """From SPILL_FROM bytes "shm-nt" (``run(spill=True)``) is a candidate beside "shm": every candidate
+    runs in the trials, each computes the allreduce, ranks agree on it under ``validate=True``, and a size
+    settled on "shm-nt" runs it on the fast path (``out=``) and the full one alike."""
+    from ddlkernels._tuner import SPILL_FROM, candidates, tuning_calls
+
+    x = rank_data(SPILL_FROM // 8, RANK, P, np.float64)
+    inputs = COMM.allgather(x)
+    out = np.empty_like(x)
+    with ddlkernels.Communicator(COMM) as dc:
+        cands = candidates(x.nbytes, shm=True)
+        assert cands == ("mpi", "ring", "shm", "shm-nt")
+        n = tuning_calls(x.nbytes, len(cands))
+        seen = []
+        for k in range(n + 2):
+            y = dc.allreduce(x, "sum", out=out if k % 2 else None, validate=k % 3 == 0)
+            assert_close(y, inputs, "sum", np.float64, f"call {k}")
+            seen.append(dc.last_algorithm)
+        assert set(seen[:n]) == set(cands), seen
+        dc._tuner.settle(x.nbytes, cands, "shm-nt")  # alike on every rank
+        dc._fast.clear()
+        for k in range(4):
+            y = dc.allreduce(x, "sum", out=out if k % 2 else None)
+            assert dc.last_algorithm == "shm-nt"
+            assert_close(y, inputs, "sum", np.float64, f"settled, call {k}")
+            assert_same_on_all_ranks(COMM, y, f"settled, call {k}")
+        assert np.array_equal(x, rank_data(SPILL_FROM // 8, RANK, P, np.float64)), "input modified"
+
+
 def test_shm_option_is_checked():
     with pytest.raises(ValueError, match="shm must be None, True or False"):
         ddlkernels.Communicator(COMM, shm="yes")
@@ -242,13 +272,14 @@ def _rank_order_fold(xs, op, be):
 @needs_peers
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("piece_bytes,whole_below,stream_from",
-                         [(24, 0, None), (1000, 0, None), (1000, 0, 0), (1 << 20, 0, None),
-                          (1 << 20, 1 << 20, None)],
-                         ids=["pieces24B", "pieces1000B", "pieces1000B-streamed", "one-piece", "whole"])
-def test_every_element_is_the_rank_order_fold_bitwise(dtype, op, piece_bytes, whole_below, stream_from):
+@pytest.mark.parametrize("piece_bytes,whole_below,stream_from,spill",
+                         [(24, 0, None, False), (1000, 0, None, False), (1000, 0, 0, False), (1000, 0, 0, True),
+                          (24, 0, None, True), (1 << 20, 0, None, False), (1 << 20, 1 << 20, None, False)],
+                         ids=["pieces24B", "pieces1000B", "pieces1000B-streamed", "pieces1000B-streamed-spilled",
+                              "pieces24B-spilled", "one-piece", "whole"])
+def test_every_element_is_the_rank_order_fold_bitwise(dtype, op, piece_bytes, whole_below, stream_from, spill):
     """((x0 op x1) op x2) ...: the same bits whatever the piece size or form, in place or not, and whether
-    the output is written with non-temporal stores (``stream_from``) or not."""
+    the output (``stream_from``) and the result blocks (``spill``) are written with non-temporal stores."""
     n = 997
     x = rank_data(n, RANK, P, dtype, salt=11)
     xs = COMM.allgather(x)
@@ -257,10 +288,10 @@ def test_every_element_is_the_rank_order_fold_bitwise(dtype, op, piece_bytes, wh
     want = _rank_order_fold(xs, op, be)
     shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=whole_below, stream_from=stream_from)
     got = np.empty_like(x)
-    shm.run(x, got, redop, be.reduce, avg_p=avg_p)
+    shm.run(x, got, redop, be.reduce, avg_p=avg_p, spill=spill)
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{op} {dtype}: not the rank-order fold"
     z = x.copy()
-    shm.run(z, z, redop, be.reduce, avg_p=avg_p)
+    shm.run(z, z, redop, be.reduce, avg_p=avg_p, spill=spill)
     assert np.array_equal(z.view(np.uint8), want.view(np.uint8)), f"{op} {dtype}: in place differs"
     shm.free()  # collective: on success only
 
