@@ -38,10 +38,10 @@ a peer's input that nobody writes) and everything a core just wrote and its
 peer then reads is slower, as when the two cores sit on different
 core complexes, each with its own L3: the window's exchange then costs 2.0-2.5
 ms more than the same steps on private buffers, and the ring is hardly
-faster.  (Tried, not kept: writing the result blocks with non-temporal
-stores, so that a peer reads them from memory, was faster in that state and
-slower in the other, in a throwaway comparison; to gain, it would have to be
-one more choice for the tuner to measure.)
+faster.  Writing the result blocks with non-temporal stores, so that a peer
+reads them from memory, is faster in that state and slower in the other
+(``bench/shm_pieces.py --spill``): the tuner measures it as "shm-nt"
+(``ddlkernels._tuner.SPILL_FROM``).
 """
 
 from __future__ import annotations
