@@ -159,10 +159,10 @@ GATHER_STREAM_FROM = 2 << 20
 #
 # ``run(spill=True)`` writes the result blocks, which the peers read, with
 # non-temporal stores too, so that they read them from memory instead of from
-# the writing core's cache.  Which is faster depends on where the cores sit:
+# the writing core's cache.  Which is faster depends on the machine's state:
 # in this VM's exchange-slow state (``bench/shm_costs.py``), where a line one
-# core wrote is slow to reach the other, spilling wins; in the other state it
-# loses.  So it is not a fixed choice but a tuner candidate of its own, "shm-nt"
+# core wrote is slow to reach the other, spilling mostly wins; in the other
+# state it mostly loses (``bench/shm_pieces.py --spill``).  So it is not a fixed choice but a tuner candidate of its own, "shm-nt"
 # (``ddlkernels._tuner.SPILL_FROM``).
 _ALIGN = 64
 #: Polls before a rank waiting in a barrier yields its core between polls
@@ -460,8 +460,9 @@ class ShmAllreduce:
         ``avg_p``: divide by it in the last reduction ("avg").  ``deadline``:
         a ``ddlkernels._wait.Deadline`` or None.  ``spill``: the compiled
         pieces write each rank's result blocks with non-temporal stores (see
-        the comment at ``STREAM_FROM``; the Python loop ignores it).  Every rank calls with the
-        same count, dtype and op; ``spill`` may differ between ranks.
+        the comment after ``STREAM_FROM``; the Python loop ignores it).
+        Every rank calls with the same count, dtype and op; ``spill`` may
+        differ between ranks (it changes how a rank stores, not what).
         """
         if deadline is None and avg_p is None and src.__class__ is np.ndarray and not spill:
             fn = self._small.get((src.dtype, src.shape[0], op))
