@@ -15,9 +15,9 @@ Five algorithms compute the same result (host arrays):
   a candidate only when every rank shares one node;
 * ``"shm-nt"`` -- the same window allreduce with each rank's result blocks
   written with non-temporal stores (``ShmAllreduce.run(spill=True)``): a
-  candidate wherever "shm" is, from ``SPILL_FROM`` bytes.  On this VM it wins
-  in the state where the two cores exchange data slowly and loses in the
-  other (``bench/shm_pieces.py --spill``), so the tuner, whose watch follows
+  candidate wherever "shm" is, from ``SPILL_FROM`` bytes.  On this VM it
+  mostly wins in the state where the two cores exchange data slowly and mostly
+  loses in the other (``bench/shm_pieces.py --spill``), so the tuner, whose watch follows
   the machine, decides;
 * ``"hier"`` -- the window inside each node and an allreduce of one shard
   across nodes (``ddlkernels._hier``), a candidate when the ranks span
@@ -103,7 +103,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "SPILL_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN", "margin", "candidates",
+__all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "SPILL_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN",
+           "margin", "candidates",
            "trials", "block", "tuning_calls", "WATCH_FROM", "WATCH_CALLS", "WATCH_MIN_CALLS", "WATCH_MAX_CALLS",
            "CHECK_SECONDS", "DRIFT", "EXPLORE_CHECKS", "RECOUNT_CALLS", "RECOUNT_MAX_CALLS", "watch_interval"]
 
@@ -118,8 +119,8 @@ RING_FROM = 32 << 20
 #: "shm" / time of "shm-nt" at 4 / 8 / 16 / 32 / 64 MiB, 2 ranks: in the three
 #: runs where the ring beat the window (the exchange-slow state) 0.74-1.27 /
 #: 0.84-1.56 / 0.83-1.49 / 1.21-1.32 / 1.34-1.37, in the three others
-#: 0.67-0.73 / 0.86-1.38 / 0.77-1.24 / 0.74-1.29 / 0.76-1.37.  Below 8 MiB it
-#: lost in most runs of either state.
+#: 0.67-0.73 / 0.86-1.38 / 0.77-1.24 / 0.74-1.29 / 0.76-1.37.  At 4 MiB it
+#: lost in four of the six.
 SPILL_FROM = 8 << 20
 #: From MPI_BELOW: timed calls per candidate, in blocks of 3, so 4 blocks each.
 #: With 6 (2 blocks), one block hit by a burst of other work (4 ranks on 2
