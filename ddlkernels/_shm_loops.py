@@ -251,6 +251,15 @@ def small_allgather(shard, stage, me, out, flags, epoch, spin, los, his):
                 dst[i] = src[i]
 
 
+def _copy_signature(dst, src, codegen):
+    """The intrinsics' ``(signature, codegen)`` for ``dst[:len(src)] = src`` on two C-contiguous 1-D arrays of
+    one dtype; None (no match: Numba reports a typing error) for anything else."""
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == src.ndim == 1
+            and dst.layout == src.layout == "C" and dst.dtype == src.dtype):
+        return None
+    return types.void(dst, src), codegen
+
+
 @intrinsic
 def _memcpy(typingctx, dst, src):
     """``dst[:len(src)] = src`` for two C-contiguous 1-D arrays of one dtype, as LLVM's memcpy (libc's for
@@ -264,10 +273,7 @@ def _memcpy(typingctx, dst, src):
         cgutils.raw_memcpy(builder, darr.data, sarr.data, count, itemsize)
         return context.get_dummy_value()
 
-    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == src.ndim == 1
-            and dst.layout == src.layout == "C" and dst.dtype == src.dtype):
-        return None
-    return types.void(dst, src), codegen
+    return _copy_signature(dst, src, codegen)
 
 
 def _copy(dst, src):
@@ -325,10 +331,7 @@ def _stream_memcpy(typingctx, dst, src):
         builder.fence("seq_cst")
         return context.get_dummy_value()
 
-    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == src.ndim == 1
-            and dst.layout == src.layout == "C" and dst.dtype == src.dtype):
-        return None
-    return types.void(dst, src), codegen
+    return _copy_signature(dst, src, codegen)
 
 
 def _stream(dst, src, stream):
@@ -389,8 +392,8 @@ def _pointer(typingctx, addr, like):
 
 @njit(inline="always")
 def _row(addrs, s, lo, n, like):
-    # ``n`` elements of ``like``'s dtype from element ``lo`` of the segment at ``addrs[s]`` (rank s's stage or
-    # result): every rank's segments as one int64 array of addresses, so that one compiled function serves
+    # ``n`` elements of ``like``'s dtype from element ``lo`` of the memory at ``addrs[s]`` (rank s's stage,
+    # result or shared input): every rank's as one int64 array of addresses, so that one compiled function serves
     # every number of ranks (a tuple of p arrays would be a type, and a compilation, per p).
     return carray(_pointer(addrs[s] + lo * like.itemsize, like), n)
 
@@ -409,7 +412,7 @@ def _peer_inputs(flags, bases, addr):
 def _operand(stages, addr, s, lo, hi, at, like):
     # Rank s's operand: its input from element ``at`` where it lies in a shared region, else its stage[lo:hi].
     if addr[s] != 0:
-        return carray(_pointer(addr[s] + at * like.itemsize, like), hi - lo)
+        return _row(addr, s, at, hi - lo, like)
     return _row(stages, s, lo, hi - lo, like)
 
 
@@ -495,7 +498,7 @@ def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, 
     one: peers then read it there, and I stage nothing.  ``stream``: write
     ``out`` with non-temporal stores (``_stream``; for messages larger than
     the cache); ``spill``: write my result blocks so (the peers then read
-    them from memory: ``ddlkernels._shm.SPILL_FROM``).
+    them from memory: ``ddlkernels._tuner.SPILL_FROM``).
     Use: ``ShmAllreduce._compiled``.  The bits are numpy's but for which of
     two NaNs a sum or product returns (see the combines above), and the same
     on every rank.
