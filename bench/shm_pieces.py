@@ -14,6 +14,9 @@
                                                    # normal ones, 1-64 MiB (--shards: allgather's)
     mpirun -n 2 python -m mpi4py bench/shm_pieces.py --spill   # the result blocks too (the tuner's
                                                    # "shm-nt"), 4-64 MiB
+    mpirun -n 2 python -m mpi4py bench/shm_pieces.py --stream --shards --only llgather
+                                                   # allgathers only: no other line's calls between
+                                                   # theirs (the allgather tuner's "shm-nt")
 
 Each line is ``ddlkernels._shm.ShmAllreduce.run`` with one setting, called
 directly (no tuner, no argument checks), interleaved round by round with the
@@ -87,6 +90,9 @@ def main():
     ap.add_argument("--spill", action="store_true",
                     help="compare run(spill=True) (\"spilled\": each rank's result blocks written with non-temporal "
                          "stores) with run() (\"kept\"), 4-64 MiB: what SPILL_FROM and the tuner's \"shm-nt\" weigh")
+    ap.add_argument("--only", default=None,
+                    help="time only the lines whose name contains this (e.g. llgather): what lies in the cache "
+                         "when a call starts depends on the calls between, as in the caller's loop")
     ap.add_argument("--rounds", type=int, default=15)
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
@@ -152,25 +158,27 @@ def main():
             if k in fns and not np.array_equal(o, want):
                 raise SystemExit(f"{k}: wrong result at {nb} B")
         batch = max(1, int(2e-3 / (timed(fns["MPI_Allreduce"], 1) * 1e-6)))
+        if a.only:
+            fns = {k: f for k, f in fns.items() if a.only in k}
         res = {k: [] for k in fns}
         for _ in range(a.rounds):
             for k, f in fns.items():
                 res[k].append(timed(f, batch))
         if rank == 0:
             med = {k: float(np.median(v)) for k, v in res.items()}
-            ratio = ""
+            pairs = []  # (label, numerator line, denominator line)
             if a.loop and a.shards:
-                ratio = "".join(f"  {k} python/compiled {med[k + ' python'] / med[k]:.2f}"
-                                for k in ("reduce_scatter", "allgather"))
+                pairs = [(f"{k} python/compiled", f"{k} python", k) for k in ("reduce_scatter", "allgather")]
             elif a.loop:
-                ratio = f"  python/compiled {med['python'] / med['compiled']:.2f}"
+                pairs = [("python/compiled", "python", "compiled")]
             elif a.stream and a.shards:
-                ratio = "".join(f"  {k} cached/streamed {med[k + ' cached'] / med[k + ' streamed']:.2f}"
-                                for k in ("reduce_scatter", "allgather"))
+                pairs = [(f"{k} cached/streamed", f"{k} cached", f"{k} streamed") for k in ("reduce_scatter", "allgather")]
             elif a.stream:
-                ratio = f"  cached/streamed {med['cached'] / med['streamed']:.2f}"
+                pairs = [("cached/streamed", "cached", "streamed")]
             elif a.spill:
-                ratio = f"  kept/spilled {med['kept'] / med['spilled']:.2f}"
+                pairs = [("kept/spilled", "kept", "spilled")]
+            # --only may have left a pair's lines out.
+            ratio = "".join(f"  {name} {med[u] / med[v]:.2f}" for name, u, v in pairs if u in med and v in med)
             print(f"{format_size(nb):>6} " + "  ".join(f"{k} {v:8.2f}" for k, v in med.items()) + ratio, flush=True)
     for v in variants.values():
         v.free()

@@ -21,7 +21,7 @@ from ._engine import ALIGN_PAD, Segments, execute
 from ._schedule import Plan, build_schedule, shard_bounds, validate_dims
 from ._transport import HostTransport
 from . import _hier
-from ._shm import ShmAllreduce, one_node
+from ._shm import GATHER_STREAM_FROM, ShmAllreduce, one_node
 from ._tuner import SizeTuner, candidates
 from ._validate import Call
 from ._wait import Deadline, _check_timeout
@@ -575,19 +575,23 @@ class Communicator:
             count = _size(x)
             mpi = (self._rs_mpi_ok(dtype, "sum" if opname == "avg" else opname, count) if collective == "reduce_scatter"
                    else self._ag_mpi_ok(count, nbytes))
-            _, cands = self._shard_choices(nbytes, be.device, None, mpi)
+            _, cands = self._shard_choices(nbytes, be.device, None, mpi, collective)
             return cands is not None and self._shard_tuners[collective].decided(nbytes, cands) is None
         redop = "sum" if opname == "avg" else opname
         _, cands = self._choices(nbytes, be.device, dtype, redop, None, opname == "avg")
         return cands is not None and self._tuner.decided(nbytes, cands, inplace) is None
 
-    def _shard_choices(self, nbytes, device, dims, mpi=False):
-        """reduce_scatter / allgather: ``(algorithm, None)`` when fixed, ``(None, candidates)`` when measured.
+    def _shard_choices(self, nbytes, device, dims, mpi=False, kind="reduce_scatter"):
+        """reduce_scatter / allgather (``kind``): ``(algorithm, None)`` when fixed, ``(None, candidates)`` when
+        measured.
 
         ``mpi``: whether MPI's own collective computes this call
         (``_rs_mpi_ok`` / ``_ag_mpi_ok``); it is then the incumbent, as
         ``MPI_Allreduce`` is for allreduce: the ring and the shared-memory
-        window must beat it by the tuner's margin.
+        window must beat it by the tuner's margin.  An allgather from
+        ``GATHER_STREAM_FROM`` bytes also measures the window writing its
+        output with non-temporal stores, "shm-nt" ("shm" then writes it
+        normally); a window forced on (``shm=True``) streams from that size.
         """
         if device or dims is not None:
             return "ring", None
@@ -595,7 +599,9 @@ class Communicator:
             return "shm", None
         if self.small_bytes is not None:  # a fixed threshold: MPI's own call below it, where it applies, the ring from it
             return ("mpi" if mpi and nbytes < self.small_bytes else "ring"), None
-        cands = ("mpi",) * bool(mpi) + ("ring",) + ("shm",) * (self._shm_mode is not None)
+        shm = self._shm_mode is not None
+        cands = (("mpi",) * bool(mpi) + ("ring",) + ("shm",) * shm
+                 + ("shm-nt",) * (shm and kind == "allgather" and nbytes >= GATHER_STREAM_FROM))
         return (cands[0], None) if len(cands) == 1 else (None, cands)
 
     def _rank_ordered(self, count):
@@ -615,7 +621,7 @@ class Communicator:
 
     def _shard_path(self, kind, nbytes, device, dims, run, mpi=False):
         """Choose (and time, while measuring) the algorithm of one reduce_scatter / allgather; ``run(algo)``."""
-        algo, cands = self._shard_choices(nbytes, device, dims, mpi)
+        algo, cands = self._shard_choices(nbytes, device, dims, mpi, kind)
         if cands is None:
             return run(algo)
         tuner = self._shard_tuners[kind]
@@ -1000,17 +1006,18 @@ class Communicator:
             if bounds is None or bounds[self.rank][1] - bounds[self.rank][0] != shard.size:
                 return None  # the full path raises the error
             nbytes = count * dtype.itemsize
-            algo, cands = self._shard_choices(nbytes, False, None, self._ag_mpi_ok(count, nbytes))
+            algo, cands = self._shard_choices(nbytes, False, None, self._ag_mpi_ok(count, nbytes), "allgather")
             watch = None
             if cands is not None:
                 algo, watch = self._shard_fast_algo("allgather", nbytes, cands)
                 if algo is None:  # still measured
                     return None
-            if algo == "shm":
+            if algo == "shm" or algo == "shm-nt":
                 if self._shm is None or not self._shm.allocated:
                     return None  # the full path sets the window up (collectively); ask again after it
-                fn = self._shm.shard_fn("allgather", dtype, count, None, bounds)
-                hit = ("shm", bounds, fn, watch)
+                stream = _gather_stream(algo, cands)
+                fn = self._shm.shard_fn("allgather", dtype, count, None, bounds, stream)
+                hit = (algo, bounds, fn, stream, watch)
             elif algo == "mpi":
                 item = dtype.itemsize
                 sizes = [(b - a) * item for a, b in bounds]
@@ -1040,7 +1047,7 @@ class Communicator:
         elif hit[2] is not None:  # the window's prepared call (ShmAllreduce.shard_fn)
             hit[2](src, out)
         else:
-            self._shm_collectives().allgather(src, out, hit[1])
+            self._shm_collectives().allgather(src, out, hit[1], stream=hit[3])
         self.last_algorithm = hit[0]
         if watch is not None:
             self._shard_watch(watch, t0, self._ag_fast_cache)
@@ -1081,11 +1088,15 @@ class Communicator:
         plan = self._shard_plan(dims)
         deadline = None if call is None else call.deadline
 
+        nbytes = count * dtype.itemsize
+        mpi = not be.device and dims is None and self._ag_mpi_ok(count, nbytes)
+
         def run(algo):
             self.last_algorithm = algo
             dst = be.empty(count, dtype) if out is None else out
-            if algo == "shm":
-                self._shm_collectives().allgather(src, dst, expect, deadline=deadline)
+            if algo == "shm" or algo == "shm-nt":
+                stream = _gather_stream(algo, self._shard_choices(nbytes, be.device, dims, mpi, "allgather")[1])
+                self._shm_collectives().allgather(src, dst, expect, deadline=deadline, stream=stream)
                 return dst
             if algo == "mpi":
                 item = dtype.itemsize
@@ -1109,9 +1120,13 @@ class Communicator:
                     avg_p=None, deadline=deadline)
             return dst
 
-        nbytes = count * dtype.itemsize
-        mpi = not be.device and dims is None and self._ag_mpi_ok(count, nbytes)
         return self._shard_path("allgather", nbytes, be.device, dims, run, mpi)
+
+
+def _gather_stream(algo, cands):
+    """``ShmAllreduce.allgather``'s ``stream`` for the window's algorithm ``algo``: measured as "shm" or
+    "shm-nt" when the tuner weighs both (``cands``), else the window's own size rule (None)."""
+    return (algo == "shm-nt") if cands is not None and "shm-nt" in cands else None
 
 
 def backend_input_numpy(x):

@@ -153,6 +153,16 @@ STREAM_FROM = 8 << 20
 #: The same for an allgather's output, which gains from a smaller size: its
 #: loop only copies (``--stream --shards``: 0.53-0.62 at 1 MiB with 2 ranks in
 #: three runs, 1.14-1.16 with 4 in two; from 2 MiB 1.07-1.65 and 1.21-1.55).
+#: But on a later day (2026-11-25, 2 ranks, cached / streamed time) it went
+#: either way at 4-8 MiB, by what ran between the calls and by the
+#: machine's state: among the other lines, four runs, 0.47-0.95 at 1-2 MiB,
+#: 0.61-1.35 at 4-8 MiB, 0.84-1.29 at 16 MiB, 1.05-1.14 from 32 MiB; with
+#: allgathers only (``--only llgather``), three runs, 0.52-0.92 at 1-8 MiB,
+#: 0.90-1.11 at 16 MiB, 1.06-1.17 from 32 MiB.  So ``Communicator`` does not
+#: apply this size: from it, its allgather tuner measures the streamed
+#: allgather as a candidate of its own, "shm-nt", beside the cached "shm"
+#: (``ddlkernels._tuner``).  A caller of ``ShmAllreduce.allgather`` that does
+#: not choose (``stream=None``) gets this size.
 GATHER_STREAM_FROM = 2 << 20
 # Not reduce_scatter: its fold writes its shard of the output directly, and
 # folding into the stage and streaming from there lost at 4-64 MiB (tried).
@@ -601,12 +611,13 @@ class ShmAllreduce:
         self._small[key] = fn
         return fn
 
-    def shard_fn(self, kind, dtype, n, op, bounds):
+    def shard_fn(self, kind, dtype, n, op, bounds, stream=None):
         """``f(x, out)``: ``reduce_scatter`` or ``allgather`` as one compiled call, or None.
 
         ``kind``: "reduce_scatter" (``x``: the n elements, ``out``: my shard)
         or "allgather" (``x``: my shard, ``out``: the n elements); ``op``: the
-        reduce_scatter's op (not "avg"); ``bounds``: every rank's (lo, hi).
+        reduce_scatter's op (not "avg"); ``bounds``: every rank's (lo, hi);
+        ``stream``: as for ``allgather`` (ignored by reduce_scatter).
         Below ``whole_below`` bytes the small-message call, from there the
         compiled sub-chunk loop (``_compiled_shards``).  None unless the window
         is allocated, n > 0 and Numba can compute it (numpy's own types and
@@ -621,13 +632,14 @@ class ShmAllreduce:
         rs = kind == "reduce_scatter"
         if rs and _ufunc(dtype, op) is None:
             return None
+        stream = False if rs else self._gather_streams(n * dtype.itemsize, stream)
         # reduce_scatter needs only my shard's bounds; allgather everyone's.
-        key = (kind, dtype, n, op, tuple(bounds[self.rank]) if rs else tuple(tuple(b) for b in bounds))
+        key = (kind, dtype, n, op, tuple(bounds[self.rank]) if rs else tuple(tuple(b) for b in bounds), stream)
         fn = self._small.get(key)
         if fn is not None:
             return fn
         if n * dtype.itemsize >= self.whole_below:
-            return self._remember(key, self._compiled_shards(kind, dtype, op, bounds))
+            return self._remember(key, self._compiled_shards(kind, dtype, op, bounds, stream))
         if rs:
             lo, hi = bounds[self.rank]
             fn = self._prepared(self._loops.small_reduce_scatter, dtype, OPCODES[op], self.spin, lo, hi)
@@ -637,9 +649,15 @@ class ShmAllreduce:
             fn = self._prepared(self._loops.small_allgather, dtype, self.spin, los, his)
         return self._remember(key, fn)
 
-    def _compiled_shards(self, kind, dtype, op, bounds):
+    def _gather_streams(self, nbytes, stream):
+        """Whether an allgather of ``nbytes`` writes its output with non-temporal stores: ``stream`` where the
+        caller says, else from ``gather_stream_from`` bytes."""
+        return nbytes >= self.gather_stream_from if stream is None else bool(stream)
+
+    def _compiled_shards(self, kind, dtype, op, bounds, stream=False):
         """``f(x, out)``: the sub-chunk loop of ``reduce_scatter`` or ``allgather`` as one compiled call
         (``ddlkernels._shm_loops.pieces_reduce_scatter`` / ``pieces_allgather``), every address looked up once.
+        ``stream``: the allgather writes its output with non-temporal stores.
 
         Shared inputs (``empty``) are published and read where they lie, as in ``_compiled``.
         """
@@ -652,17 +670,17 @@ class ShmAllreduce:
         if rs:
             return self._loop_fn(self._loops.pieces_reduce_scatter, barriers, head,
                                  (OPCODES[op], self.spin, c, los, his))
-        stream = int(his.max()) * item >= self.gather_stream_from
-        return self._loop_fn(self._loops.pieces_allgather, barriers, head, (self.spin, c, los, his, stream))
+        return self._loop_fn(self._loops.pieces_allgather, barriers, head, (self.spin, c, los, his, bool(stream)))
 
-    def _last_shard_fn(self, kind, dtype, n, op, bounds):
+    def _last_shard_fn(self, kind, dtype, n, op, bounds, stream=None):
         """``shard_fn``, remembering the last answer per kind: a loop of calls with equal arguments
         then compares them instead of building the cache key."""
         last = self._last_shard.get(kind)
-        if last is not None and last[1] == n and last[2] is dtype and last[3] == op and last[0] == bounds:
+        if (last is not None and last[1] == n and last[2] is dtype and last[3] == op and last[5] is stream
+                and last[0] == bounds):
             return last[4]
-        fn = self.shard_fn(kind, dtype, n, op, bounds)
-        self._last_shard[kind] = (list(bounds), n, dtype, op, fn)
+        fn = self.shard_fn(kind, dtype, n, op, bounds, stream)
+        self._last_shard[kind] = (list(bounds), n, dtype, op, fn, stream)
         return fn
 
     def _stage_set(self, dtype, k):
@@ -762,7 +780,7 @@ class ShmAllreduce:
                 _fold(out[k : k + b - a], ops, op, ufunc, reduce, avg_p)
             self._barrier(deadline)
 
-    def allgather(self, shard, out, bounds, deadline=None) -> None:
+    def allgather(self, shard, out, bounds, deadline=None, stream=None) -> None:
         """``out[bounds[s]] = shard of rank s`` for every s; ``out`` has ``bounds[-1][1]`` elements.
 
         Each rank publishes its shard piece by piece in its own segment, one
@@ -770,7 +788,9 @@ class ShmAllreduce:
         piece overwrites them; a whole message under ``whole_below`` bytes
         goes through the small-message stages with one barrier.  A shard in
         a shared region (``empty``) is not published: peers copy it from
-        where it lies.
+        where it lies.  ``stream``: the compiled loop writes ``out`` with
+        non-temporal stores (True), with ordinary ones (False), or from
+        ``gather_stream_from`` bytes (None); ranks may differ.
         """
         if self._win is None:
             self._allocate()
@@ -778,7 +798,7 @@ class ShmAllreduce:
         n = out.shape[0]
         lo, hi = bounds[r]
         if deadline is None:
-            fn = self._last_shard_fn("allgather", dtype, n, None, bounds)
+            fn = self._last_shard_fn("allgather", dtype, n, None, bounds, stream)
             if fn is not None:
                 fn(shard, out)
                 return

@@ -89,7 +89,9 @@ calls may have been made in its start-up noise.
 
 ``reduce_scatter`` and ``allgather`` have tuners of their own
 (``Communicator._shard_tuners``) with the candidates MPI's own call (where
-it computes the call), "ring" and, on one node, "shm", measured and watched
+it computes the call), "ring" and, on one node, "shm" -- and for an
+allgather from ``ddlkernels._shm.GATHER_STREAM_FROM`` bytes "shm-nt", the
+window writing its output with non-temporal stores -- measured and watched
 the same way, on their fast paths as on their full paths.
 
 Every rank makes the same sequence of calls with the same sizes (a

@@ -208,6 +208,74 @@ def test_the_tuner_weighs_the_window_with_spilled_results_and_either_runs_on_bot
         assert np.array_equal(x, rank_data(SPILL_FROM // 8, RANK, P, np.float64)), "input modified"
 
 
+@needs_peers
+@pytest.mark.parametrize("stream", ["on", "off", "by-rank"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32-compiled", "float16-python"])
+def test_allgather_stream_argument_overrides_the_size_rule(stream, dtype):
+    """``allgather(stream=)`` writes its output with non-temporal stores or without, whatever
+    ``gather_stream_from`` says (the tuner's "shm" / "shm-nt"), and ranks may differ: every element lands
+    where it belongs either way, compiled (float32) or in Python (float16), with and without a deadline."""
+    from ddlkernels._wait import Deadline
+
+    want = {"on": True, "off": False, "by-rank": RANK % 2 == 0}[stream]
+    # The size rule says the opposite of what is asked, so a call that ignored stream= would differ.
+    shm = ShmAllreduce(COMM, piece_bytes=1000, whole_below=0, stream_from=(1 << 62) if want else 0)
+    for n in (0, 1, P + 1, 211, 4099):
+        bounds = _bounds(n)
+        lo, hi = bounds[RANK]
+        full = np.concatenate([rank_data(b - a, q, P, dtype, salt=n) for q, (a, b) in enumerate(bounds)])
+        shard = full[lo:hi].copy()
+        for deadline in (None, Deadline("allgather", RANK, 60.0)):
+            out = np.full(n, 3, dtype)
+            shm.allgather(shard, out, bounds, deadline=deadline, stream=want)
+            assert np.array_equal(out.view(np.uint8), full.view(np.uint8)), f"n={n} deadline={deadline}"
+            assert np.array_equal(shard, full[lo:hi]), "shard modified"
+    if dtype == np.float32:  # the compiled loop was built for the asked store kind, not the size rule's
+        assert {k[-1] for k in shm._small if k[0] == "allgather"} == {want}
+    shm.free()  # collective: on success only
+
+
+@needs_peers
+def test_the_allgather_tuner_weighs_streamed_output_and_either_runs_on_both_paths():
+    """From GATHER_STREAM_FROM bytes an allgather measures "shm-nt" (its output written with non-temporal
+    stores) beside "shm": every candidate runs in the trials, each gathers every shard, and a size settled
+    on either runs it on the fast path (``count=``, ``out=``) and the full one (no ``count``) alike."""
+    from ddlkernels._shm import GATHER_STREAM_FROM
+    from ddlkernels._tuner import tuning_calls
+
+    count = GATHER_STREAM_FROM // 4 + P + 1  # float32: a bucket that measures "shm-nt", uneven shards
+    with ddlkernels.Communicator(COMM) as dc:
+        bounds = [dc.shard_range(count, rank=q) for q in range(P)]
+        full = np.concatenate([rank_data(b - a, q, P, np.float32, salt=9) for q, (a, b) in enumerate(bounds)])
+        lo, hi = bounds[RANK]
+        shard = full[lo:hi].copy()
+        _, cands = dc._shard_choices(count * 4, False, None, True, "allgather")
+        assert cands == ("mpi", "ring", "shm", "shm-nt"), cands
+        _, rs_cands = dc._shard_choices(count * 4, False, None, True, "reduce_scatter")
+        assert rs_cands == ("mpi", "ring", "shm"), rs_cands  # reduce_scatter never streams
+        _, below = dc._shard_choices(GATHER_STREAM_FROM - 4, False, None, True, "allgather")
+        assert below == ("mpi", "ring", "shm"), below
+        n = tuning_calls(count * 4, len(cands))
+        out = np.empty(count, np.float32)
+        seen = []
+        for k in range(n + 2):
+            y = dc.allgather(shard, count=count, out=out) if k % 2 else dc.allgather(shard, count=count)
+            assert np.array_equal(y, full), f"call {k} ({dc.last_algorithm})"
+            seen.append(dc.last_algorithm)
+        assert set(seen[:n]) == set(cands), seen
+        for algo in ("shm-nt", "shm"):
+            dc._shard_tuners["allgather"].settle(count * 4, cands, algo)  # alike on every rank
+            dc._ag_fast_cache.clear()
+            for k in range(3):
+                y = (dc.allgather(shard, count=count, out=out) if k == 0 else dc.allgather(shard, count=count)
+                     if k == 1 else dc.allgather(shard))  # the last: lengths exchanged, the full path
+                assert dc.last_algorithm == algo, (algo, k)
+                assert np.array_equal(y, full), f"settled on {algo}, call {k}"
+            hits = [h for h in dc._ag_fast_cache.values() if h]
+            assert hits and all(h[0] == algo and h[3] is (algo == "shm-nt") for h in hits), hits
+        assert np.array_equal(shard, full[lo:hi]), "shard modified"
+
+
 def test_shm_option_is_checked():
     with pytest.raises(ValueError, match="shm must be None, True or False"):
         ddlkernels.Communicator(COMM, shm="yes")
