@@ -79,7 +79,11 @@ winner did not slow down would go unseen: after ``EXPLORE_CHECKS`` quiet
 checks the bucket is measured again anyway.  A re-measurement that keeps
 the same algorithm doubles the interval (up to ``WATCH_MAX_CALLS``), so a
 loop whose calls are merely slower now (more load, not another winner), or
-whose winner stays the winner, pays for trials ever more rarely.
+whose winner stays the winner, pays for trials ever more rarely.  A
+re-measurement that the winner's slower calls started charges it the time
+those calls took where its new trials say less: trials (a few calls in a
+row) can favour an algorithm that the caller's loop runs slowly, and would
+otherwise pick it again each time.
 
 Below ``WATCH_FROM`` calls are not timed (they are the latency the fast
 paths exist for), but a settled bucket is measured again after
@@ -197,12 +201,13 @@ class _Settled:
     """A watched bucket's choice: the algorithm, its trial time, when to re-measure, the calls since the last
     check, and the checks since it was settled."""
 
-    __slots__ = ("algorithm", "won_in", "limit", "every", "times", "checks")
+    __slots__ = ("algorithm", "won_in", "limit", "every", "times", "checks", "seen")
 
     def __init__(self, algorithm, won_in, limit, every):
         # limit: the median call time past which the bucket is measured again
         self.algorithm, self.won_in, self.limit, self.every, self.times = algorithm, won_in, limit, every, []
         self.checks = 0
+        self.seen = None  # the agreed median call time that crossed ``limit`` (``observe``), once it has
 
 
 class _Recount:
@@ -333,6 +338,8 @@ class SizeTuner:
         if not slower and st.checks < EXPLORE_CHECKS:
             return False
         self.reopens["slower" if slower else "quiet"] += 1
+        if slower:
+            st.seen = float(now[0])  # the agreed maximum: the same on every rank
         self._reopened[key] = st
         del self._state[key]  # measured again from the next call, on every rank
         return True
@@ -379,13 +386,22 @@ class SizeTuner:
 
             best = np.array([np.median(st["times"][c]) for c in cands], dtype=np.float64)
             comm.Allreduce(MPI.IN_PLACE, best, MPI.MAX)
+            before = self._reopened.pop(key, None)
+            if isinstance(before, _Settled) and before.seen is not None and before.algorithm in cands:
+                # Measured again because the winner's calls ran slower than its trials allowed: it is
+                # charged what its calls took, where its new trials say less.  Trials that keep
+                # finding it fast while the loop's calls of it run slow measure something the
+                # loop does not do (bench/allgather.py, 2 ranks, 4 MiB: the ring won its trials in
+                # 151-194 us, then ran 350-365 us a call against MPI_Allgather's 190-200, and won
+                # each re-measurement again).  Agreed on every rank: ``seen`` and ``best`` are.
+                i = cands.index(before.algorithm)
+                best[i] = max(best[i], before.seen)
             challenger = 1 + int(np.argmin(best[1:]))
             win = challenger if best[challenger] * margin(nbytes) < best[0] else 0
             if self.watch and nbytes >= WATCH_FROM:
                 won_in = float(best[win])
                 rival = min(float(b) for i, b in enumerate(best) if i != win)
                 every = watch_interval(won_in)
-                before = self._reopened.pop(key, None)
                 if before is not None and before.algorithm == cands[win]:
                     # A re-measurement that kept its winner: only slower calls, so check less often.
                     every = min(WATCH_MAX_CALLS, 2 * before.every)
@@ -393,7 +409,6 @@ class SizeTuner:
                 self._state[key] = _Settled(cands[win], won_in, min(DRIFT * won_in, MARGIN * rival), every)
             elif self.watch:
                 every = RECOUNT_CALLS
-                before = self._reopened.pop(key, None)
                 if before is not None and before.algorithm == cands[win]:
                     every = min(RECOUNT_MAX_CALLS, 2 * before.every)
                 self._state[key] = _Recount(cands[win], every, key)

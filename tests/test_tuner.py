@@ -177,6 +177,34 @@ def test_slower_than_the_runner_up_was_reopens_before_drift():
     assert _checks(t, MaxOf(0.0), nb, cands, now, watch_interval(0.5))[-1]
 
 
+def test_a_winner_whose_calls_ran_slower_than_its_trials_is_charged_what_they_took():
+    """Trials that keep finding an algorithm fast while the loop's calls of it run slow: the re-measurement
+    its slow calls started charges it their (agreed) time, so the runner-up wins; an exploration after
+    quiet checks charges nothing."""
+    from ddlkernels._tuner import EXPLORE_CHECKS, WATCH_FROM, watch_interval
+
+    cands, nb = ("ring", "shm"), WATCH_FROM
+    t = SizeTuner(watch=True)
+    trials = {"ring": 0.8, "shm": 0.5}
+    assert settle_watched(t, cands, trials, nb) == "shm"
+    # Its calls take 1.0 on the slowest rank (the check's maximum): reopened, with that time kept.
+    assert _checks(t, MaxOf(1.0), nb, cands, 0.5, watch_interval(0.5))[-1]
+    # The same trials again would pick shm again; charged 1.0, it loses to the ring's 0.8.
+    assert settle_watched(t, cands, trials, nb) == "ring"
+    key = t._key(nb, cands, False)
+    assert t._state[key].won_in == 0.8 and t._state[key].limit == min(1.5 * 0.8, MARGIN * 1.0)
+    # The ring runs as its trials said; after EXPLORE_CHECKS quiet checks the bucket is measured again,
+    # and nothing is charged: shm's trials win again (the caller's loop may have changed).
+    every = t._state[key].every
+    assert _checks(t, MaxOf(0.0), nb, cands, 0.8, every * EXPLORE_CHECKS)[-1]
+    assert settle_watched(t, cands, trials, nb) == "shm"
+    # Charged but still the fastest by the margin: kept, watched from the time its calls took.
+    assert _checks(t, MaxOf(0.8), nb, cands, 0.5, watch_interval(0.5))[-1]  # past min(DRIFT x 0.5, MARGIN x 0.8)
+    assert settle_watched(t, cands, {"ring": 2.0, "shm": 0.5}, nb) == "shm"
+    assert t._state[key].won_in == 0.8
+    assert t.reopens == {"slower": 2, "quiet": 1, "recount": 0}
+
+
 def test_the_interval_is_about_check_seconds_of_calls_and_backs_off():
     from ddlkernels._tuner import CHECK_SECONDS, WATCH_CALLS, WATCH_FROM, WATCH_MAX_CALLS, WATCH_MIN_CALLS, watch_interval
 
