@@ -391,9 +391,10 @@ class SizeTuner:
                 # Measured again because the winner's calls ran slower than its trials allowed: it is
                 # charged what its calls took, where its new trials say less.  Trials that keep
                 # finding it fast while the loop's calls of it run slow measure something the
-                # loop does not do (bench/allgather.py, 2 ranks, 4 MiB: the ring won its trials in
-                # 151-194 us, then ran 350-365 us a call against MPI_Allgather's 190-200, and won
-                # each re-measurement again).  Agreed on every rank: ``seen`` and ``best`` are.
+                # loop does not do (``bench/allgather.py -b 4K -e 64M -f 4 -n 30 -w 14``, 2 ranks, two
+                # runs before this: at 4 MiB the ring was chosen, chosen again at both re-measurements
+                # its slow calls started, and ran 369-384 us a call against MPI_Allgather's 188-199 in
+                # the same iterations).  Agreed on every rank: ``seen`` and ``best`` are.
                 i = cands.index(before.algorithm)
                 best[i] = max(best[i], before.seen)
             challenger = 1 + int(np.argmin(best[1:]))

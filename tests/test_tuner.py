@@ -181,7 +181,7 @@ def test_a_winner_whose_calls_ran_slower_than_its_trials_is_charged_what_they_to
     """Trials that keep finding an algorithm fast while the loop's calls of it run slow: the re-measurement
     its slow calls started charges it their (agreed) time, so the runner-up wins; an exploration after
     quiet checks charges nothing."""
-    from ddlkernels._tuner import EXPLORE_CHECKS, WATCH_FROM, watch_interval
+    from ddlkernels._tuner import DRIFT, EXPLORE_CHECKS, WATCH_FROM, watch_interval
 
     cands, nb = ("ring", "shm"), WATCH_FROM
     t = SizeTuner(watch=True)
@@ -192,7 +192,7 @@ def test_a_winner_whose_calls_ran_slower_than_its_trials_is_charged_what_they_to
     # The same trials again would pick shm again; charged 1.0, it loses to the ring's 0.8.
     assert settle_watched(t, cands, trials, nb) == "ring"
     key = t._key(nb, cands, False)
-    assert t._state[key].won_in == 0.8 and t._state[key].limit == min(1.5 * 0.8, MARGIN * 1.0)
+    assert t._state[key].won_in == 0.8 and t._state[key].limit == min(DRIFT * 0.8, MARGIN * 1.0)
     # The ring runs as its trials said; after EXPLORE_CHECKS quiet checks the bucket is measured again,
     # and nothing is charged: shm's trials win again (the caller's loop may have changed).
     every = t._state[key].every
