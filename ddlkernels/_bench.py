@@ -49,6 +49,7 @@ with a sentinel, so an iteration that writes nothing is caught too.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import sys
@@ -241,14 +242,45 @@ def _count_wrong(got, want):
     return int(np.count_nonzero(got != want))
 
 
+#: Every buffer a line hands to its collective lies in memory of its own on
+#: the kernel's small pages (``_placed``).  numpy asks for huge pages on
+#: allocations from 4 MiB (``madvise``), which back only the 2 MiB-aligned
+#: stretches inside them, so how much of a buffer they backed hung on where
+#: malloc put it -- and with it the cost of every copy through it, most of all
+#: MPI's copy between processes, which pins the peer's pages.  Two lines
+#: running the same MPI call differed by a third, or twice over, by which
+#: line's buffers landed where: ``mpirun -n 2 python bench/allreduce.py -c
+#: reduce_scatter,allgather -b 4M -e 16M -f 4 -n 30 -w 14 --small-bytes 1G``
+#: (ddlkernels running MPI's call beside MPI's own line) measured 0.70-0.76
+#: for reduce_scatter at 4 MiB in four runs, and with every buffer on a 2 MiB
+#: boundary (all huge pages) 0.44-0.47 for allgather; with huge pages off for
+#: the whole machine both lines ran alike.  Small pages everywhere make the
+#: lines equal whatever the machine's huge-page setting (see bench/README.md
+#: for the runs since).
+def _placed(a):
+    """A copy of ``a`` in an anonymous mapping of its own, on small pages (see above)."""
+    if a.nbytes == 0:
+        return a.copy()
+    m = mmap.mmap(-1, a.nbytes)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere the mapping is what the system gives
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+    out = np.frombuffer(m, dtype=np.uint8, count=a.nbytes).view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def _sentinels(count, dtype):
+    """``count`` SENTINELs of ``dtype``, placed (``_placed``): an output buffer."""
+    return _placed(np.full(count, SENTINEL, dtype=dtype))
+
+
 # -- allreduce --------------------------------------------------------------------
 
 
 def _make_ar(comm, count, dtype, op, inplace=False):
     p, r = comm.Get_size(), comm.Get_rank()
-    x = pattern(count, r, p, dtype, op)
-    out = np.empty_like(x)
-    out.fill(SENTINEL)
+    x = _placed(pattern(count, r, p, dtype, op))
+    out = _sentinels(count, dtype)
     return {"comm": comm, "x": x, "pristine": x.copy(), "out": out, "op": op,
             "inplace": inplace, "expect": expected(count, p, dtype, op)}
 
@@ -296,7 +328,7 @@ def _mpi_ar_run(st):
 
 def _make_rs_common(comm, count, dtype, op):
     p, r = comm.Get_size(), comm.Get_rank()
-    x = pattern(count, r, p, dtype, op)
+    x = _placed(pattern(count, r, p, dtype, op))
     return {"comm": comm, "x": x, "pristine": x.copy(), "op": op, "full": expected(count, p, dtype, op)}
 
 
@@ -319,7 +351,7 @@ def _mpi_rs_make(comm, count, dtype, op, inplace=False):
     p, r = comm.Get_size(), comm.Get_rank()
     block = count // p
     st.update(block=block, inplace=inplace, expect=st["full"][r * block:(r + 1) * block])
-    st["out"] = np.full(block, SENTINEL, dtype=dtype)
+    st["out"] = _sentinels(block, dtype)
     return st
 
 
@@ -381,10 +413,10 @@ def _mpi_ag_make(comm, count, dtype, op, inplace=False):
     bounds = [(q * block, (q + 1) * block) for q in range(p)]
     full = _gathered(comm, count, dtype, bounds)
     lo, hi = bounds[r]
-    out = np.full(count, SENTINEL, dtype=dtype)
+    out = _sentinels(count, dtype)
     if inplace:
         out[lo:hi] = full[lo:hi]
-    return {"comm": comm, "inplace": inplace, "shard": full[lo:hi].copy(), "pristine": full[lo:hi].copy(),
+    return {"comm": comm, "inplace": inplace, "shard": _placed(full[lo:hi]), "pristine": full[lo:hi].copy(),
             "out": out, "expect": full, "lo": lo, "hi": hi}
 
 
@@ -412,8 +444,8 @@ def _link_make(comm, count, dtype, op, inplace=False):
     """Every rank sends N/p elements to rank r+1 and receives N/p from rank r-1: one ring step."""
     p, r = comm.Get_size(), comm.Get_rank()
     m = count // p if p > 1 else count
-    send = pattern(m, r, p, dtype)
-    recv = np.full(m, SENTINEL, dtype=dtype)
+    send = _placed(pattern(m, r, p, dtype))
+    recv = _sentinels(m, dtype)
     prev = (r - 1) % p
     # Bytes on the wire, as the engine sends them: MPI needs no datatype (bfloat16 has none).
     return {"comm": comm, "send": send, "recv": recv, "next": (r + 1) % p, "prev": prev,
@@ -461,8 +493,8 @@ def _link_bytes(nbytes, p):
 
 
 def _copy_make(comm, count, dtype, op, inplace=False):
-    x = pattern(count, comm.Get_rank(), comm.Get_size(), dtype)
-    return {"x": x, "pristine": x.copy(), "expect": x.copy(), "out": np.full(count, SENTINEL, dtype=dtype)}
+    x = _placed(pattern(count, comm.Get_rank(), comm.Get_size(), dtype))
+    return {"x": x, "pristine": x.copy(), "expect": x.copy(), "out": _sentinels(count, dtype)}
 
 
 def _copy_run(st):
@@ -486,7 +518,7 @@ def _pyring_make(comm, count, dtype, op, inplace=False):
     p = comm.Get_size()
     bounds = [(count * i // p, count * (i + 1) // p) for i in range(p)]
     st["bounds"] = bounds
-    st["tmp"] = np.empty(max(b - a for a, b in bounds) if count else 0, dtype=dtype)
+    st["tmp"] = _placed(np.empty(max(b - a for a, b in bounds) if count else 0, dtype=dtype))
     return st
 
 
@@ -621,7 +653,7 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
                     st["dc"] = dc = _DDL.get(comm, _o)
                     lo, hi = dc.shard_range(count)
                     st["expect"] = st["full"][lo:hi]
-                    st["out"] = np.full(hi - lo, SENTINEL, dtype=dtype)
+                    st["out"] = _sentinels(hi - lo, dtype)
                     return st
 
                 out.append(Collective(_ddl_label(opts), _rs_factor, make, _ddl_rs_run, _ddl_rs_wrong,
@@ -636,8 +668,8 @@ def make_impls(kind: str, which=("ddlkernels", "mpi", "link"), ddl_options=({},)
                     bounds = [dc.shard_range(count, rank=q) for q in range(comm.Get_size())]
                     full = _gathered(comm, count, dtype, bounds)
                     lo, hi = bounds[comm.Get_rank()]
-                    return {"dc": dc, "shard": full[lo:hi].copy(), "pristine": full[lo:hi].copy(), "expect": full,
-                            "out": np.full(count, SENTINEL, dtype=dtype)}
+                    return {"dc": dc, "shard": _placed(full[lo:hi]), "pristine": full[lo:hi].copy(), "expect": full,
+                            "out": _sentinels(count, dtype)}
 
                 out.append(Collective(_ddl_label(opts), _rs_factor, make, _ddl_ag_run, _ddl_ag_wrong,
                                       path=lambda st: st["dc"].last_algorithm or "",

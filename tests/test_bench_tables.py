@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from ddlkernels._bench import (TUNED_ALGORITHMS, dump_json, format_size, format_table, parse_size, plot_rows,
@@ -77,3 +78,33 @@ def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     plot_rows(tmp_path / "r.png", _rows(), title="test")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("shape,dtype", [((0,), np.float32), ((1,), np.int64), ((3, 5), np.float16),
+                                         ((1 << 20,), np.float32)])
+def test_bench_buffers_are_own_copies_on_small_pages(shape, dtype):
+    """``_placed``: the same values in writable memory of its own; on Linux a mapping marked no-huge-pages
+    (VmFlags ``nh``), so that no line's buffers get huge pages where another's do not."""
+    from ddlkernels._bench import _placed
+
+    a = (np.arange(int(np.prod(shape))) % 251).astype(dtype).reshape(shape)
+    b = _placed(a)
+    assert b.shape == a.shape and b.dtype == a.dtype and np.array_equal(a, b)
+    assert b.flags.writeable and b.flags.c_contiguous and not np.shares_memory(a, b)
+    if b.size:
+        b.flat[0] = 7
+        assert a.flat[0] == 0  # a copy, not a view
+    if sys.platform.startswith("linux") and b.nbytes:
+        at = b.ctypes.data
+        flags = None
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(v, 16) for v in head.split("-"))
+                    inside = lo <= at < hi
+                elif inside and head == "VmFlags:":
+                    flags = line.split()[1:]
+                    break
+        assert flags is not None and "nh" in flags, flags
