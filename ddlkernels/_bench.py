@@ -242,31 +242,51 @@ def _count_wrong(got, want):
     return int(np.count_nonzero(got != want))
 
 
-#: Every buffer a line hands to its collective lies in memory of its own on
-#: the kernel's small pages (``_placed``).  numpy asks for huge pages on
-#: allocations from 4 MiB (``madvise``), which back only the 2 MiB-aligned
-#: stretches inside them, so how much of a buffer they backed hung on where
-#: malloc put it -- and with it the cost of every copy through it, most of all
-#: MPI's copy between processes, which pins the peer's pages.  Two lines
-#: running the same MPI call differed by a third, or twice over, by which
-#: line's buffers landed where: ``mpirun -n 2 python bench/allreduce.py -c
-#: reduce_scatter,allgather -b 4M -e 16M -f 4 -n 30 -w 14 --small-bytes 1G``
-#: (ddlkernels running MPI's call beside MPI's own line) measured 0.70-0.76
-#: for reduce_scatter at 4 MiB in four runs, and with every buffer on a 2 MiB
-#: boundary (all huge pages) 0.44-0.47 for allgather; with huge pages off for
-#: the whole machine both lines ran alike.  Small pages everywhere make the
-#: lines equal whatever the machine's huge-page setting (see bench/README.md
-#: for the runs since).
+#: Every buffer a line hands to its collective lies in memory of its own, on
+#: pages of one kind for every line (``_placed``; ``run_sweep(pages=)``,
+#: ``--pages``).  numpy asks for huge pages on allocations from 4 MiB
+#: (``madvise``), which back only the 2 MiB-aligned stretches inside them, so
+#: how much of a buffer they backed hung on where malloc put it -- and with it
+#: the cost of every copy through it, most of all MPI's copy between
+#: processes, which pins the peer's pages.  Two lines running the same MPI call
+#: differed by a third by which line's buffers landed where: ``mpirun -n 2
+#: python bench/allreduce.py -c reduce_scatter,allgather -b 4M -e 16M -f 4 -n
+#: 30 -w 14 --small-bytes 1G`` (ddlkernels running MPI's call beside MPI's own
+#: line) measured 0.70-0.76 for reduce_scatter at 4 MiB in four runs; with
+#: huge pages off for the whole machine both lines ran alike.  "small" (the
+#: default) maps every buffer ``MADV_NOHUGEPAGE``; "huge" maps it
+#: ``MADV_HUGEPAGE`` from a 2 MiB boundary, each buffer a few KiB and cache
+#: lines further in than the last, so that two buffers of a line do not
+#: start on the same cache sets (all on one 2 MiB boundary, MPI's
+#: reduce_scatter took 2.5x as long at 16 MiB, with or without huge pages).
+PAGES = ("small", "huge")
+_HUGE = 2 << 20
+_placement = {"pages": "small", "next": 0}
+
+
 def _placed(a):
-    """A copy of ``a`` in an anonymous mapping of its own, on small pages (see above)."""
+    """A copy of ``a`` in an anonymous mapping of its own, on the pages ``run_sweep`` set (see above)."""
     if a.nbytes == 0:
         return a.copy()
-    m = mmap.mmap(-1, a.nbytes)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere the mapping is what the system gives
-        m.madvise(mmap.MADV_NOHUGEPAGE)
-    out = np.frombuffer(m, dtype=np.uint8, count=a.nbytes).view(a.dtype).reshape(a.shape)
+    if _placement["pages"] == "huge":
+        k = _placement["next"] = (_placement["next"] + 1) % 32
+        at = k * (4096 + 64)
+        m = mmap.mmap(-1, a.nbytes + _HUGE + at)
+        start = -_address(m) % _HUGE + at
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            m.madvise(mmap.MADV_HUGEPAGE)
+    else:
+        m, start = mmap.mmap(-1, a.nbytes), 0
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere the mapping is what the system gives
+            m.madvise(mmap.MADV_NOHUGEPAGE)
+    out = np.frombuffer(m, dtype=np.uint8, count=a.nbytes, offset=start).view(a.dtype).reshape(a.shape)
     out[...] = a
     return out
+
+
+def _address(m):
+    """Where the mapping ``m`` starts."""
+    return np.frombuffer(m, dtype=np.uint8, count=1).ctypes.data
 
 
 def _sentinels(count, dtype):
@@ -806,7 +826,7 @@ def _progress_bar(comm, total, progress):
 
 
 def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup=5, check=True, inplace=False,
-              progress="auto", kind="allreduce", bar=None, interleave=True, min_sample_s=0.0):
+              progress="auto", kind="allreduce", bar=None, interleave=True, min_sample_s=0.0, pages="small"):
     """Run every implementation at every size; return a list of row dicts (same on every rank).
 
     Each row: ``bytes`` (of the buffer, N), ``count``, ``dtype``, ``op``,
@@ -830,9 +850,14 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
     alone between barriers mostly measures the barrier's skew; 0 (default)
     times single calls.  In place, calls would compound, so samples stay
     single calls.  ``batch`` is recorded per row.
+    ``pages``: "small" or "huge", the pages of every buffer the lines hand to
+    their collectives (see ``PAGES``).
     """
     from mpi4py import MPI
 
+    if pages not in PAGES:
+        raise ValueError(f"pages must be one of {', '.join(PAGES)}, not {pages!r}")
+    _placement["pages"] = pages
     dt = parse_dtype(dtype) if isinstance(dtype, str) else check_dtype(np.dtype(dtype))
     op = normalize_op(op)
     p = comm.Get_size()

@@ -79,6 +79,9 @@ def add_bench_arguments(p, collective_default="allreduce"):
                    help="time back-to-back calls, as nccl-tests does, enough for a sample of about this many ms "
                         "(same count for every line of a size; in place: single calls); 0 times single calls "
                         "between barriers (default %(default)s)")
+    g.add_argument("--pages", choices=("small", "huge"), default="small",
+                   help="the pages of every buffer the lines hand to their collectives, the same for every line "
+                        "(ddlkernels._bench.PAGES; default %(default)s)")
     g.add_argument("--stat", choices=("median", "min"), default="median",
                    help="time per iteration shown in the table and plot (JSON has both)")
     g.add_argument("--check", dest="check", action="store_true", default=True,
@@ -191,7 +194,8 @@ def _git_commit():
     try:
         out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=5)
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+        # The package's own code (as bench/run_results.sh's headers): the results being written are not a change.
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--", here],
                                capture_output=True, text=True, timeout=5)
         if out.returncode == 0:
             return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
@@ -236,7 +240,7 @@ def _measure(args):
         for kind, impls, dt, op, inplace in cases:
             rows += run_sweep(comm, sizes, impls, dtype=dt, op=op, iters=args.iters, warmup=args.warmup,
                               check=args.check, inplace=inplace, kind=kind, bar=bar, interleave=args.interleave,
-                              min_sample_s=args.min_sample_ms / 1e3)
+                              min_sample_s=args.min_sample_ms / 1e3, pages=args.pages)
     finally:
         if bar is not None:
             bar.close()
@@ -256,6 +260,7 @@ def _measure(args):
         "stat_in_table": args.stat,
         "timing": "barrier, then one call; iteration time = max over ranks; min and median over iterations",
         "interleave": args.interleave,
+        "pages": args.pages,
         "busbw": "allreduce N/t*2(p-1)/p; reduce_scatter, allgather N/t*(p-1)/p; "
                  "Sendrecv link (N/p)/t: every rank sends N/p bytes to rank r+1 while receiving N/p from r-1",
         "start": start,

@@ -80,31 +80,53 @@ def test_plot(tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _vm_flags(address):
+    """The VmFlags of the mapping holding ``address`` in this process (/proc/self/smaps), or None."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return None
+
+
+@pytest.mark.parametrize("pages,flag", [("small", "nh"), ("huge", "hg")])
 @pytest.mark.parametrize("shape,dtype", [((0,), np.float32), ((1,), np.int64), ((3, 5), np.float16),
                                          ((1 << 20,), np.float32)])
-def test_bench_buffers_are_own_copies_on_small_pages(shape, dtype):
+def test_bench_buffers_are_own_copies_on_the_pages_asked_for(shape, dtype, pages, flag):
     """``_placed``: the same values in writable memory of its own; on Linux a mapping marked no-huge-pages
-    (VmFlags ``nh``), so that no line's buffers get huge pages where another's do not."""
-    from ddlkernels._bench import _placed
+    (VmFlags ``nh``) or huge pages (``hg``) for every line alike; huge ones start past a 2 MiB boundary by
+    an offset that differs from one buffer to the next."""
+    from ddlkernels import _bench
 
-    a = (np.arange(int(np.prod(shape))) % 251).astype(dtype).reshape(shape)
-    b = _placed(a)
-    assert b.shape == a.shape and b.dtype == a.dtype and np.array_equal(a, b)
-    assert b.flags.writeable and b.flags.c_contiguous and not np.shares_memory(a, b)
+    before = _bench._placement["pages"]
+    _bench._placement["pages"] = pages
+    try:
+        a = (np.arange(int(np.prod(shape))) % 251).astype(dtype).reshape(shape)
+        b, c = _bench._placed(a), _bench._placed(a)
+    finally:
+        _bench._placement["pages"] = before
+    for x in (b, c):
+        assert x.shape == a.shape and x.dtype == a.dtype and np.array_equal(a, x)
+        assert x.flags.writeable and x.flags.c_contiguous and not np.shares_memory(a, x)
+    assert not np.shares_memory(b, c)
     if b.size:
         b.flat[0] = 7
-        assert a.flat[0] == 0  # a copy, not a view
+        assert a.flat[0] == 0 and c.flat[0] == 0  # copies, not views
+        if pages == "huge":
+            offsets = {x.ctypes.data % _bench._HUGE for x in (b, c)}
+            assert len(offsets) == 2 and all(0 < o < _bench._HUGE for o in offsets)
     if sys.platform.startswith("linux") and b.nbytes:
-        at = b.ctypes.data
-        flags = None
-        with open("/proc/self/smaps") as f:
-            inside = False
-            for line in f:
-                head = line.split()[0]
-                if "-" in head and not head.endswith(":"):
-                    lo, hi = (int(v, 16) for v in head.split("-"))
-                    inside = lo <= at < hi
-                elif inside and head == "VmFlags:":
-                    flags = line.split()[1:]
-                    break
-        assert flags is not None and "nh" in flags, flags
+        flags = _vm_flags(b.ctypes.data)
+        assert flags is not None and flag in flags, flags
+
+
+def test_run_sweep_refuses_unknown_pages():
+    from ddlkernels._bench import run_sweep
+
+    with pytest.raises(ValueError, match="pages must be one of small, huge"):
+        run_sweep(None, [], [], pages="big")
