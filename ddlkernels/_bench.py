@@ -257,8 +257,9 @@ def _count_wrong(got, want):
 #: default) maps every buffer ``MADV_NOHUGEPAGE``; "huge" maps it
 #: ``MADV_HUGEPAGE`` from a 2 MiB boundary, each buffer a few KiB and cache
 #: lines further in than the last, so that two buffers of a line do not
-#: start on the same cache sets (all on one 2 MiB boundary, MPI's
-#: reduce_scatter took 2.5x as long at 16 MiB, with or without huge pages).
+#: start on the same cache sets (tried with every buffer exactly on a 2 MiB
+#: boundary: MPI's reduce_scatter at 16 MiB ran several times slower, with
+#: huge pages and without).
 PAGES = ("small", "huge")
 _HUGE = 2 << 20
 _placement = {"pages": "small", "next": 0}
