@@ -604,6 +604,12 @@ class Communicator:
                  + ("shm-nt",) * (shm and kind == "allgather" and nbytes >= GATHER_STREAM_FROM))
         return (cands[0], None) if len(cands) == 1 else (None, cands)
 
+    def _gather_stream(self, algo):
+        """``ShmAllreduce.allgather``'s ``stream`` for the window's algorithm ``algo`` ("shm" or "shm-nt"):
+        the window's own size rule (None) when it is forced on, else what the tuner chose.  Below
+        ``GATHER_STREAM_FROM``, where the tuner weighs "shm" alone, that rule says False too."""
+        return None if self._shm_mode else algo == "shm-nt"
+
     def _rank_ordered(self, count):
         """Whether the flat shards of ``count`` elements lie in rank order, as MPI's own collectives place blocks."""
         b = self._all_shards(count, None)
@@ -1015,7 +1021,7 @@ class Communicator:
             if algo == "shm" or algo == "shm-nt":
                 if self._shm is None or not self._shm.allocated:
                     return None  # the full path sets the window up (collectively); ask again after it
-                stream = _gather_stream(algo, cands)
+                stream = self._gather_stream(algo)
                 fn = self._shm.shard_fn("allgather", dtype, count, None, bounds, stream)
                 hit = (algo, bounds, fn, stream, watch)
             elif algo == "mpi":
@@ -1088,14 +1094,11 @@ class Communicator:
         plan = self._shard_plan(dims)
         deadline = None if call is None else call.deadline
 
-        nbytes = count * dtype.itemsize
-        mpi = not be.device and dims is None and self._ag_mpi_ok(count, nbytes)
-
         def run(algo):
             self.last_algorithm = algo
             dst = be.empty(count, dtype) if out is None else out
             if algo == "shm" or algo == "shm-nt":
-                stream = _gather_stream(algo, self._shard_choices(nbytes, be.device, dims, mpi, "allgather")[1])
+                stream = self._gather_stream(algo)
                 self._shm_collectives().allgather(src, dst, expect, deadline=deadline, stream=stream)
                 return dst
             if algo == "mpi":
@@ -1120,13 +1123,9 @@ class Communicator:
                     avg_p=None, deadline=deadline)
             return dst
 
+        nbytes = count * dtype.itemsize
+        mpi = not be.device and dims is None and self._ag_mpi_ok(count, nbytes)
         return self._shard_path("allgather", nbytes, be.device, dims, run, mpi)
-
-
-def _gather_stream(algo, cands):
-    """``ShmAllreduce.allgather``'s ``stream`` for the window's algorithm ``algo``: measured as "shm" or
-    "shm-nt" when the tuner weighs both (``cands``), else the window's own size rule (None)."""
-    return (algo == "shm-nt") if cands is not None and "shm-nt" in cands else None
 
 
 def backend_input_numpy(x):
