@@ -312,8 +312,10 @@ class Communicator:
         ``numpy.empty``.  Shards of unequal length: allocate the longest on
         every rank and use a prefix.
 
-        The array is valid until ``free()`` (or the end of a ``with`` block),
-        which releases its memory: do not use it afterwards.
+        ``free()`` (or the end of a ``with`` block) releases its memory, unless
+        an array of it is still referenced on some rank: then the memory stays
+        mapped on every rank until MPI finalizes, an ordinary array to the code
+        holding it (``ddlkernels._shm.ShmAllreduce.free``).
         """
         dt = check_dtype(np.dtype(dtype))
         shape = (operator.index(shape),) if np.ndim(shape) == 0 else tuple(operator.index(d) for d in shape)

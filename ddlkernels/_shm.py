@@ -100,15 +100,21 @@ on the first call that uses them.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
+import weakref
 
 import numpy as np
 
 from ._dtypes import is_half
 
 __all__ = ["ShmAllreduce", "PIECE_BYTES", "one_node"]
+
+#: Windows of ``ShmAllreduce.empty`` regions that ``free`` found still in use on some rank: never freed
+#: here, so that the arrays over them stay mapped; MPI's finalization releases them.
+_KEPT: list = []
 
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 
@@ -304,7 +310,8 @@ class ShmAllreduce:
         self._small = {}  # (dtype, n, op) -> a small-message allreduce made for it (_small_fn)
         self._whole_set = 0  # which of the two small-message stages the next small call fills
         #: Shared input regions (``empty``), in allocation order -- the same on every rank, so a region's
-        #: index names it to peers: (this rank's address, bytes, every rank's uint8 view, window).
+        #: index names it to peers: (this rank's address, bytes, every rank's uint8 view, window, a weak
+        #: reference to the array ``empty`` returned).
         self._regions = []
         #: Every rank's region at its address here, a row per region (``ddlkernels._shm_loops._peer_inputs``).
         self._bases = np.zeros((0, self.p), dtype=np.int64)
@@ -357,7 +364,8 @@ class ShmAllreduce:
         """``nbytes`` of shared memory on every rank (collective; the same ``nbytes`` everywhere), as this
         rank's uint8 array: an allreduce whose input lies in it skips the stage (see the module comment).
 
-        Valid until ``free``, which releases every region with the window.
+        ``free`` releases it with the window unless an array of it is still referenced on some rank; then
+        every rank keeps the region mapped until MPI finalizes (``free``).
         """
         from mpi4py import MPI
 
@@ -371,8 +379,10 @@ class ShmAllreduce:
             info.Free()
         win.Lock_all(MPI.MODE_NOCHECK)
         views = [np.frombuffer(win.Shared_query(s)[0], dtype=np.uint8, count=nbytes) for s in range(self.p)]
-        mine = views[self.rank]
-        self._regions.append((mine.ctypes.data, nbytes, views, win))
+        # The caller's array is its own object, watched through a weak reference: every array made from it
+        # keeps it alive, so ``free`` can tell whether anything still points into the region.
+        mine = np.frombuffer(win.Shared_query(self.rank)[0], dtype=np.uint8, count=nbytes)
+        self._regions.append((mine.ctypes.data, nbytes, views, win, weakref.ref(mine)))
         self._bases = np.array([[v.ctypes.data for v in reg[2]] for reg in self._regions], dtype=np.int64)
         return mine
 
@@ -395,25 +405,49 @@ class ShmAllreduce:
     def _shared_at(self, x):
         """``(region index + 1, byte offset)`` of a 1-D array lying in one of this rank's regions, else (0, 0)."""
         at = x.ctypes.data
-        for k, (base, nbytes, _, _) in enumerate(self._regions):
+        for k, (base, nbytes, *_) in enumerate(self._regions):
             if base <= at and at + x.nbytes <= base + nbytes:
                 return k + 1, at - base
         return 0, 0
 
     def free(self) -> None:
         """Release the window and every region of ``empty`` (collective); a later ``run`` allocates a new
-        window."""
+        window.
+
+        A region an array of which is still referenced on any rank is not unmapped -- the array would
+        crash the process at its next access -- but left to MPI's finalization, on every rank alike
+        (``MPI_Win_free`` is collective), as Python's ``mmap.close`` refuses while buffers are exported.
+        The array stays valid memory; it is no longer shared with anything that reduces.
+        """
         if self._win is not None:
+            in_use = self._regions_in_use()
             self._segs = self._seg_addrs = self._small_seg = self._flags = None
             self._layouts.clear()
             self._small.clear()
             self._last_shard.clear()
-            for w in (self._win, self._small_win, *(reg[3] for reg in self._regions)):
+            kept = [reg[3] for reg, used in zip(self._regions, in_use) if used]
+            for w in (self._win, self._small_win, *(reg[3] for reg, used in zip(self._regions, in_use) if not used)):
                 w.Unlock_all()
                 w.Free()
+            _KEPT.extend(kept)
             self._win = self._small_win = None
             self._regions.clear()
             self._bases = np.zeros((0, self.p), dtype=np.int64)
+
+    def _regions_in_use(self):
+        """Per region of ``empty``: whether an array of it is referenced on any rank (collective when
+        regions exist, which is on every rank alike, since ``empty`` is collective)."""
+        if not self._regions:
+            return []
+        from mpi4py import MPI
+
+        alive = np.array([reg[4]() is not None for reg in self._regions], dtype=np.uint8)
+        if alive.any():
+            gc.collect()  # an array held only by a dead reference cycle is not in use
+            alive = np.array([reg[4]() is not None for reg in self._regions], dtype=np.uint8)
+        anywhere = np.empty_like(alive)
+        self.comm.Allreduce(alive, anywhere, op=MPI.MAX)
+        return anywhere.astype(bool).tolist()
 
     def _barrier(self, deadline):
         """Every rank of the window's communicator, through the flags (``ddlkernels._shm_loops``).

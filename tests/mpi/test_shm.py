@@ -661,6 +661,51 @@ def test_communicator_empty_gives_shared_memory_and_the_allreduce_reads_it():
                 assert np.array_equal(tuned.allreduce(b), ref)
 
 
+def _mapped(address):
+    """Whether ``address`` lies in a mapping of this process (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+@needs_peers
+def test_free_keeps_the_memory_of_arrays_still_in_use_and_releases_the_rest():
+    """``free`` unmaps an ``empty`` region only where no rank holds an array of it: an array kept past ``free``
+    (a view of it, or only on rank 0) stays readable and writable with its data; a region dropped on every
+    rank, or held only by a dead reference cycle, has its window freed."""
+    import gc
+
+    from ddlkernels import _shm
+
+    gc.collect()
+    kept_before = len(_shm._KEPT)
+    n = 3000
+    with ddlkernels.Communicator(COMM, shm=True) as dc:
+        view = dc.empty(n + 5, np.int64)[5:]  # only a view outlives the call's own array
+        dropped = dc.empty(n, np.int64)
+        cycle = [dc.empty(n, np.int64)]
+        cycle.append(cycle)
+        on_rank0 = dc.empty(n, np.int64)
+        for a in (view, dropped, cycle[0], on_rank0):
+            a[...] = rank_data(n, RANK, P, np.int64)
+        want = dc.allreduce(view.copy())
+        assert np.array_equal(dc.allreduce(view), want)  # read in place (published), as before
+        del dropped, cycle
+        if RANK != 0:
+            del on_rank0
+    # After free: two windows kept (the view's on every rank, and rank 0's on every rank alike), two freed.
+    assert len(_shm._KEPT) - kept_before == 2, f"kept {len(_shm._KEPT) - kept_before} windows"
+    assert _mapped(view.ctypes.data) and _mapped(view.ctypes.data + view.nbytes - 1)
+    assert np.array_equal(view, rank_data(n, RANK, P, np.int64)), "a kept array lost its data"
+    view[...] = want  # and is writable
+    assert np.array_equal(view, want)
+    if RANK == 0:
+        assert np.array_equal(on_rank0, rank_data(n, RANK, P, np.int64))
+
+
 @pytest.mark.parametrize("shm", [None, False])
 def test_communicator_empty_checks_its_arguments_on_every_rank(shm):
     with ddlkernels.Communicator(COMM, shm=shm) as dc:
