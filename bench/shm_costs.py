@@ -117,10 +117,11 @@ def main():
             "link": lambda: comm.Sendrecv(send, (r + 1) % p, 7, recv, (r - 1) % p, 7),
             "memcpy": lambda: np.copyto(out, x),
             "shm": lambda: shm.run(x, out, "sum", None),
+            "shm-nt": lambda: shm.run(x, out, "sum", None, spill=True),
             "ring": lambda: ring.allreduce(x, "sum", out=out),
             "private": _private_steps(x, out, p, r, PIECE_BYTES // 4),
         }
-        for name in ("shm", "ring"):
+        for name in ("shm", "shm-nt", "ring"):
             out[...] = 0
             fns[name]()
             if not np.array_equal(out, want):  # exact: small integers
@@ -133,10 +134,12 @@ def main():
                 res[k].append(timed(f))
         if r == 0:
             med = {k: float(np.median(v)) for k, v in res.items()}
-            ratio = (2 * (p - 1) / p * nb / med["shm"]) / ((nb // p) / med["link"])
+            def to_link(k):
+                return (2 * (p - 1) / p * nb / med[k]) / ((nb // p) / med["link"])
+
             print(f"{format_size(nb):>5} " + "  ".join(f"{k} {v:7.2f}" for k, v in med.items())
-                  + f"  | shm busbw / link {ratio:.2f}, ring / shm {med['ring'] / med['shm']:.2f}, "
-                  f"shm - private {med['shm'] - med['private']:.2f} ms", flush=True)
+                  + f"  | busbw / link: shm {to_link('shm'):.2f} shm-nt {to_link('shm-nt'):.2f} "
+                  f"ring {to_link('ring'):.2f}; shm - private {med['shm'] - med['private']:.2f} ms", flush=True)
     shm.free()
     ring.free()
 

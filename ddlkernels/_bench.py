@@ -272,17 +272,30 @@ def _placed(a):
     if _placement["pages"] == "huge":
         k = _placement["next"] = (_placement["next"] + 1) % 32
         at = k * (4096 + 64)
-        m = mmap.mmap(-1, a.nbytes + _HUGE + at)
+        m = _anonymous(a.nbytes + _HUGE + at)
         start = -_address(m) % _HUGE + at
         if hasattr(mmap, "MADV_HUGEPAGE"):
             m.madvise(mmap.MADV_HUGEPAGE)
     else:
-        m, start = mmap.mmap(-1, a.nbytes), 0
+        m, start = _anonymous(a.nbytes), 0
         if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere the mapping is what the system gives
             m.madvise(mmap.MADV_NOHUGEPAGE)
     out = np.frombuffer(m, dtype=np.uint8, count=a.nbytes, offset=start).view(a.dtype).reshape(a.shape)
     out[...] = a
     return out
+
+
+def _anonymous(nbytes):
+    """``nbytes`` of private anonymous memory, as a numpy array's own would be.
+
+    ``mmap.mmap(-1, n)`` alone maps MAP_SHARED: shmem pages, which take no
+    transparent huge pages unless the machine's shmem setting allows them
+    (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``, "never" here), so
+    ``MADV_HUGEPAGE`` on them did nothing.
+    """
+    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, nbytes)
 
 
 def _address(m):

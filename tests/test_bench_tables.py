@@ -80,23 +80,34 @@ def test_plot(tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _vm_flags(address):
-    """The VmFlags of the mapping holding ``address`` in this process (/proc/self/smaps), or None."""
-    inside = False
+def _smaps(address):
+    """The /proc/self/smaps fields of the mapping holding ``address`` (name -> the words after it), or None."""
+    fields = None
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
+                if fields is not None:
+                    return fields
                 lo, hi = (int(v, 16) for v in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    return None
+                fields = {} if lo <= address < hi else None
+            elif fields is not None:
+                fields[head.rstrip(":")] = line.split()[1:]
+    return fields
+
+
+def _thp_mode():
+    """The machine's transparent huge page setting ("always", "madvise", "never"), or None."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
 
 
 @pytest.mark.parametrize("pages,flag", [("small", "nh"), ("huge", "hg")])
 @pytest.mark.parametrize("shape,dtype", [((0,), np.float32), ((1,), np.int64), ((3, 5), np.float16),
-                                         ((1 << 20,), np.float32)])
+                                         ((1 << 20,), np.float32), ((3 << 20,), np.float32)])
 def test_bench_buffers_are_own_copies_on_the_pages_asked_for(shape, dtype, pages, flag):
     """``_placed``: the same values in writable memory of its own; on Linux a mapping marked no-huge-pages
     (VmFlags ``nh``) or huge pages (``hg``) for every line alike; huge ones start past a 2 MiB boundary by
@@ -121,8 +132,16 @@ def test_bench_buffers_are_own_copies_on_the_pages_asked_for(shape, dtype, pages
             offsets = {x.ctypes.data % _bench._HUGE for x in (b, c)}
             assert len(offsets) == 2 and all(0 < o < _bench._HUGE for o in offsets)
     if sys.platform.startswith("linux") and b.nbytes:
-        flags = _vm_flags(b.ctypes.data)
-        assert flags is not None and flag in flags, flags
+        fields = _smaps(b.ctypes.data)
+        assert fields is not None and flag in fields["VmFlags"], fields
+        # Private memory, as a numpy array's own, and on the pages asked for: shared (shmem) pages would
+        # take no huge pages whatever the advice (the harness mapped so until this was checked).
+        assert "sh" not in fields["VmFlags"], fields
+        huge_kib = int(fields["AnonHugePages"][0])
+        if pages == "small":
+            assert huge_kib == 0, fields
+        elif b.nbytes >= 2 * _bench._HUGE and _thp_mode() in ("always", "madvise"):
+            assert huge_kib >= 2048, f"no huge page under a {b.nbytes}-byte buffer: {fields}"
 
 
 def test_run_sweep_refuses_unknown_pages():
