@@ -17,14 +17,19 @@
     mpirun -n 2 python -m mpi4py bench/shm_pieces.py --stream --shards --only llgather
                                                    # allgathers only: no other line's calls between
                                                    # theirs (the allgather tuner's "shm-nt")
+    mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge
+                                                   # the single copy (ddlkernels._cma) by piece size,
+                                                   # beside the window, 64K..64M: its PIECE_BYTES, CMA_FROM
 
 Each line is ``ddlkernels._shm.ShmAllreduce.run`` with one setting, called
 directly (no tuner, no argument checks), interleaved round by round with the
 other settings and MPI's own allreduce; a round times back-to-back calls
 lasting about 2 ms (one call for large messages) after a barrier, on the
 slowest rank.  Prints the median over rounds, in microseconds per call.
-Where PIECE_BYTES, WHOLE_BELOW, SPIN and STREAM_FROM (ddlkernels/_shm.py) and SPILL_FROM
-(ddlkernels/_tuner.py) come from.
+Where PIECE_BYTES, WHOLE_BELOW, SPIN and STREAM_FROM (ddlkernels/_shm.py), SPILL_FROM and CMA_FROM
+(ddlkernels/_tuner.py) and ddlkernels/_cma.py's PIECE_BYTES come from.  ``--pages small|huge`` places
+the input and the outputs as the harness does (``ddlkernels._bench``: every buffer in a private mapping
+of its own, on 4 KiB or on 2 MiB pages); by default they are plain numpy arrays.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ddlkernels import _bench
 from ddlkernels._bench import format_size, parse_size
+from ddlkernels._cma import CmaAllreduce
 from ddlkernels._shm import ShmAllreduce
 from ddlkernels.backends import backend_for
 
@@ -93,6 +100,11 @@ def main():
     ap.add_argument("--only", default=None,
                     help="time only the lines whose name contains this (e.g. llgather): what lies in the cache "
                          "when a call starts depends on the calls between, as in the caller's loop")
+    ap.add_argument("--cma", action="store_true",
+                    help="time the single-copy allreduce (ddlkernels._cma) with each of --pieces, beside the "
+                         "window's (\"shm\"), 64 KiB-64 MiB")
+    ap.add_argument("--pages", choices=_bench.PAGES, default=None,
+                    help="place the buffers as the harness does (default: plain numpy arrays)")
     ap.add_argument("--rounds", type=int, default=15)
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
@@ -105,6 +117,12 @@ def main():
             variants = {f"spin {int(s)}": ShmAllreduce(comm, whole_below=whole, spin=int(s)) for s in a.spins.split(",")}
         else:
             variants = {"whole": ShmAllreduce(comm, whole_below=whole), "pieces": ShmAllreduce(comm, whole_below=0)}
+    elif a.cma:
+        sizes = a.sizes or "64K,256K,1M,4M,16M,64M"
+        window = ShmAllreduce(comm, whole_below=0)
+        variants = {"shm": window}
+        variants.update({f"cma {format_size(parse_size(s))}": CmaAllreduce(window, piece_bytes=parse_size(s))
+                         for s in a.pieces.split(",")})
     elif a.spill:
         sizes = a.sizes or "4M,8M,16M,32M,64M"
         variants = {"kept": ShmAllreduce(comm, whole_below=0), "spilled": ShmAllreduce(comm, whole_below=0)}
@@ -131,9 +149,12 @@ def main():
         print(f"# {p} ranks, float32 sum, us per call (median of {a.rounds} rounds, slowest rank)")
     for nb in (parse_size(s) for s in sizes.split(",")):
         x = (np.arange(nb // 4, dtype=np.float32) % 1000) * p + rank
+        if a.pages:
+            _bench._placement["pages"] = a.pages
+            x = _bench._placed(x)
         want = np.empty_like(x)
         comm.Allreduce(x, want, MPI.SUM)
-        outs = {k: np.empty_like(x) for k in variants}
+        outs = {k: (_bench._placed(x) if a.pages else np.empty_like(x)) for k in variants}
         fns = {"MPI_Allreduce": lambda: comm.Allreduce(x, want, MPI.SUM)}
         if a.shards and a.stream:
             for k, v in variants.items():
@@ -144,6 +165,9 @@ def main():
             if "pieces" in variants:  # --small: the same calls in pieces, where the crossover is
                 fns.update({k + " pieces": f for k, f in _shard_lines(comm, x, want, variants["pieces"]).items()
                             if not k.startswith("MPI")})
+        elif a.cma:
+            fns.update({k: (lambda v=v, o=outs[k]: v.run(x, o, "sum", reduce)) if k == "shm" else
+                        (lambda v=v, o=outs[k]: v.run(x, o, "sum")) for k, v in variants.items()})
         else:
             fns.update({k: (lambda v=v, o=outs[k], s=k == "spilled": v.run(x, o, "sum", reduce, spill=s))
                         for k, v in variants.items()})
@@ -177,11 +201,14 @@ def main():
                 pairs = [("cached/streamed", "cached", "streamed")]
             elif a.spill:
                 pairs = [("kept/spilled", "kept", "spilled")]
+            elif a.cma:
+                pairs = [(f"shm/{k}", "shm", k) for k in med if k.startswith("cma")]
             # --only may have left a pair's lines out.
             ratio = "".join(f"  {name} {med[u] / med[v]:.2f}" for name, u, v in pairs if u in med and v in med)
             print(f"{format_size(nb):>6} " + "  ".join(f"{k} {v:8.2f}" for k, v in med.items()) + ratio, flush=True)
     for v in variants.values():
-        v.free()
+        if isinstance(v, ShmAllreduce):  # a CmaAllreduce's window is one of these
+            v.free()
 
 
 if __name__ == "__main__":

@@ -84,7 +84,8 @@ def _job(args):
               f"{'in place' if args.inplace else 'out of place'}, {args.iters} iterations (median), "
               f"time = slowest rank; busbw = algbw * 2(p-1)/p; path: which algorithm ddlkernels ran "
               f"(ring: its multi-dimensional ring; shm: its shared-memory allreduce, shm-nt: the same with its results "
-              f"written to memory; hier: shm per node + across nodes; "
+              f"written to memory; cma: single copy, peers' buffers read with process_vm_readv; "
+              f"hier: shm per node + across nodes; "
               f"mpi / nbc: MPI_Allreduce / "
               f"MPI_Iallreduce, as its size tuner chose)")
         if args.min_sample_ms > 0 and not args.inplace:

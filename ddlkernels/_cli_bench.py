@@ -317,7 +317,8 @@ def _report(args, meta, rows):
         print(f"# busbw: {meta['busbw']}")
         print(f"# load average at start {st['loadavg'][0]:.2f}, at end {en['loadavg'][0]:.2f} on {st['cpus']} cpus; "
               f"path: which algorithm ddlkernels ran (ring; shm = shared-memory window, shm-nt = the same with its "
-              f"results (allgather: its output) written to memory; hier = window per node "
+              f"results (allgather: its output) written to memory; cma = single copy, peers' buffers read "
+              f"with process_vm_readv; hier = window per node "
               f"+ allreduce across nodes; mpi = MPI_Allreduce, nbc = MPI_Iallreduce; as its size tuner chose)")
         for (kind, dt, op, inplace), grp in _groups(rows).items():
             names = _names(grp)

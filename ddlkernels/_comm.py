@@ -21,7 +21,8 @@ from ._engine import ALIGN_PAD, Segments, execute
 from ._schedule import Plan, build_schedule, shard_bounds, validate_dims
 from ._transport import HostTransport
 from . import _hier
-from ._shm import GATHER_STREAM_FROM, ShmAllreduce, one_node
+from ._cma import CmaAllreduce, probe as cma_probe
+from ._shm import GATHER_STREAM_FROM, ShmAllreduce, _ufunc, one_node
 from ._tuner import SizeTuner, candidates
 from ._validate import Call
 from ._wait import Deadline, _check_timeout
@@ -130,6 +131,10 @@ class Communicator:
         #: None: no shared-memory allreduce; else whether it is forced (True) or a tuner candidate (False)
         self._shm_mode = None if (shm is False or not on_one_node) else bool(shm)
         self._shm = None  # ShmAllreduce, created on first use
+        # The single-copy allreduce, beside the window among the tuner's candidates, where every pair of ranks may
+        # read each other's memory (one more collective, only on one node).
+        self._cma_ok = self._shm_mode is False and cma_probe(self.comm)
+        self._cma = None  # CmaAllreduce, created on first use
         # Several nodes of equal size (one more collective, only then): the
         # hierarchical allreduce is a tuner candidate (ddlkernels._hier).
         self._hier_node = None
@@ -155,7 +160,7 @@ class Communicator:
         self._schedules: dict = {}
         self._buffers: dict = {}
         self._transports: dict = {}
-        #: "ring", "mpi", "nbc", "shm", "shm-nt" or "hier": which algorithm the last allreduce, reduce_scatter or
+        #: "ring", "mpi", "nbc", "shm", "shm-nt", "cma" or "hier": which algorithm the last allreduce, reduce_scatter or
         #: allgather ran
         #: (for reports; ddlkernels._tuner).
         self.last_algorithm = None
@@ -172,7 +177,7 @@ class Communicator:
             self._rs_fast_cache.clear()
             self._ag_fast_cache.clear()
             self._shm.free()
-            self._shm = None
+            self._shm = self._cma = None
         if self._hier is not None:
             self._hier.free()  # frees the node communicator too
             self._hier = self._hier_node = None
@@ -455,6 +460,8 @@ class Communicator:
                 self._shm.run(x.reshape(-1), dst.reshape(-1), how, None, spill=algo == "shm-nt")
             else:
                 how(x if x.ndim == 1 else x.reshape(-1), dst if dst.ndim == 1 else dst.reshape(-1))
+        elif algo == "cma":
+            how(x if x.ndim == 1 else x.reshape(-1), dst if dst.ndim == 1 else dst.reshape(-1))
         elif algo == "mpi":
             self.comm.Allreduce(_MPI_OPS["IN_PLACE"] if dst is x else x, dst, how)
         else:
@@ -481,7 +488,8 @@ class Communicator:
             return None
         watch = recount = None
         if self.small_bytes is None:
-            cands = candidates(nbytes, shm=self._shm_mode is not None, hier=self._hier_ok)
+            cands = candidates(nbytes, shm=self._shm_mode is not None, hier=self._hier_ok,
+                               cma=self._cma_for(dt, "sum" if entry[1] else op))
             algo = self._tuner.decided(nbytes, cands, inplace)
             if algo is None:  # still measured
                 return None
@@ -501,6 +509,11 @@ class Communicator:
                 return None  # the full path sets the window up (collectively); ask again after it
             fn = self._shm.small_fn(dt, nbytes // dt.itemsize, op, spill=algo == "shm-nt")
             hit = (algo, fn or op, False, watch, recount)
+        elif algo == "cma":
+            if self._cma is None or not self._shm.allocated or nbytes == 0:
+                return None  # the full path sets it up (collectively); ask again after it
+            hit = (algo, self._cma.fn(dt, nbytes // dt.itemsize, "sum" if entry[1] else op), entry[1], watch,
+                   recount)
         else:
             hit = False
         self._fast[op, dt, nbytes, inplace] = hit
@@ -552,7 +565,8 @@ class Communicator:
                     and not (avg and is_half(dtype)))
         if self.small_bytes is None:
             if use_mpi or use_shm or use_hier:
-                return None, candidates(nbytes, mpi=use_mpi, shm=use_shm, hier=use_hier)
+                return None, candidates(nbytes, mpi=use_mpi, shm=use_shm, hier=use_hier,
+                                        cma=use_shm and self._cma_for(dtype, redop))
         elif use_mpi and nbytes < self.small_bytes:
             return "mpi", None
         return "ring", None
@@ -656,6 +670,16 @@ class Communicator:
             self._shm = ShmAllreduce(self.comm)
         return self._shm
 
+    def _cma_for(self, dtype, redop):
+        """Whether the single-copy allreduce computes ``redop`` ("avg": "sum") on ``dtype`` here: its probe
+        passed, and numpy's own ufunc does the op (``ddlkernels._cma``)."""
+        return self._cma_ok and _ufunc(dtype, redop) is not None
+
+    def _cma_collectives(self):
+        if self._cma is None:
+            self._cma = CmaAllreduce(self._shm_collectives())
+        return self._cma
+
     def _allreduce_flat(self, src, dst, opname, be, dtype, chunk, dims, call=None):
         count = src.shape[0]
         nbytes = count * dtype.itemsize
@@ -683,7 +707,7 @@ class Communicator:
 
     def _allreduce_path(self, algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call):
         """Run ``algo``: "mpi" (MPI_Allreduce), "nbc" (MPI_Iallreduce + Wait), "shm" / "shm-nt" (shared window,
-        result blocks written normally / with non-temporal stores), "hier" or "ring"."""
+        result blocks written normally / with non-temporal stores), "cma" (single copy), "hier" or "ring"."""
         if call is not None:
             call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=None if algo != "ring" else chunk,
                        path=algo)
@@ -691,6 +715,15 @@ class Communicator:
             self.last_algorithm = algo
             self._shm_collectives().run(src, dst, redop, be.reduce, avg_p=self.size if avg else None,
                                         deadline=None if call is None else call.deadline, spill=algo == "shm-nt")
+            return
+        if algo == "cma":
+            self.last_algorithm = algo
+            if src.__class__ is Segments:  # peers read one buffer: pack first, then reduce in place
+                src.copy_to(dst, 0, count)
+                src = dst
+            self._cma_collectives().run(src, dst, redop, deadline=None if call is None else call.deadline)
+            if avg:
+                _scale_inplace(dst, self.size)
             return
         if algo == "hier":
             self.last_algorithm = algo

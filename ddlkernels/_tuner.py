@@ -1,6 +1,6 @@
 """Pick the allreduce algorithm per message size, from measurement, the same on every rank.
 
-Five algorithms compute the same result (host arrays):
+Seven algorithms compute the same result (host arrays):
 
 * ``"mpi"``  -- MPI's own blocking ``MPI_Allreduce``;
 * ``"nbc"``  -- MPI's own nonblocking ``MPI_Iallreduce`` + ``Wait``.  Open MPI
@@ -19,6 +19,11 @@ Five algorithms compute the same result (host arrays):
   mostly wins in the state where the two cores exchange data slowly and mostly
   loses in the other (``bench/shm_pieces.py --spill``), so the tuner, whose watch follows
   the machine, decides;
+* ``"cma"`` -- the single-copy allreduce (``ddlkernels._cma``): every rank
+  reads its peers' buffers where they lie with ``process_vm_readv``; a
+  candidate where "shm" is, from ``CMA_FROM`` bytes, for numpy's own dtypes
+  and ops, when every pair of ranks may read each other's memory
+  (``ddlkernels._cma.probe``);
 * ``"hier"`` -- the window inside each node and an allreduce of one shard
   across nodes (``ddlkernels._hier``), a candidate when the ranks span
   several nodes that all hold the same number (2 or more) of them.
@@ -38,7 +43,8 @@ placement (in place or not: ``SizeTuner``):
 * at ``RING_FROM`` bytes and above: "ring", "shm" (MPI's own call never came
   close there);
 
-each followed by "shm-nt" from ``SPILL_FROM`` and by "hier" where they apply.
+each followed by "shm-nt" from ``SPILL_FROM``, "cma" from ``CMA_FROM`` and by
+"hier" where they apply.
 
 The first candidate is the incumbent; the first calls of a bucket go round
 the candidates in blocks of consecutive calls (each call still computes a
@@ -109,7 +115,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "SPILL_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN",
+__all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "SPILL_FROM", "CMA_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN",
            "margin", "candidates",
            "trials", "block", "tuning_calls", "WATCH_FROM", "WATCH_CALLS", "WATCH_MIN_CALLS", "WATCH_MAX_CALLS",
            "CHECK_SECONDS", "DRIFT", "EXPLORE_CHECKS", "RECOUNT_CALLS", "RECOUNT_MAX_CALLS", "watch_interval"]
@@ -128,6 +134,13 @@ RING_FROM = 32 << 20
 #: 0.67-0.73 / 0.86-1.38 / 0.77-1.24 / 0.74-1.29 / 0.76-1.37.  At 4 MiB it
 #: lost in four of the six.
 SPILL_FROM = 8 << 20
+#: "cma" is a candidate from this size (``ddlkernels._cma``; see the module comment).
+#: ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge`` (time of the window's "shm" /
+#: time of "cma" with 1 MiB pieces), three runs: 0.63-0.66 at 64 KiB, 0.74-0.76 at 256 KiB, 0.83-0.99 at
+#: 512 KiB (256 KiB-2 MiB pieces), 0.96-1.05 at 1 MiB, 1.15-1.19 at 4 MiB, 1.49-1.55 at 16 MiB, 1.48-1.58
+#: at 64 MiB; with 4 ranks (``-n 4 ... --sizes 256K,1M,4M,16M,64M``, one run) 0.64 at 256 KiB, then
+#: 0.91-1.03.  Below 512 KiB its two system calls per piece and peer cost more than the stage they save.
+CMA_FROM = 512 << 10
 #: From MPI_BELOW: timed calls per candidate, in blocks of 3, so 4 blocks each.
 #: With 6 (2 blocks), one block hit by a burst of other work (4 ranks on 2
 #: cores, a kernel thread taking a core) moved the median enough to settle
@@ -246,14 +259,17 @@ def tuning_calls(nbytes: int, ncands: int) -> int:
     return ncands * (t + t // b)
 
 
-def candidates(nbytes: int, *, mpi: bool = True, shm: bool = False, hier: bool = False) -> tuple[str, ...]:
+def candidates(nbytes: int, *, mpi: bool = True, shm: bool = False, hier: bool = False,
+               cma: bool = False) -> tuple[str, ...]:
     """The algorithms measured for a message of ``nbytes``, the incumbent first.
 
     ``mpi``: MPI's own calls can compute this reduction; ``shm``: the
     shared-memory allreduce is available (all ranks on one node); ``hier``:
-    the hierarchical one is (several nodes of equal size, ``ddlkernels._hier``).
+    the hierarchical one is (several nodes of equal size, ``ddlkernels._hier``);
+    ``cma``: the single-copy one is (``ddlkernels._cma``; from ``CMA_FROM``).
     """
-    extra = ("shm",) * bool(shm) + ("shm-nt",) * bool(shm and nbytes >= SPILL_FROM) + ("hier",) * bool(hier)
+    extra = (("shm",) * bool(shm) + ("shm-nt",) * bool(shm and nbytes >= SPILL_FROM)
+             + ("cma",) * bool(cma and nbytes >= CMA_FROM) + ("hier",) * bool(hier))
     if not mpi or nbytes >= RING_FROM:
         return ("ring",) + extra
     if nbytes < MPI_BELOW:

@@ -58,8 +58,9 @@ __all__ = ["check_agreement", "report_local_failure", "Call", "KINDS", "PATHS"]
 KINDS = ("allreduce", "reduce_scatter", "allgather")
 #: Algorithm a rank is about to run (ddlkernels._tuner).
 #: The ring, MPI_Allreduce, MPI_Iallreduce + Wait, the shared window (result blocks stored normally or
-#: non-temporally), the window per node + across nodes (every name ``Communicator._allreduce_path`` runs).
-PATHS = ("ring", "mpi", "nbc", "shm", "hier", "shm-nt")
+#: non-temporally), the window per node + across nodes, the single copy (every name
+#: ``Communicator._allreduce_path`` runs; new names go last, as the record stores the index).
+PATHS = ("ring", "mpi", "nbc", "shm", "hier", "shm-nt", "cma")
 
 _MAGIC = 0x64646C6B  # "ddlk": a record from something else is reported, not misread
 _MAX_DIMS = 7

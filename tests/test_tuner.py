@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ddlkernels._tuner import (MARGIN, MPI_BELOW, RING_FROM, SMALL_MARGIN, SPILL_FROM, SizeTuner, block, candidates,
+from ddlkernels._tuner import (CMA_FROM, MARGIN, MPI_BELOW, RING_FROM, SMALL_MARGIN, SPILL_FROM, SizeTuner, block, candidates,
                                margin, trials, tuning_calls)
 
 
@@ -32,6 +32,18 @@ class OneRank:
 )
 def test_candidates(nbytes, mpi, shm, want):
     assert candidates(nbytes, mpi=mpi, shm=shm) == want
+
+
+@pytest.mark.parametrize("nbytes,want", [
+    (CMA_FROM - 1, ("mpi", "ring", "shm")),
+    (CMA_FROM, ("mpi", "ring", "shm", "cma")),  # the single copy from CMA_FROM, after the window
+    (SPILL_FROM, ("mpi", "ring", "shm", "shm-nt", "cma")),
+    (RING_FROM, ("ring", "shm", "shm-nt", "cma")),
+])
+def test_candidates_with_the_single_copy(nbytes, want):
+    assert MPI_BELOW < CMA_FROM < SPILL_FROM
+    assert candidates(nbytes, shm=True, cma=True) == want
+    assert "cma" not in candidates(nbytes, shm=True)
 
 
 def run_trials(cands, seconds, nbytes=1 << 20):

@@ -281,11 +281,13 @@ def test_small_message_path_and_ring_agree():
 
 @pytest.mark.parametrize("nbytes", [24, 4096, 65536])
 def test_small_sizes_measure_mpi_blocking_against_nonblocking_and_agree(nbytes):
-    """Below MPI_BELOW the candidates are MPI_Allreduce, MPI_Iallreduce and (one node) shm: all tried, one kept."""
-    from ddlkernels._tuner import tuning_calls
+    """Below MPI_BELOW the candidates are MPI_Allreduce, MPI_Iallreduce and (one node) shm, and from CMA_FROM
+    the single copy where permitted: all tried, one kept."""
+    from ddlkernels._tuner import CMA_FROM, tuning_calls
 
     with ddlkernels.Communicator(COMM) as dc:
-        cands = {"mpi", "nbc"} | ({"shm"} if dc._shm_mode is not None else set())
+        cands = ({"mpi", "nbc"} | ({"shm"} if dc._shm_mode is not None else set())
+                 | ({"cma"} if dc._cma_ok and nbytes >= CMA_FROM else set()))
     n = tuning_calls(nbytes, len(cands))  # calls until the choice is made
     x = rank_data(nbytes // 8, RANK, P, np.float64)
     inputs = gather_inputs(x)
@@ -339,7 +341,7 @@ def test_a_watched_size_is_measured_again_on_every_rank_at_once():
     with ddlkernels.Communicator(COMM) as dc:
         if P == 1:
             pytest.skip("one rank: nothing to choose between")
-        cands = {"mpi", "ring"} | ({"shm"} if dc._shm_mode is not None else set())
+        cands = set(dc._choices(x.nbytes, False, x.dtype, "sum", None)[1])  # mpi, ring, (one node) shm, cma
         n = tuning_calls(x.nbytes, len(cands))
 
         def calls(k):
@@ -485,14 +487,17 @@ def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind, 
 
 
 def test_measured_choice_is_the_same_on_every_rank_and_always_correct():
-    """small_bytes=None: trials go round MPI, the ring and (one node) shm, then one agreed choice per size bucket."""
+    """small_bytes=None: trials go round MPI, the ring and (one node) shm and cma, then one agreed choice per size
+    bucket."""
     from ddlkernels._tuner import MPI_BELOW, tuning_calls
 
     x = rank_data(MPI_BELOW // 8 * 4, RANK, P, np.float64)  # 4 x MPI_BELOW bytes: a tuned bucket
     inputs = gather_inputs(x)
     with ddlkernels.Communicator(COMM) as dc:
         assert dc.small_bytes is None
-        cands = {"mpi", "ring"} | ({"shm"} if dc._shm_mode is not None else set())
+        cands = set(dc._choices(x.nbytes, False, x.dtype, "sum", None)[1]) if P > 1 else {"ring"}
+        assert cands == {"mpi", "ring"} | ({"shm"} if dc._shm_mode is not None else set()) | (
+            {"cma"} if dc._cma_ok else set())
         seen = []
         n = tuning_calls(x.nbytes, len(cands))  # calls until the choice is made
         for k in range(n + 3):

@@ -1,0 +1,225 @@
+"""Single-copy allreduce: every rank reads its peers' buffers where they lie, with ``process_vm_readv``.
+
+The shared-memory allreduce (``ddlkernels._shm``) first copies what its peers
+need into a window, because a peer can only read shared memory.  Linux lets a
+process read another's private memory too, with one system call that copies
+straight from the peer's pages into its own (``process_vm_readv``, "cross
+memory attach"; Open MPI's shared-memory transport sends large messages so).
+This module reduces that way: no stage, no window for the data, the caller's
+own ``x`` and ``out`` read by the peers.  Worked example, 2 ranks, a piece of 8
+elements cut into B0 = [0, 4) and B1 = [4, 8), seen by rank 1::
+
+    publish  the addresses of my x and out, in my flag line; barrier
+    read     tmp = rank 0's x[B1]          (one process_vm_readv: the kernel copies
+                                            from rank 0's pages into my tmp)
+    reduce   out[B1] = tmp + x[B1]          (rank order: x0 + x1, as numpy adds)
+    barrier                                 every block is in its owner's out
+    read     out[B0] = rank 0's out[B0]
+    ...the next piece...
+    barrier                                 the last: nobody returns, and lets its
+                                            caller touch x or out, while a peer
+                                            may still read them
+
+With p ranks, block r is folded by rank r alone, its operands in rank order,
+each peer's read into a small private buffer, and every rank copies the
+owner's bits: the result is bitwise the same everywhere, and each element is
+``((x0 op x1) op x2) ...``.  A piece (``PIECE_BYTES``) keeps what a rank
+reads and folds in its cache; one barrier per piece and two per call.  The
+data crosses between processes once per phase, from the memory it already
+lies in, where the window moves it twice (into the stage, then out of it).
+
+It needs what ``process_vm_readv`` needs: Linux, every rank the same user,
+and ptrace permission between them (Yama's ``ptrace_scope`` 0, or a library
+such as Open MPI's that has allowed it).  ``probe`` tries it between every
+pair of ranks once, collectively; where it fails the algorithm is not offered.
+
+Its cost is the kernel's: it pins the peer's pages for every read, so a buffer
+on huge pages (numpy asks for them from 4 MiB) reads faster than one on 4 KiB
+pages.  It is a tuner candidate ("cma", ``ddlkernels._tuner.CMA_FROM``), not a
+fixed choice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import numpy as np
+
+from ._shm import OPCODES, _ufunc
+
+__all__ = ["CmaAllreduce", "PIECE_BYTES", "probe"]
+
+#: Bytes of a message per barrier: what a rank reads from a peer in one piece (half of it with 2 ranks)
+#: stays in its 1 MiB L2.  ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge`` (time of
+#: the window's allreduce / this one's, one run): pieces of 256 KiB 0.93 / 0.99 / 1.31 / 1.33 at 1 / 4 / 16
+#: / 64 MiB, 512 KiB 0.86 / 1.13 / 1.43 / 1.48, 1 MiB 1.03 / 1.16 / 1.50 / 1.58, 2 MiB 1.05 / 1.19 / 1.55 /
+#: 1.57: 1 and 2 MiB alike, the smaller one keeps more of the cache for the caller.
+PIECE_BYTES = 1 << 20
+
+#: ``ssize_t process_vm_readv(pid, local iovec *, n, remote iovec *, n, flags)`` (Linux 3.2, glibc 2.15), the
+#: pointers as int64 addresses (so Numba calls it too), or None where the C library lacks it.
+try:
+    readv = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    readv.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint64,
+                      ctypes.c_uint64]
+    readv.restype = ctypes.c_int64
+except (AttributeError, OSError):
+    readv = None
+
+
+def read_into(pid: int, dst: np.ndarray, src_addr: int) -> bool:
+    """``dst[:]`` = the ``dst.nbytes`` bytes at ``src_addr`` in process ``pid``; True when all arrived."""
+    if dst.nbytes == 0:
+        return True
+    local = (ctypes.c_int64 * 2)(dst.ctypes.data, dst.nbytes)
+    remote = (ctypes.c_int64 * 2)(src_addr, dst.nbytes)
+    return readv(pid, ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0) == dst.nbytes
+
+
+def probe(comm) -> bool:
+    """Whether every rank of ``comm`` can read every other's memory with ``process_vm_readv`` (collective).
+
+    Each rank publishes its process id and the address of a few words only
+    it could have written, reads every peer's, and checks them; the ranks
+    then agree (any failure anywhere: False everywhere).
+    """
+    from mpi4py import MPI
+
+    me, p = comm.Get_rank(), comm.Get_size()
+    mine = np.array([0x6464_6C6B_0000 + me, os.getpid(), p], dtype=np.int64)
+    ok = readv is not None and sys.platform.startswith("linux")
+    peers = comm.allgather((os.getpid(), mine.ctypes.data) if ok else None)
+    if ok and all(v is not None for v in peers):
+        got = np.zeros(3, np.int64)
+        for s, (pid, addr) in enumerate(peers):
+            got[:] = 0
+            if s != me and not (read_into(pid, got, addr) and got.tolist() == [0x6464_6C6B_0000 + s, pid, p]):
+                ok = False
+                break
+    else:
+        ok = False
+    # Nobody's words may go away (the array above) before every peer has read them: this is also that barrier.
+    return bool(comm.allreduce(int(ok), op=MPI.MIN))
+
+
+class CmaAllreduce:
+    """The allreduce of the module comment, on the flag lines and barriers of a ``ShmAllreduce``'s window.
+
+    ``shm``: the window whose flags and barrier epochs it shares (it uses
+    no other part of it), so that its calls and the window's interleave on
+    one count of barriers.  The caller has checked ``probe`` on its
+    communicator.
+    """
+
+    def __init__(self, shm, piece_bytes: int = PIECE_BYTES):
+        self.shm = shm
+        self.piece_bytes = int(piece_bytes)
+        self._pids = None
+        self._fns = {}  # (dtype, n, op) -> f(x, out)
+        self._scratch = {}  # dtype -> (tmp, acc)
+
+    def run(self, src, dst, op, deadline=None) -> None:
+        """``dst = op over the ranks of src`` (1-D C-contiguous numpy arrays of one dtype; ``dst`` is ``src``
+        or does not overlap it).
+
+        Every rank calls with the same count, dtype and op, where numpy's own
+        ufunc computes ``op`` for the dtype (``ddlkernels._shm._ufunc``: not
+        float16 or bfloat16; "avg" is the caller's sum, then its scale).
+        ``deadline``: a ``ddlkernels._wait.Deadline`` or None; a rank with one
+        runs the same steps in Python, polling its barriers, and meets the
+        ranks without.  Raises ``RuntimeError`` on every rank when a read
+        failed on any.
+        """
+        n = src.shape[0]
+        if n == 0:
+            return
+        if deadline is None:
+            self.fn(src.dtype, n, op)(src, dst)
+        else:
+            self._python(src, dst, op, deadline)
+
+    def fn(self, dtype, n, op):
+        """``f(x, out)``: ``run`` without a deadline for ``n`` elements of ``dtype``, every lookup made once
+        (cached; for ``Communicator``'s fast path).  Allocates the window's flags on first use (collective)."""
+        key = (dtype, n, op)
+        hit = self._fns.get(key)
+        if hit is not None:
+            return hit
+        from . import _cma_loops
+
+        shm = self._ready()
+        step = max(1, self.piece_bytes // dtype.itemsize)
+        barriers = -(-n // step) + 2
+        tmp, acc = self._buffers(dtype, step)
+        pids, me, code, iov = self._pids, shm.rank, OPCODES[op], np.zeros(4, np.int64)
+        loop = _cma_loops.cma_allreduce
+
+        def f(x, out):
+            e = shm._epoch + 1
+            shm._epoch += barriers
+            if loop(x, out, me, shm._flags, e, code, shm.spin, step, pids, tmp, acc, iov):
+                raise RuntimeError("cma allreduce: process_vm_readv failed on some rank (a peer's buffer unmapped, "
+                                   "or ptrace permission withdrawn); the output is garbage on every rank")
+
+        if len(self._fns) >= 256:
+            self._fns.clear()
+        self._fns[key] = f
+        return f
+
+    def _ready(self):
+        shm = self.shm
+        if not shm.allocated:
+            shm._allocate()  # collective: every rank's first call
+        if self._pids is None:
+            self._pids = np.array(shm.comm.allgather(os.getpid()), dtype=np.int64)
+        return shm
+
+    def _buffers(self, dtype, step):
+        per = -(-step // self.shm.p)
+        hit = self._scratch.get(dtype)
+        if hit is None or hit[0].shape[0] < per:
+            hit = self._scratch[dtype] = (np.empty(per, dtype), np.empty(per, dtype))
+        return hit
+
+    def _python(self, x, out, op, deadline):
+        """``run``'s steps in Python, each barrier polled against ``deadline`` (``ShmAllreduce._barrier``):
+        the same barriers as the compiled loop, so that ranks with and without a deadline meet."""
+        from ._cma_loops import BAD_WORD, OUT_WORD, X_WORD
+        from ._shm import FLAG_STRIDE
+
+        shm = self._ready()
+        p, me, ufunc = shm.p, shm.rank, _ufunc(x.dtype, op)
+        step = max(1, self.piece_bytes // x.dtype.itemsize)
+        tmp, acc = self._buffers(x.dtype, step)
+        lines = shm._flags.reshape(p, FLAG_STRIDE)
+        lines[me, X_WORD], lines[me, OUT_WORD] = x.ctypes.data, out.ctypes.data
+        shm._barrier(deadline)
+        xs, outs = lines[:, X_WORD].tolist(), lines[:, OUT_WORD].tolist()
+        item, n, bad = x.itemsize, x.shape[0], 0
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            cut = [a + s * ((b - a) // p) + min(s, (b - a) % p) for s in range(p + 1)]
+            lo, hi = cut[me], cut[me + 1]
+            r, t = acc[: hi - lo], tmp[: hi - lo]
+            for s in range(p):
+                if s == me:
+                    operand = x[lo:hi]
+                else:
+                    bad += not read_into(int(self._pids[s]), t, xs[s] + lo * item)
+                    operand = t
+                if s == 0:
+                    r[...] = operand
+                else:
+                    ufunc(r, operand, out=r)
+            out[lo:hi] = r
+            shm._barrier(deadline)
+            for s in range(p):
+                if s != me:
+                    bad += not read_into(int(self._pids[s]), out[cut[s] : cut[s + 1]], outs[s] + cut[s] * item)
+        lines[me, BAD_WORD] = bad
+        shm._barrier(deadline)
+        if lines[:, BAD_WORD].sum():
+            raise RuntimeError("cma allreduce: process_vm_readv failed on some rank; the output is garbage "
+                               "on every rank")
