@@ -45,6 +45,10 @@ def test_shm_pieces_compares_every_setting_with_mpi():
     assert " allgather cached " in out and " allgather streamed " in out and "allgather cached/streamed" in out
     out = run("bench/shm_pieces.py", "--spill", "--sizes", "64K", "--rounds", "2")
     assert " kept " in out and " spilled " in out and "kept/spilled" in out
+    # The single copy by piece size beside the window, on placed buffers (each line's result checked).
+    out = run("bench/shm_pieces.py", "--cma", "--pages", "huge", "--sizes", "64K,3M", "--pieces", "4K,1M",
+              "--rounds", "2")
+    assert " cma 4K " in out and " cma 1M " in out and "shm/cma 1M" in out
 
 
 def test_shm_costs_prints_every_line_and_checks_the_allreduce():
@@ -52,8 +56,8 @@ def test_shm_costs_prints_every_line_and_checks_the_allreduce():
     rows = [ln for ln in out.splitlines() if not ln.startswith("#")]
     assert [ln.split()[0] for ln in rows] == ["1M", "3M"]
     for ln in rows:
-        assert all(f" {k} " in ln for k in ("link", "memcpy", "shm", "ring", "private")) and "shm busbw / link" in ln
-        assert "ring / shm" in ln
+        assert all(f" {k} " in ln for k in ("link", "memcpy", "shm", "shm-nt", "ring", "private"))
+        assert "busbw / link: shm" in ln and "shm - private" in ln
 
 
 def test_tuner_watch_prints_rounds_and_checks_every_result():
