@@ -253,16 +253,23 @@ def _count_wrong(got, want):
 #: python bench/allreduce.py -c reduce_scatter,allgather -b 4M -e 16M -f 4 -n
 #: 30 -w 14 --small-bytes 1G`` (ddlkernels running MPI's call beside MPI's own
 #: line) measured 0.70-0.76 for reduce_scatter at 4 MiB in four runs; with
-#: huge pages off for the whole machine both lines ran alike.  "small" (the
-#: default) maps every buffer ``MADV_NOHUGEPAGE``; "huge" maps it
-#: ``MADV_HUGEPAGE`` from a 2 MiB boundary, each buffer a few KiB and cache
+#: huge pages off for the whole machine both lines ran alike.  "huge" (the
+#: default) maps every buffer ``MADV_HUGEPAGE`` from a 2 MiB boundary: the
+#: pages numpy asks for on a large array, and those MPI's copy between
+#: processes and the Sendrecv link run fastest on (``mpirun -n 2 python
+#: bench/allreduce.py -b 4M -e 64M -f 4 -n 20 -w 10 --impls
+#: ddlkernels,mpi,link,copy --pages small|huge``, alternated twice: the link
+#: took 179-184 / 1220-1235 / 4445-4476 us at 4 / 16 / 64 MiB on small pages,
+#: 63-66 / 675-691 / 1977-3042 on huge ones), so that the peers are measured
+#: at their best.  "small" maps it ``MADV_NOHUGEPAGE``.  Huge buffers start
+#: past the boundary by a few KiB and cache
 #: lines further in than the last, so that two buffers of a line do not
 #: start on the same cache sets (tried with every buffer exactly on a 2 MiB
 #: boundary: MPI's reduce_scatter at 16 MiB ran several times slower, with
 #: huge pages and without).
 PAGES = ("small", "huge")
 _HUGE = 2 << 20
-_placement = {"pages": "small", "next": 0}
+_placement = {"pages": "huge", "next": 0}
 
 
 def _placed(a):
@@ -840,7 +847,7 @@ def _progress_bar(comm, total, progress):
 
 
 def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup=5, check=True, inplace=False,
-              progress="auto", kind="allreduce", bar=None, interleave=True, min_sample_s=0.0, pages="small"):
+              progress="auto", kind="allreduce", bar=None, interleave=True, min_sample_s=0.0, pages="huge"):
     """Run every implementation at every size; return a list of row dicts (same on every rank).
 
     Each row: ``bytes`` (of the buffer, N), ``count``, ``dtype``, ``op``,

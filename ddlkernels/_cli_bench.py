@@ -79,7 +79,7 @@ def add_bench_arguments(p, collective_default="allreduce"):
                    help="time back-to-back calls, as nccl-tests does, enough for a sample of about this many ms "
                         "(same count for every line of a size; in place: single calls); 0 times single calls "
                         "between barriers (default %(default)s)")
-    g.add_argument("--pages", choices=("small", "huge"), default="small",
+    g.add_argument("--pages", choices=("small", "huge"), default="huge",
                    help="the pages of every buffer the lines hand to their collectives, the same for every line "
                         "(ddlkernels._bench.PAGES; default %(default)s)")
     g.add_argument("--stat", choices=("median", "min"), default="median",
