@@ -42,6 +42,11 @@ for rep in "" _repeat; do
       --json "$OUT/allreduce_np${n}_float32$rep.json" --plot "$OUT/allreduce_np${n}_float32$rep.png"
   done
 done
+# The first sweep again with every buffer on 4 KiB pages (--pages small), where MPI's copy between processes and
+# the link run slower (bench/README.md, "Buffers").
+run allreduce_np2_float32_small "$MPIRUN" -n 2 "$PY" bench/allreduce.py "${SWEEP[@]}" --pages small \
+  --impls ddlkernels,ring,mpi,link,pyring,copy \
+  --json "$OUT/allreduce_np2_float32_small.json" --plot "$OUT/allreduce_np2_float32_small.png"
 run allreduce_np2_float32_inplace "$MPIRUN" -n 2 "$PY" bench/allreduce.py "${SWEEP[@]}" --place in --impls ddlkernels,ring,mpi,link \
   --json "$OUT/allreduce_np2_float32_inplace.json" --plot "$OUT/allreduce_np2_float32_inplace.png"
 # Half precision (the compiled float16/bfloat16 kernels of ddlkernels/_half.py).  MPI has no bfloat16
