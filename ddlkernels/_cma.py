@@ -157,6 +157,8 @@ class CmaAllreduce:
         loop = _cma_loops.cma_allreduce
 
         def f(x, out):
+            if shm._flags is None:  # the window was freed since (collective: every rank's same call)
+                self._ready()
             e = shm._epoch + 1
             shm._epoch += barriers
             if loop(x, out, me, shm._flags, e, code, shm.spin, step, pids, tmp, acc, iov):
