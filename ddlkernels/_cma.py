@@ -6,16 +6,17 @@ process read another's private memory too, with one system call that copies
 straight from the peer's pages into its own (``process_vm_readv``, "cross
 memory attach"; Open MPI's shared-memory transport sends large messages so).
 This module reduces that way: no stage, no window for the data, the caller's
-own ``x`` and ``out`` read by the peers.  Worked example, 2 ranks, a piece of 8
-elements cut into B0 = [0, 4) and B1 = [4, 8), seen by rank 1::
+own ``x`` and ``out`` read by the peers.  Worked example, 2 ranks, 8 elements
+cut into blocks B0 = [0, 4) and B1 = [4, 8), reads of 2 elements, seen by
+rank 1::
 
     publish  the addresses of my x and out, in my flag line; barrier
-    read     tmp = rank 0's x[B1]          (one process_vm_readv: the kernel copies
+    read     tmp = rank 0's x[4:6]          (one process_vm_readv: the kernel copies
                                             from rank 0's pages into my tmp)
-    reduce   out[B1] = tmp + x[B1]          (rank order: x0 + x1, as numpy adds)
+    reduce   out[4:6] = tmp + x[4:6]        (rank order: x0 + x1, as numpy adds)
+    read     tmp = rank 0's x[6:8]; reduce  out[6:8] = tmp + x[6:8]
     barrier                                 every block is in its owner's out
-    read     out[B0] = rank 0's out[B0]
-    ...the next piece...
+    read     out[B0] = rank 0's out[B0]     (one read of the whole block)
     barrier                                 the last: nobody returns, and lets its
                                             caller touch x or out, while a peer
                                             may still read them
@@ -23,10 +24,10 @@ elements cut into B0 = [0, 4) and B1 = [4, 8), seen by rank 1::
 With p ranks, block r is folded by rank r alone, its operands in rank order,
 each peer's read into a small private buffer, and every rank copies the
 owner's bits: the result is bitwise the same everywhere, and each element is
-``((x0 op x1) op x2) ...``.  A piece (``PIECE_BYTES``) keeps what a rank
-reads and folds in its cache; one barrier per piece and two per call.  The
-data crosses between processes once per phase, from the memory it already
-lies in, where the window moves it twice (into the stage, then out of it).
+``((x0 op x1) op x2) ...``.  A read of ``PIECE_BYTES`` keeps what a rank
+folds in its cache; three barriers per call whatever its size.  The data
+crosses between processes once per phase, from the memory it already lies in,
+where the window moves it twice (into the stage, then out of it).
 
 It needs what ``process_vm_readv`` needs: Linux, every rank the same user,
 and ptrace permission between them (Yama's ``ptrace_scope`` 0, or a library
@@ -51,12 +52,12 @@ from ._shm import OPCODES, _ufunc
 
 __all__ = ["CmaAllreduce", "PIECE_BYTES", "probe"]
 
-#: Bytes of a message per barrier: what a rank reads from a peer in one piece (half of it with 2 ranks)
-#: stays in its 1 MiB L2.  ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge`` (time of
-#: the window's allreduce / this one's, one run): pieces of 256 KiB 0.93 / 0.99 / 1.31 / 1.33 at 1 / 4 / 16
-#: / 64 MiB, 512 KiB 0.86 / 1.13 / 1.43 / 1.48, 1 MiB 1.03 / 1.16 / 1.50 / 1.58, 2 MiB 1.05 / 1.19 / 1.55 /
-#: 1.57: 1 and 2 MiB alike, the smaller one keeps more of the cache for the caller.
-PIECE_BYTES = 1 << 20
+#: Bytes of my block folded per read of a peer's input: what a rank reads and folds stays in its 1 MiB L2.
+#: ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge --pieces 256K,512K,1M --sizes
+#: 64K,256K,512K,1M,4M,16M,64M`` (time of the window's allreduce / this one's), two runs: reads of 256 KiB
+#: 0.86-1.04 / 1.11-1.14 / 1.63-1.65 / 1.69-1.70 at 1 / 4 / 16 / 64 MiB, 512 KiB 0.75-1.07 / 1.18-1.19 /
+#: 1.60-1.67 / 1.75-1.80, 1 MiB 0.87-1.06 / 1.16-1.19 / 1.44-1.66 / 1.76.
+PIECE_BYTES = 512 << 10
 
 #: ``ssize_t process_vm_readv(pid, local iovec *, n, remote iovec *, n, flags)`` (Linux 3.2, glibc 2.15), the
 #: pointers as int64 addresses (so Numba calls it too), or None where the C library lacks it.
@@ -151,7 +152,7 @@ class CmaAllreduce:
 
         shm = self._ready()
         step = max(1, self.piece_bytes // dtype.itemsize)
-        barriers = -(-n // step) + 2
+        barriers = 3
         tmp, acc = self._buffers(dtype, step)
         pids, me, code, iov = self._pids, shm.rank, OPCODES[op], np.zeros(4, np.int64)
         loop = _cma_loops.cma_allreduce
@@ -179,10 +180,9 @@ class CmaAllreduce:
         return shm
 
     def _buffers(self, dtype, step):
-        per = -(-step // self.shm.p)
         hit = self._scratch.get(dtype)
-        if hit is None or hit[0].shape[0] < per:
-            hit = self._scratch[dtype] = (np.empty(per, dtype), np.empty(per, dtype))
+        if hit is None or hit[0].shape[0] < step:
+            hit = self._scratch[dtype] = (np.empty(step, dtype), np.empty(step, dtype))
         return hit
 
     def _python(self, x, out, op, deadline):
@@ -200,26 +200,25 @@ class CmaAllreduce:
         shm._barrier(deadline)
         xs, outs = lines[:, X_WORD].tolist(), lines[:, OUT_WORD].tolist()
         item, n, bad = x.itemsize, x.shape[0], 0
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            cut = [a + s * ((b - a) // p) + min(s, (b - a) % p) for s in range(p + 1)]
-            lo, hi = cut[me], cut[me + 1]
-            r, t = acc[: hi - lo], tmp[: hi - lo]
+        cut = [s * (n // p) + min(s, n % p) for s in range(p + 1)]
+        for a in range(cut[me], cut[me + 1], step):
+            b = min(cut[me + 1], a + step)
+            r, t = acc[: b - a], tmp[: b - a]
             for s in range(p):
                 if s == me:
-                    operand = x[lo:hi]
+                    operand = x[a:b]
                 else:
-                    bad += not read_into(int(self._pids[s]), t, xs[s] + lo * item)
+                    bad += not read_into(int(self._pids[s]), t, xs[s] + a * item)
                     operand = t
                 if s == 0:
                     r[...] = operand
                 else:
                     ufunc(r, operand, out=r)
-            out[lo:hi] = r
-            shm._barrier(deadline)
-            for s in range(p):
-                if s != me:
-                    bad += not read_into(int(self._pids[s]), out[cut[s] : cut[s + 1]], outs[s] + cut[s] * item)
+            out[a:b] = r
+        shm._barrier(deadline)
+        for s in range(p):
+            if s != me:
+                bad += not read_into(int(self._pids[s]), out[cut[s] : cut[s + 1]], outs[s] + cut[s] * item)
         lines[me, BAD_WORD] = bad
         shm._barrier(deadline)
         if lines[:, BAD_WORD].sum():

@@ -83,16 +83,14 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, combine):
         xs[s] = flags[s * STRIDE + X_WORD]
         outs[s] = flags[s * STRIDE + OUT_WORD]
     bad = 0
-    e = epoch + 1
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        lo, hi = _block(b - a, p, me)
-        k = hi - lo
-        own, dst = x[a + lo : a + hi], out[a + lo : a + hi]
-        # Reduce-scatter: my block, operands in rank order, each peer's read from its input into tmp.
-        t = tmp[:k]
+    # Reduce-scatter: my block, step elements at a time, operands in rank order, each peer's read from its
+    # input into tmp, the fold written to my out.
+    lo, hi = _block(n, p, me)
+    for a in range(lo, hi, step):
+        b = min(hi, a + step)
+        own, dst, t = x[a:b], out[a:b], tmp[: b - a]
         if p == 2:
-            if not _read(pids[1 - me], t, xs[1 - me] + (a + lo) * item, iov):
+            if not _read(pids[1 - me], t, xs[1 - me] + a * item, iov):
                 bad += 1
             # Read elementwise before written: in place (out is x) needs no copy aside.
             if me == 0:
@@ -100,30 +98,29 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, combine):
             else:
                 _combine_into(dst, t, own, combine)
         else:
-            r = acc[:k]
+            r = acc[: b - a]
             if me == 0:
                 _copy(r, own)
-            elif not _read(pids[0], r, xs[0] + (a + lo) * item, iov):
+            elif not _read(pids[0], r, xs[0] + a * item, iov):
                 bad += 1
             for s in range(1, p):
                 if s == me:
                     _combine_into(r, r, own, combine)
                 else:
-                    if not _read(pids[s], t, xs[s] + (a + lo) * item, iov):
+                    if not _read(pids[s], t, xs[s] + a * item, iov):
                         bad += 1
                     _combine_into(r, r, t, combine)
             _copy(dst, r)
-        barrier(flags, me, p, e, spin)  # every block of this piece is in its owner's out
-        e += 1
-        # Allgather: every other block from its owner's out, into mine.
-        for s in range(p):
-            if s != me:
-                slo, shi = _block(b - a, p, s)
-                if not _read(pids[s], out[a + slo : a + shi], outs[s] + (a + slo) * item, iov):
-                    bad += 1
+    barrier(flags, me, p, epoch + 1, spin)  # every block is in its owner's out
+    # Allgather: every other block from its owner's out, into mine, one read each.
+    for s in range(p):
+        if s != me:
+            slo, shi = _block(n, p, s)
+            if not _read(pids[s], out[slo:shi], outs[s] + slo * item, iov):
+                bad += 1
     flags[line + BAD_WORD] = bad
     # Nobody returns (and lets its caller touch x or out) while a peer may still read them.
-    barrier(flags, me, p, e, spin)
+    barrier(flags, me, p, epoch + 2, spin)
     total = 0
     for s in range(p):
         total += flags[s * STRIDE + BAD_WORD]
@@ -135,17 +132,16 @@ def cma_allreduce(x, out, me, flags, epoch, op, spin, step, pids, tmp, acc, iov)
     """``out = ((x0 op x1) op x2) ...`` over the ranks, each rank reading its peers' memory directly.
 
     Purpose: ``CmaAllreduce``'s call (its module comment) in one compiled
-    loop: publish addresses, barrier, then per piece of ``step`` elements a
-    reduce-scatter of my block and a barrier, an allgather of the others'
-    blocks from their owners' ``out``; a last barrier.
+    loop: publish addresses, barrier, the reduce-scatter of my block
+    ``step`` elements at a time, barrier, the allgather of the others'
+    blocks from their owners' ``out``, a last barrier.
     Preconditions: 1-D C-contiguous ``x`` and ``out`` (``out`` may be ``x``,
-    never partly overlapping it) of one numpy dtype, the same length and
-    ``step`` on every rank; ``flags`` the window's flag lines
-    (``ddlkernels._shm``) and the barriers ``epoch`` .. ``epoch + pieces + 1``
-    (pieces = ceil(len / step)) every rank's next; ``pids`` every rank's
-    process id, each readable by ``process_vm_readv`` from here
-    (``CmaAllreduce.probe``); ``tmp``, ``acc``: ceil(step / p) elements of
-    the dtype, private; ``iov``: four int64.  ``op``: ``ddlkernels._shm.OPCODES``.
+    never partly overlapping it) of one numpy dtype, the same length on
+    every rank; ``flags`` the window's flag lines (``ddlkernels._shm``) and
+    the barriers ``epoch`` .. ``epoch + 2`` every rank's next; ``pids``
+    every rank's process id, each readable by ``process_vm_readv`` from here
+    (``ddlkernels._cma.probe``); ``tmp``, ``acc``: ``step`` elements of the
+    dtype, private; ``iov``: four int64.  ``op``: ``ddlkernels._shm.OPCODES``.
     Use: ``CmaAllreduce.run``.  Returns the number of reads that failed on
     any rank (then ``out`` is garbage on every rank, and the caller raises):
     the same on every rank.  Bits as ``pieces_allreduce``'s.

@@ -135,11 +135,11 @@ RING_FROM = 32 << 20
 #: lost in four of the six.
 SPILL_FROM = 8 << 20
 #: "cma" is a candidate from this size (``ddlkernels._cma``; see the module comment).
-#: ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge`` (time of the window's "shm" /
-#: time of "cma" with 1 MiB pieces), three runs: 0.63-0.66 at 64 KiB, 0.74-0.76 at 256 KiB, 0.83-0.99 at
-#: 512 KiB (256 KiB-2 MiB pieces), 0.96-1.05 at 1 MiB, 1.15-1.19 at 4 MiB, 1.49-1.55 at 16 MiB, 1.48-1.58
-#: at 64 MiB; with 4 ranks (``-n 4 ... --sizes 256K,1M,4M,16M,64M``, one run) 0.64 at 256 KiB, then
-#: 0.91-1.03.  Below 512 KiB its two system calls per piece and peer cost more than the stage they save.
+#: ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge --pieces 256K,512K,1M --sizes
+#: 64K,256K,512K,1M,4M,16M,64M`` (time of the window's "shm" / time of "cma", its default 512 KiB reads),
+#: two runs: 0.67 at 64 KiB, 0.75-0.76 at 256 KiB, 0.72-0.84 at 512 KiB, 0.75-1.07 at 1 MiB, 1.18-1.19 at
+#: 4 MiB, 1.60-1.67 at 16 MiB, 1.75-1.80 at 64 MiB.  Below 512 KiB its system calls and barriers cost
+#: more than the stage they save; from there the tuner weighs it.
 CMA_FROM = 512 << 10
 #: From MPI_BELOW: timed calls per candidate, in blocks of 3, so 4 blocks each.
 #: With 6 (2 blocks), one block hit by a burst of other work (4 ranks on 2
