@@ -138,9 +138,10 @@ SPILL_FROM = 8 << 20
 #: ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge --pieces 256K,512K,1M --sizes
 #: 64K,256K,512K,1M,4M,16M,64M`` (time of the window's "shm" / time of "cma", its default 512 KiB reads),
 #: two runs: 0.67 at 64 KiB, 0.75-0.76 at 256 KiB, 0.72-0.84 at 512 KiB, 0.75-1.07 at 1 MiB, 1.18-1.19 at
-#: 4 MiB, 1.60-1.67 at 16 MiB, 1.75-1.80 at 64 MiB.  Below 512 KiB its system calls and barriers cost
-#: more than the stage they save; from there the tuner weighs it.
-CMA_FROM = 512 << 10
+#: 4 MiB, 1.60-1.67 at 16 MiB, 1.75-1.80 at 64 MiB.  Below 1 MiB its system calls and barriers cost
+#: more than the stage they save.  (From 512 KiB, in the bench/results set of 14:20 UTC on 2026-11-25,
+#: the tuner's trials chose it at 512 KiB, where it then ran at 0.86x MPI_Allreduce.)
+CMA_FROM = 1 << 20
 #: From MPI_BELOW: timed calls per candidate, in blocks of 3, so 4 blocks each.
 #: With 6 (2 blocks), one block hit by a burst of other work (4 ranks on 2
 #: cores, a kernel thread taking a core) moved the median enough to settle
