@@ -139,7 +139,7 @@ SPILL_FROM = 8 << 20
 #: 64K,256K,512K,1M,4M,16M,64M`` (time of the window's "shm" / time of "cma", its default 512 KiB reads),
 #: two runs: 0.67 at 64 KiB, 0.75-0.76 at 256 KiB, 0.72-0.84 at 512 KiB, 0.75-1.07 at 1 MiB, 1.18-1.19 at
 #: 4 MiB, 1.60-1.67 at 16 MiB, 1.75-1.80 at 64 MiB.  Below 1 MiB its system calls and barriers cost
-#: more than the stage they save.  (From 512 KiB, in the bench/results set of 14:20 UTC on 2026-11-25,
+#: more than the stage they save.  (From 512 KiB, in a run of bench/run_results.sh at c3b0369, not kept,
 #: the tuner's trials chose it at 512 KiB, where it then ran at 0.86x MPI_Allreduce.)
 CMA_FROM = 1 << 20
 #: From MPI_BELOW: timed calls per candidate, in blocks of 3, so 4 blocks each.
