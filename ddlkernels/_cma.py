@@ -60,7 +60,8 @@ __all__ = ["CmaAllreduce", "PIECE_BYTES", "probe"]
 PIECE_BYTES = 512 << 10
 
 #: ``ssize_t process_vm_readv(pid, local iovec *, n, remote iovec *, n, flags)`` (Linux 3.2, glibc 2.15), the
-#: pointers as int64 addresses (so Numba calls it too), or None where the C library lacks it.
+#: pointers as int64 addresses, or None where the C library lacks it: for the probe and the Python loop (the
+#: compiled loop calls the same symbol itself, ``ddlkernels._cma_loops._readv``).
 try:
     readv = ctypes.CDLL(None, use_errno=True).process_vm_readv
     readv.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint64,
