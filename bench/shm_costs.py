@@ -3,7 +3,7 @@
     mpirun -n 2 python -m mpi4py bench/shm_costs.py                 # 16 and 64 MiB, float32
     mpirun -n 2 python -m mpi4py bench/shm_costs.py --sizes 64M --rounds 21
 
-Five lines, interleaved round by round in one run, each timed after a
+Six lines, interleaved round by round in one run, each timed after a
 barrier on the slowest rank (median over rounds, milliseconds per call):
 
 * ``link``: every rank ``Sendrecv``'s N/p bytes to its neighbour, as the
@@ -11,6 +11,8 @@ barrier on the slowest rank (median over rounds, milliseconds per call):
 * ``memcpy``: every rank copies its N-byte input into its N-byte output, the
   memory traffic no out-of-place allreduce avoids;
 * ``shm``: ``ddlkernels._shm.ShmAllreduce.run``, the shared-memory allreduce;
+* ``shm-nt``: the same with its result blocks written with non-temporal
+  stores (``run(spill=True)``, the tuner's "shm-nt");
 * ``ring``: this library's ring over MPI's transport (``ddlkernels.Communicator``
   with the window and the tuner off), the other algorithm the tuner weighs
   at these sizes;
@@ -20,10 +22,11 @@ barrier on the slowest rank (median over rounds, milliseconds per call):
   barriers: the algorithm's memory traffic with nothing crossing between
   cores.  Its result is not an allreduce (no rank sees another's data).
 
-Then ``shm`` as busbw / link (the harness's ratio: 2 (p - 1) / p x N / t
-against (N / p) / t_link), ``ring`` / ``shm`` (above 1: the window is the
-faster), and ``shm`` - ``private``: what exchanging data through the window
-costs over moving it privately.
+Then ``shm``, ``shm-nt`` and ``ring`` as busbw / link (the harness's ratio:
+2 (p - 1) / p x N / t against (N / p) / t_link), and ``shm`` - ``private``:
+what exchanging data through the window costs over moving it privately.
+(The table below was printed before shm-nt had a line, with ring / shm in
+place of the ring's ratio to the link.)
 
 The 2-core machine switches, minutes apart, between two states, which this
 shows side by side.  Fourteen runs at 32 MiB, ``--sizes 32M --rounds 7``, 28 s
