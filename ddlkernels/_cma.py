@@ -71,6 +71,11 @@ except (AttributeError, OSError):
     readv = None
 
 
+#: What every rank of a call raises when a read failed on any (the compiled loop and the Python one alike).
+READ_FAILED = ("cma allreduce: process_vm_readv failed on some rank (a peer's buffer unmapped, or ptrace "
+               "permission withdrawn); the output is garbage on every rank")
+
+
 def read_into(pid: int, dst: np.ndarray, src_addr: int) -> bool:
     """``dst[:]`` = the ``dst.nbytes`` bytes at ``src_addr`` in process ``pid``; True when all arrived."""
     if dst.nbytes == 0:
@@ -164,8 +169,7 @@ class CmaAllreduce:
             e = shm._epoch + 1
             shm._epoch += barriers
             if loop(x, out, me, shm._flags, e, code, shm.spin, step, pids, tmp, acc, iov):
-                raise RuntimeError("cma allreduce: process_vm_readv failed on some rank (a peer's buffer unmapped, "
-                                   "or ptrace permission withdrawn); the output is garbage on every rank")
+                raise RuntimeError(READ_FAILED)
 
         if len(self._fns) >= 256:
             self._fns.clear()
@@ -223,5 +227,4 @@ class CmaAllreduce:
         lines[me, BAD_WORD] = bad
         shm._barrier(deadline)
         if lines[:, BAD_WORD].sum():
-            raise RuntimeError("cma allreduce: process_vm_readv failed on some rank; the output is garbage "
-                               "on every rank")
+            raise RuntimeError(READ_FAILED)

@@ -13,7 +13,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from ._shm import FLAG_STRIDE as STRIDE
-from ._shm_loops import _add, _copy, _max, _min, _mul, barrier
+from ._shm_loops import _add, _combine_into, _copy, _max, _min, _mul, barrier
 
 #: Words of a rank's flag line (``ddlkernels._shm``: word 0 is its barrier count, 1-2 where its input lies in
 #: a shared region) this call publishes: its input's and its output's address, and how many of its reads
@@ -60,12 +60,6 @@ def _block(n, p, s):
     q, m = divmod(n, p)
     lo = s * q + min(s, m)
     return lo, lo + q + (1 if s < m else 0)
-
-
-@njit(inline="always")
-def _combine_into(res, a, b, combine):
-    for i in range(res.shape[0]):
-        res[i] = combine(a[i], b[i])
 
 
 @njit(inline="always")
