@@ -20,6 +20,8 @@
     mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge
                                                    # the single copy (ddlkernels._cma) by piece size,
                                                    # beside the window, 64K..64M: its PIECE_BYTES, CMA_FROM
+    mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --inplace --pages huge
+                                                   # the same in place (MPI_IN_PLACE for MPI's)
 
 Each line is ``ddlkernels._shm.ShmAllreduce.run`` with one setting, called
 directly (no tuner, no argument checks), interleaved round by round with the
@@ -105,8 +107,13 @@ def main():
                          "window's (\"shm\"), 64 KiB-64 MiB")
     ap.add_argument("--pages", choices=_bench.PAGES, default=None,
                     help="place the buffers as the harness does (default: plain numpy arrays)")
+    ap.add_argument("--inplace", action="store_true",
+                    help="every line in place, MPI_Allreduce with MPI_IN_PLACE (the default lines and --cma): "
+                         "each line's own copy of the input, reduced again and again")
     ap.add_argument("--rounds", type=int, default=15)
     a = ap.parse_args()
+    if a.inplace and (a.small or a.shards or a.spill or a.stream or a.loop):
+        ap.error("--inplace goes with the default lines or --cma")
     comm = MPI.COMM_WORLD
     p, rank = comm.Get_size(), comm.Get_rank()
     reduce = backend_for(np.empty(0)).reduce
@@ -156,6 +163,11 @@ def main():
         comm.Allreduce(x, want, MPI.SUM)
         outs = {k: (_bench._placed(x) if a.pages else np.empty_like(x)) for k in variants}
         fns = {"MPI_Allreduce": lambda: comm.Allreduce(x, want, MPI.SUM)}
+        if a.inplace:  # every line on a copy of x of its own, its output (MPI's: a copy too, checked like ours)
+            for o in outs.values():
+                o[...] = x
+            outs["MPI_Allreduce"] = mine = _bench._placed(x) if a.pages else x.copy()
+            fns = {"MPI_Allreduce": lambda: comm.Allreduce(MPI.IN_PLACE, mine, MPI.SUM)}
         if a.shards and a.stream:
             for k, v in variants.items():
                 fns.update({(f if f.startswith("MPI") else f"{f} {k}"): g
@@ -166,10 +178,13 @@ def main():
                 fns.update({k + " pieces": f for k, f in _shard_lines(comm, x, want, variants["pieces"]).items()
                             if not k.startswith("MPI")})
         elif a.cma:
-            fns.update({k: (lambda v=v, o=outs[k]: v.run(x, o, "sum", reduce)) if k == "shm" else
-                        (lambda v=v, o=outs[k]: v.run(x, o, "sum")) for k, v in variants.items()})
+            fns.update({k: (lambda v=v, o=outs[k], i=(outs[k] if a.inplace else x): v.run(i, o, "sum", reduce))
+                        if k == "shm" else
+                        (lambda v=v, o=outs[k], i=(outs[k] if a.inplace else x): v.run(i, o, "sum"))
+                        for k, v in variants.items()})
         else:
-            fns.update({k: (lambda v=v, o=outs[k], s=k == "spilled": v.run(x, o, "sum", reduce, spill=s))
+            fns.update({k: (lambda v=v, o=outs[k], i=(outs[k] if a.inplace else x), s=k == "spilled":
+                            v.run(i, o, "sum", reduce, spill=s))
                         for k, v in variants.items()})
         if a.loop and not a.shards:
             py, o = variants["python"], outs["python"]
@@ -177,7 +192,8 @@ def main():
             fns["python"] = lambda: py._pieces(x, o, "sum", np.add, reduce, None, None)
         for f in fns.values():
             f()
-            f()
+            if not a.inplace:  # in place, the second call reduces the first's result
+                f()
         for k, o in outs.items():  # every setting computes MPI's answer (exact: small integers)
             if k in fns and not np.array_equal(o, want):
                 raise SystemExit(f"{k}: wrong result at {nb} B")

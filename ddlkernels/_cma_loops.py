@@ -13,7 +13,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from ._shm import FLAG_STRIDE as STRIDE
-from ._shm_loops import _add, _combine_into, _copy, _max, _min, _mul, barrier
+from ._shm_loops import _accumulate, _accumulate_left, _add, _combine_into, _copy, _max, _min, _mul, barrier
 
 #: Words of a rank's flag line (``ddlkernels._shm``: word 0 is its barrier count, 1-2 where its input lies in
 #: a shared region) this call publishes: its input's and its output's address, and how many of its reads
@@ -77,6 +77,7 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, combine):
         xs[s] = flags[s * STRIDE + X_WORD]
         outs[s] = flags[s * STRIDE + OUT_WORD]
     bad = 0
+    inplace = x.ctypes.data == out.ctypes.data
     # Reduce-scatter: my block, step elements at a time, operands in rank order, each peer's read from its
     # input into tmp, the fold written to my out.
     lo, hi = _block(n, p, me)
@@ -86,8 +87,14 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, combine):
         if p == 2:
             if not _read(pids[1 - me], t, xs[1 - me] + a * item, iov):
                 bad += 1
-            # Read elementwise before written: in place (out is x) needs no copy aside.
-            if me == 0:
+            # Read elementwise before written: in place (out is x) needs no copy aside, only the loop
+            # that reads and writes one array (_accumulate's comment).
+            if inplace:
+                if me == 0:
+                    _accumulate(dst, t, combine)
+                else:
+                    _accumulate_left(dst, t, combine)
+            elif me == 0:
                 _combine_into(dst, own, t, combine)
             else:
                 _combine_into(dst, t, own, combine)
@@ -99,11 +106,11 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, combine):
                 bad += 1
             for s in range(1, p):
                 if s == me:
-                    _combine_into(r, r, own, combine)
+                    _accumulate(r, own, combine)
                 else:
                     if not _read(pids[s], t, xs[s] + a * item, iov):
                         bad += 1
-                    _combine_into(r, r, t, combine)
+                    _accumulate(r, t, combine)
             _copy(dst, r)
     barrier(flags, me, p, epoch + 1, spin)  # every block is in its owner's out
     # Allgather: every other block from its owner's out, into mine, one read each.
