@@ -61,7 +61,7 @@ PIECE_BYTES = 512 << 10
 
 #: ``ssize_t process_vm_readv(pid, local iovec *, n, remote iovec *, n, flags)`` (Linux 3.2, glibc 2.15), the
 #: pointers as int64 addresses, or None where the C library lacks it: for the probe and the Python loop (the
-#: compiled loop calls the same symbol itself, ``ddlkernels._cma_loops._readv``).
+#: compiled loop calls the same symbol itself, ``ddlkernels._shm_loops._readv``).
 try:
     readv = ctypes.CDLL(None, use_errno=True).process_vm_readv
     readv.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint64,
@@ -154,14 +154,14 @@ class CmaAllreduce:
         hit = self._fns.get(key)
         if hit is not None:
             return hit
-        from . import _cma_loops
+        from . import _shm_loops
 
         shm = self._ready()
         step = max(1, self.piece_bytes // dtype.itemsize)
         barriers = 3
         tmp, acc = self._buffers(dtype, step)
         pids, me, code, iov = self._pids, shm.rank, OPCODES[op], np.zeros(4, np.int64)
-        loop = _cma_loops.cma_allreduce
+        loop = _shm_loops.cma_allreduce
 
         def f(x, out):
             if shm._flags is None:  # the window was freed since (collective: every rank's same call)
@@ -193,7 +193,7 @@ class CmaAllreduce:
     def _python(self, x, out, op, deadline):
         """``run``'s steps in Python, each barrier polled against ``deadline`` (``ShmAllreduce._barrier``):
         the same barriers as the compiled loop, so that ranks with and without a deadline meet."""
-        from ._cma_loops import BAD_WORD, OUT_WORD, X_WORD
+        from ._shm_loops import BAD_WORD, OUT_WORD, X_WORD
         from ._shm import FLAG_STRIDE
 
         shm = self._ready()
