@@ -144,6 +144,32 @@ def test_bench_buffers_are_own_copies_on_the_pages_asked_for(shape, dtype, pages
             assert huge_kib >= 2048, f"no huge page under a {b.nbytes}-byte buffer: {fields}"
 
 
+@pytest.mark.parametrize("pages", ["small", "huge"])
+def test_lines_of_a_size_share_a_buffer_per_role_when_it_holds_the_same_bytes(pages):
+    """``run_sweep`` restarts ``_placed``'s sequence for each line: a line's n-th buffer is the one the line
+    before placed n-th, if that holds the same bytes (so lines differ by what they run, not by where their
+    buffers lie); other bytes, another shape or dtype get memory of their own."""
+    from ddlkernels import _bench
+
+    before = dict(_bench._placement)
+    _bench._placement.update(pages=pages, pool={})
+    try:
+        x, out = np.arange(4096, dtype=np.float32), np.full(4096, _bench.SENTINEL, np.float32)
+        _bench._placement["next"] = 0
+        line_a = [_bench._placed(x), _bench._placed(out)]
+        _bench._placement["next"] = 0
+        line_b = [_bench._placed(x), _bench._placed(out)]
+        _bench._placement["next"] = 0
+        line_c = [_bench._placed(x + 1), _bench._placed(out.astype(np.float64)), _bench._placed(out)]
+    finally:
+        _bench._placement.clear()
+        _bench._placement.update(before)
+    assert line_b[0] is line_a[0] and line_b[1] is line_a[1]
+    assert not np.shares_memory(line_a[0], line_a[1])
+    assert not any(np.shares_memory(c, a) for c in line_c for a in line_a)
+    assert np.array_equal(line_c[0], x + 1) and line_c[1].dtype == np.float64
+
+
 def test_run_sweep_refuses_unknown_pages():
     from ddlkernels._bench import run_sweep
 
