@@ -271,7 +271,8 @@ def _count_wrong(got, want):
 #: And every line of a size runs on the same buffers: ``run_sweep`` restarts
 #: the sequence of offsets for each line, and ``_placed`` hands a line the
 #: buffer the line before placed in the same role (its n-th) when it holds
-#: the same bytes (``_placement["pool"]``, emptied per size).  With a buffer
+#: the same bytes (``_placement["pool"]``, emptied per size; None outside
+#: ``run_sweep``, where every call places a buffer of its own).  With a buffer
 #: of their own each, two lines running the same MPI call still differed by
 #: 2x, whichever line ran first, and differently from one run to the next
 #: (which pages each mapping got): ``mpirun -n 2 python bench/allreduce.py
@@ -282,18 +283,19 @@ def _count_wrong(got, want):
 #: on shared buffers 0.94-1.01 everywhere in two runs each.
 PAGES = ("small", "huge")
 _HUGE = 2 << 20
-_placement = {"pages": "huge", "next": 0, "pool": {}}
+_placement = {"pages": "huge", "next": 0, "pool": None}
 
 
 def _placed(a):
     """A copy of ``a`` in an anonymous mapping of its own, on the pages ``run_sweep`` set (see above) -- or the
-    buffer an earlier line of this size placed in the same role (``_placement["pool"]``) when it holds the
-    same bytes."""
+    buffer an earlier line of this size placed in the same role (``_placement["pool"]``, in ``run_sweep``)
+    when it holds the same bytes."""
     if a.nbytes == 0:
         return a.copy()
     k = _placement["next"] = (_placement["next"] + 1) % 32
     key = (k, a.dtype.str, a.shape)
-    hit = _placement["pool"].get(key)
+    pool = _placement["pool"]
+    hit = None if pool is None else pool.get(key)
     if hit is not None and hit.tobytes() == np.ascontiguousarray(a).tobytes():
         return hit
     if _placement["pages"] == "huge":
@@ -308,7 +310,8 @@ def _placed(a):
             m.madvise(mmap.MADV_NOHUGEPAGE)
     out = np.frombuffer(m, dtype=np.uint8, count=a.nbytes, offset=start).view(a.dtype).reshape(a.shape)
     out[...] = a
-    _placement["pool"][key] = out
+    if pool is not None:
+        pool[key] = out
     return out
 
 
@@ -998,7 +1001,7 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
         # Keep the table's column order: the order of ``impls``.
         row["impls"] = {i.name: row["impls"][i.name] for i in impls if i.name in row["impls"]}
         del active
-        _placement["pool"] = {}
+        _placement["pool"] = None
         rows.append(row)
     if own_bar and bar is not None:
         bar.close()

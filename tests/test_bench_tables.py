@@ -161,6 +161,8 @@ def test_lines_of_a_size_share_a_buffer_per_role_when_it_holds_the_same_bytes(pa
         line_b = [_bench._placed(x), _bench._placed(out)]
         _bench._placement["next"] = 0
         line_c = [_bench._placed(x + 1), _bench._placed(out.astype(np.float64)), _bench._placed(out)]
+        _bench._placement.update(next=0, pool=None)  # outside run_sweep: nothing shared
+        alone = _bench._placed(x)
     finally:
         _bench._placement.clear()
         _bench._placement.update(before)
@@ -168,6 +170,7 @@ def test_lines_of_a_size_share_a_buffer_per_role_when_it_holds_the_same_bytes(pa
     assert not np.shares_memory(line_a[0], line_a[1])
     assert not any(np.shares_memory(c, a) for c in line_c for a in line_a)
     assert np.array_equal(line_c[0], x + 1) and line_c[1].dtype == np.float64
+    assert not np.shares_memory(alone, line_a[0]) and np.array_equal(alone, x)
 
 
 def test_run_sweep_refuses_unknown_pages():
