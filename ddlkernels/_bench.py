@@ -275,7 +275,8 @@ def _count_wrong(got, want):
 #: ``run_sweep``, where every call places a buffer of its own).  With a buffer
 #: of their own each, two lines running the same MPI call still differed by
 #: 2x, whichever line ran first, and differently from one run to the next
-#: (which pages each mapping got): ``mpirun -n 2 python bench/allreduce.py
+#: (not by their offsets: also so with every line's at the same ones; the
+#: cause is not known): ``mpirun -n 2 python bench/allreduce.py
 #: -c allgather -b 256K -e 16M -f 4 -n 30 -w 14 --small-bytes 1G --impls
 #: ddlkernels,mpi`` (and ``-c allreduce``, ``--place in``) measured
 #: ddlkernels (MPI's call) / MPI 0.45-0.48 for the allgather at 256 KiB-1
