@@ -48,7 +48,7 @@ import sys
 
 import numpy as np
 
-from ._shm import OPCODES, _ufunc
+from ._shm import OPCODES, _ufunc, cuts
 
 __all__ = ["CmaAllreduce", "PIECE_BYTES", "probe"]
 
@@ -205,7 +205,7 @@ class CmaAllreduce:
         shm._barrier(deadline)
         xs, outs = lines[:, X_WORD].tolist(), lines[:, OUT_WORD].tolist()
         item, n, bad = x.itemsize, x.shape[0], 0
-        cut = [s * (n // p) + min(s, n % p) for s in range(p + 1)]
+        cut = cuts(n, p)
         for a in range(cut[me], cut[me + 1], step):
             b = min(cut[me + 1], a + step)
             r, t = acc[: b - a], tmp[: b - a]

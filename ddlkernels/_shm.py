@@ -127,6 +127,13 @@ def _ufunc(dtype, op):
     """
     return _UFUNC.get(op) if dtype.kind in "fiu" and not is_half(dtype) else None
 
+
+def cuts(n: int, p: int) -> list[int]:
+    """Where the p ranks' blocks of ``n`` elements start, and ``n``: block s is ``[cuts[s], cuts[s + 1])``, the
+    first ``n % p`` blocks one element longer (``ddlkernels._shm_loops._block`` is the same, compiled)."""
+    q, m = divmod(n, p)
+    return [s * q + min(s, m) for s in range(p + 1)]
+
 #: Messages of fewer bytes than WHOLE_PER_RANK x p (at most WHOLE_BELOW) go
 #: in one piece that every rank reduces whole, after a single barrier
 #: (``ShmAllreduce._whole``): p - 1 additions of the whole message instead of
@@ -471,8 +478,7 @@ class ShmAllreduce:
         if hit is not None:
             return hit
         p, r, item = self.p, self.rank, dtype.itemsize
-        q, m = divmod(n, p)
-        bounds = [i * q + min(i, m) for i in range(p + 1)]
+        bounds = cuts(n, p)
         lo, hi = bounds[r], bounds[r + 1]
         others = [s for s in range(p) if s != r]
         rb = self._stage_bytes

@@ -459,6 +459,15 @@ def _fold_block(res, own, stages, addr, me, lo, hi, at, combine):
 
 
 @njit(inline="always")
+def _block(n, p, s):
+    # Rank s's block [lo, hi) of n elements: the first n % p blocks one element longer (``ddlkernels._shm.cuts``,
+    # compiled: the piece loops' and the cma loop's cut).
+    q, m = divmod(n, p)
+    lo = s * q + min(s, m)
+    return lo, lo + q + (1 if s < m else 0)
+
+
+@njit(inline="always")
 def _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, combine):
     p = stages.shape[0]
     addr = np.zeros(p, np.int64)
@@ -466,9 +475,7 @@ def _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill
     for a in range(0, x.shape[0], step):
         b = min(x.shape[0], a + step)
         xs, os = x[a:b], out[a:b]
-        q, m = divmod(b - a, p)
-        lo = me * q + min(me, m)
-        hi = lo + q + (1 if me < m else 0)
+        lo, hi = _block(b - a, p, me)
         # Stage what my peers need of this piece (all but my own block), then barrier: every stage is full.
         if staged:
             _copy(_row(stages, me, 0, lo, x), xs[:lo])
@@ -493,8 +500,7 @@ def _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill
         # Every other block from its owner's result.
         for s in range(p):
             if s != me:
-                slo = s * q + min(s, m)
-                shi = slo + q + (1 if s < m else 0)
+                slo, shi = _block(b - a, p, s)
                 _stream(os[slo:shi], _row(results, s, 0, shi - slo, x), stream)
         e += 2
 
@@ -674,14 +680,6 @@ def _read(pid, dst, src_addr, iov):
     iov[2] = src_addr
     iov[3] = nbytes
     return _readv(pid, iov.ctypes.data, iov.ctypes.data + 16) == nbytes
-
-
-@njit(inline="always")
-def _block(n, p, s):
-    # Rank s's block [lo, hi) of n elements: the first n % p blocks one element longer (ShmAllreduce's cut).
-    q, m = divmod(n, p)
-    lo = s * q + min(s, m)
-    return lo, lo + q + (1 if s < m else 0)
 
 
 @njit(inline="always")
