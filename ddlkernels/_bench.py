@@ -297,7 +297,7 @@ def _placed(a):
     key = (k, a.dtype.str, a.shape)
     pool = _placement["pool"]
     hit = None if pool is None else pool.get(key)
-    if hit is not None and hit.tobytes() == np.ascontiguousarray(a).tobytes():
+    if hit is not None and hit.tobytes() == a.tobytes():  # tobytes: C order whatever the layout
         return hit
     if _placement["pages"] == "huge":
         at = k * (4096 + 64)
