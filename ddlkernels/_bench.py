@@ -911,99 +911,101 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
     own_bar = bar is None
     if own_bar:
         bar = _progress_bar(comm, len(sizes) * len(impls), progress)
-    for nbytes in sizes:
-        count = _count_for(kind, nbytes // dt.itemsize, p)
-        row = {"collective": kind, "bytes": count * dt.itemsize, "count": count, "dtype": dtype_name(dt),
-               "op": op if kind != "allgather" else "-", "ranks": p, "inplace": inplace, "impls": {}}
-        active = []  # [impl, state, wrong, times, redone]
-        _placement["pool"] = {}  # this size's buffers (the last size's go with their lines' states)
-        for impl in impls:
-            why = impl.unsupported(dt, op, inplace)
-            if why:
-                row["impls"][impl.name] = {"skipped": why, "wrong": None}
+    try:
+        for nbytes in sizes:
+            count = _count_for(kind, nbytes // dt.itemsize, p)
+            row = {"collective": kind, "bytes": count * dt.itemsize, "count": count, "dtype": dtype_name(dt),
+                   "op": op if kind != "allgather" else "-", "ranks": p, "inplace": inplace, "impls": {}}
+            active = []  # [impl, state, wrong, times, redone]
+            _placement["pool"] = {}  # this size's buffers (the last size's go with their lines' states)
+            for impl in impls:
+                why = impl.unsupported(dt, op, inplace)
+                if why:
+                    row["impls"][impl.name] = {"skipped": why, "wrong": None}
+                    if bar is not None:
+                        bar.update(1)
+                    continue
+                # Every line's buffers in the same memory, role by role (its input first, then its output:
+                # _placed's sequence starts again and hands out the buffer the line before placed there, where
+                # it holds the same bytes), so that lines differ by what they run, not by where their buffers
+                # lie (see _placement).
+                _placement["next"] = 0
+                active.append([impl, impl.make(comm, count, dt, op, inplace), 0, [], 0])  # impl, state, wrong, times, redone
+            def settle(a, calls):
+                """``calls`` untimed calls, then more while the implementation's tuner is measuring (at most MAX_SETTLE)."""
+                impl, st = a[0], a[1]
+                for k in range(calls + MAX_SETTLE):
+                    if k >= calls and not impl.settling(st):
+                        break
+                    impl.run(st)
+                    if check:
+                        a[2] += impl.wrong(st)
+
+            for a in active:
+                if bar is not None:
+                    bar.set_postfix_str(f"{kind} {format_size(row['bytes'])} {a[0].name}", refresh=False)
+                settle(a, warmup)
+
+            batch = 1
+            if min_sample_s > 0 and not inplace and active:
+                probes = []
+                for a in active:  # each line checked right after its call: the next line's writes the same output
+                    probes.append(_time_one(comm, a[0].run, a[1]))
+                    if check:
+                        a[2] += a[0].wrong(a[1])
+                probe = min(probes)
+                batch = int(min(MAX_BATCH, max(1, min_sample_s // max(probe, 1e-9))))
+            row["batch"] = batch
+
+            def timed(a):
+                impl, st = a[0], a[1]
+                for _ in range(MAX_REDO + 1):
+                    t = _time_one(comm, impl.run, st, batch)
+                    if check:
+                        a[2] += impl.wrong(st)
+                    if not impl.settling(st):
+                        break
+                    # The tuner measures this size again (its watch saw the calls slow
+                    # down: ddlkernels._tuner): settle again untimed, then time the
+                    # sample anew, so that every timed sample runs a settled choice.
+                    # settling() is the same on every rank, so all ranks redo alike.
+                    a[4] += 1
+                    settle(a, 0)
+                a[3].append(t)
+
+            if interleave:
+                # One iteration of each implementation in turn: a burst of load from
+                # other processes then slows every line alike instead of one.
+                for _ in range(iters):
+                    for a in active:
+                        timed(a)
+            else:
+                for a in active:
+                    for _ in range(iters):
+                        timed(a)
+            for impl, st, wrong, times, redone in active:
+                wrong = comm.allreduce(wrong, op=MPI.SUM)
+                tmin, tmed = min(times), float(np.median(times))
+                nb = impl.algbw_bytes(row["bytes"], p)
+                algbw = nb / tmed / 1e9 if tmed > 0 else 0.0
+                row["impls"][impl.name] = {
+                    "time_us_min": tmin * 1e6,
+                    "time_us_median": tmed * 1e6,
+                    "algbw_GBps": algbw,
+                    "busbw_GBps": algbw * impl.bus_factor(p),
+                    "busbw_GBps_max": (nb / tmin / 1e9 if tmin > 0 else 0.0) * impl.bus_factor(p),
+                    "wrong": int(wrong) if check else None,
+                    "path": impl.path(st) + (f" (re-measured {redone}x)" if redone else ""),
+                    "remeasured": redone,
+                }
                 if bar is not None:
                     bar.update(1)
-                continue
-            # Every line's buffers in the same memory, role by role (its input first, then its output:
-            # _placed's sequence starts again and hands out the buffer the line before placed there, where
-            # it holds the same bytes), so that lines differ by what they run, not by where their buffers
-            # lie (see _placement).
-            _placement["next"] = 0
-            active.append([impl, impl.make(comm, count, dt, op, inplace), 0, [], 0])  # impl, state, wrong, times, redone
-        def settle(a, calls):
-            """``calls`` untimed calls, then more while the implementation's tuner is measuring (at most MAX_SETTLE)."""
-            impl, st = a[0], a[1]
-            for k in range(calls + MAX_SETTLE):
-                if k >= calls and not impl.settling(st):
-                    break
-                impl.run(st)
-                if check:
-                    a[2] += impl.wrong(st)
-
-        for a in active:
-            if bar is not None:
-                bar.set_postfix_str(f"{kind} {format_size(row['bytes'])} {a[0].name}", refresh=False)
-            settle(a, warmup)
-
-        batch = 1
-        if min_sample_s > 0 and not inplace and active:
-            probes = []
-            for a in active:  # each line checked right after its call: the next line's writes the same output
-                probes.append(_time_one(comm, a[0].run, a[1]))
-                if check:
-                    a[2] += a[0].wrong(a[1])
-            probe = min(probes)
-            batch = int(min(MAX_BATCH, max(1, min_sample_s // max(probe, 1e-9))))
-        row["batch"] = batch
-
-        def timed(a):
-            impl, st = a[0], a[1]
-            for _ in range(MAX_REDO + 1):
-                t = _time_one(comm, impl.run, st, batch)
-                if check:
-                    a[2] += impl.wrong(st)
-                if not impl.settling(st):
-                    break
-                # The tuner measures this size again (its watch saw the calls slow
-                # down: ddlkernels._tuner): settle again untimed, then time the
-                # sample anew, so that every timed sample runs a settled choice.
-                # settling() is the same on every rank, so all ranks redo alike.
-                a[4] += 1
-                settle(a, 0)
-            a[3].append(t)
-
-        if interleave:
-            # One iteration of each implementation in turn: a burst of load from
-            # other processes then slows every line alike instead of one.
-            for _ in range(iters):
-                for a in active:
-                    timed(a)
-        else:
-            for a in active:
-                for _ in range(iters):
-                    timed(a)
-        for impl, st, wrong, times, redone in active:
-            wrong = comm.allreduce(wrong, op=MPI.SUM)
-            tmin, tmed = min(times), float(np.median(times))
-            nb = impl.algbw_bytes(row["bytes"], p)
-            algbw = nb / tmed / 1e9 if tmed > 0 else 0.0
-            row["impls"][impl.name] = {
-                "time_us_min": tmin * 1e6,
-                "time_us_median": tmed * 1e6,
-                "algbw_GBps": algbw,
-                "busbw_GBps": algbw * impl.bus_factor(p),
-                "busbw_GBps_max": (nb / tmin / 1e9 if tmin > 0 else 0.0) * impl.bus_factor(p),
-                "wrong": int(wrong) if check else None,
-                "path": impl.path(st) + (f" (re-measured {redone}x)" if redone else ""),
-                "remeasured": redone,
-            }
-            if bar is not None:
-                bar.update(1)
-        # Keep the table's column order: the order of ``impls``.
-        row["impls"] = {i.name: row["impls"][i.name] for i in impls if i.name in row["impls"]}
-        del active
-        _placement["pool"] = None
-        rows.append(row)
+            # Keep the table's column order: the order of ``impls``.
+            row["impls"] = {i.name: row["impls"][i.name] for i in impls if i.name in row["impls"]}
+            del active
+            rows.append(row)
+    finally:
+        _placement["pool"] = None  # also when a line raises: later _placed calls get memory of their own
     if own_bar and bar is not None:
         bar.close()
     return rows

@@ -123,6 +123,22 @@ def test_batched_samples_still_count_wrong_results_and_record_the_batch(comm, ho
     assert inplace[0]["batch"] == 1  # in place, calls would compound
 
 
+def test_a_line_that_raises_leaves_no_buffer_pool_behind(comm):
+    # Inside run_sweep the lines of a size share buffers (_placement["pool"]); after a line raised (on every
+    # rank alike: no collective is left half done), a later _placed call must still get memory of its own.
+    good = make_impls("allreduce", which=("mpi",))[0]
+
+    def run(st):
+        raise RuntimeError("this line fails")
+
+    failing = Collective("failing", good.bus_factor, good.make, run, good.wrong)
+    with pytest.raises(RuntimeError, match="this line fails"):
+        run_sweep(comm, [4 * 16 * comm.Get_size()], [good, failing], iters=1, warmup=1, progress=False)
+    assert B._placement["pool"] is None
+    x = np.arange(16, dtype=np.float32)
+    assert not np.shares_memory(B._placed(x), B._placed(x))
+
+
 def test_link_counts_a_missing_message(comm):
     link = make_impls("allreduce", which=("link",))[0]
     silent = Collective("silent", link.bus_factor, link.make, lambda st: None, link.wrong,
