@@ -22,6 +22,8 @@
                                                    # beside the window, 64K..64M: its PIECE_BYTES, CMA_FROM
     mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --inplace --pages huge
                                                    # the same in place (MPI_IN_PLACE for MPI's)
+    mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --push --pages huge --pieces 512K
+                                                   # pulling vs pushing the allgather: its PUSH_FROM
 
 Each line is ``ddlkernels._shm.ShmAllreduce.run`` with one setting, called
 directly (no tuner, no argument checks), interleaved round by round with the
@@ -29,7 +31,7 @@ other settings and MPI's own allreduce; a round times back-to-back calls
 lasting about 2 ms (one call for large messages) after a barrier, on the
 slowest rank.  Prints the median over rounds, in microseconds per call.
 Where PIECE_BYTES, WHOLE_BELOW, SPIN and STREAM_FROM (ddlkernels/_shm.py), SPILL_FROM and CMA_FROM
-(ddlkernels/_tuner.py) and ddlkernels/_cma.py's PIECE_BYTES come from.  ``--pages small|huge`` places
+(ddlkernels/_tuner.py) and ddlkernels/_cma.py's PIECE_BYTES and PUSH_FROM come from.  ``--pages small|huge`` places
 the input and the outputs as the harness does (``ddlkernels._bench``: every buffer in a private mapping
 of its own, on 4 KiB or on 2 MiB pages); by default they are plain numpy arrays.
 """
@@ -105,6 +107,9 @@ def main():
     ap.add_argument("--cma", action="store_true",
                     help="time the single-copy allreduce (ddlkernels._cma) with each of --pieces, beside the "
                          "window's (\"shm\"), 64 KiB-64 MiB")
+    ap.add_argument("--push", action="store_true",
+                    help="with --cma: each piece size pulling (the allgather reads the owners' blocks) and pushing "
+                         "(each folded piece written into the peers' out): where ddlkernels._cma.PUSH_FROM comes from")
     ap.add_argument("--pages", choices=_bench.PAGES, default=None,
                     help="place the buffers as the harness does (default: plain numpy arrays)")
     ap.add_argument("--inplace", action="store_true",
@@ -112,6 +117,8 @@ def main():
                          "each line's own copy of the input, reduced again and again")
     ap.add_argument("--rounds", type=int, default=15)
     a = ap.parse_args()
+    if a.push and not a.cma:
+        ap.error("--push goes with --cma")
     if a.inplace and (a.small or a.shards or a.spill or a.stream or a.loop):
         ap.error("--inplace goes with the default lines or --cma")
     comm = MPI.COMM_WORLD
@@ -128,8 +135,12 @@ def main():
         sizes = a.sizes or "64K,256K,1M,4M,16M,64M"
         window = ShmAllreduce(comm, whole_below=0)
         variants = {"shm": window}
-        variants.update({f"cma {format_size(parse_size(s))}": CmaAllreduce(window, piece_bytes=parse_size(s))
-                         for s in a.pieces.split(",")})
+        for s in a.pieces.split(","):
+            if a.push:  # each piece size twice: never pushing, always pushing
+                variants[f"cma {format_size(parse_size(s))} pull"] = CmaAllreduce(window, parse_size(s), 1 << 62)
+                variants[f"cma {format_size(parse_size(s))} push"] = CmaAllreduce(window, parse_size(s), 0)
+            else:
+                variants[f"cma {format_size(parse_size(s))}"] = CmaAllreduce(window, piece_bytes=parse_size(s))
     elif a.spill:
         sizes = a.sizes or "4M,8M,16M,32M,64M"
         variants = {"kept": ShmAllreduce(comm, whole_below=0), "spilled": ShmAllreduce(comm, whole_below=0)}

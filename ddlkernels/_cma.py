@@ -1,4 +1,5 @@
-"""Single-copy allreduce: every rank reads its peers' buffers where they lie, with ``process_vm_readv``.
+"""Single-copy allreduce: every rank reads and writes its peers' buffers where they lie (``process_vm_readv``,
+``process_vm_writev``).
 
 The shared-memory allreduce (``ddlkernels._shm``) first copies what its peers
 need into a window, because a peer can only read shared memory.  Linux lets a
@@ -6,37 +7,45 @@ process read another's private memory too, with one system call that copies
 straight from the peer's pages into its own (``process_vm_readv``, "cross
 memory attach"; Open MPI's shared-memory transport sends large messages so).
 This module reduces that way: no stage, no window for the data, the caller's
-own ``x`` and ``out`` read by the peers.  Worked example, 2 ranks, 8 elements
-cut into blocks B0 = [0, 4) and B1 = [4, 8), reads of 2 elements, seen by
-rank 1::
+own ``x`` and ``out`` read and written by the peers.  Worked example, 2
+ranks, 8 elements cut into blocks B0 = [0, 4) and B1 = [4, 8), pieces of 2
+elements, seen by rank 1::
 
     publish  the addresses of my x and out, in my flag line; barrier
     read     out[4:6] = rank 0's x[4:6]     (one process_vm_readv: the kernel copies
                                             from rank 0's pages into my out)
     reduce   out[4:6] = out[4:6] + x[4:6]   (rank order: x0 + x1, as numpy adds)
-    read     out[6:8] = rank 0's x[6:8]; reduce  out[6:8] = out[6:8] + x[6:8]
-    barrier                                 every block is in its owner's out
-    read     out[B0] = rank 0's out[B0]     (one read of the whole block)
+    write    rank 0's out[4:6] = out[4:6]   (one process_vm_writev: from my cache
+                                            into rank 0's pages)
+    the same for out[6:8]
+    barrier                                 every block is in every out
     barrier                                 the last: nobody returns, and lets its
                                             caller touch x or out, while a peer
-                                            may still read them
+                                            may still read or write them
 
 With p ranks, block r is folded by rank r alone, its operands in rank order,
-and every rank copies the owner's bits: the result is bitwise the same
+and every rank gets the owner's bits: the result is bitwise the same
 everywhere, and each element is ``((x0 op x1) op x2) ...``.  Out of place the
-fold runs in ``out`` itself, a peer's piece read straight into it (as above);
-in place (``out`` is ``x``, my own operand) the peers' pieces go through a
-small private buffer.  A read of ``PIECE_BYTES`` keeps what a rank folds in
-its cache; three barriers per call whatever its size.  The data crosses
-between processes once per phase, from the memory it already lies in,
-where the window moves it twice (into the stage, then out of it).
+fold runs in ``out`` itself, a peer's piece read straight into it; in place
+(``out`` is ``x``, my own operand) the peers' pieces go through a small
+private buffer.  A folded piece is written into every peer's ``out`` while
+it is still in the folding rank's cache: no one else touches a peer's block
+of mine during the call (in place it is input that only I read, and I have
+read it).  That is the push, from ``PUSH_FROM`` bytes, every size the tuner
+offers this algorithm at; below it (``push_from=``) the ranks pull instead:
+after the middle barrier each reads every other block from its owner's
+``out``, one read per block.  A read of ``PIECE_BYTES`` keeps what a rank
+folds in its cache; three barriers per call whatever its size.  The data
+crosses between processes once per phase, from the memory it already lies
+in, where the window moves it twice (into the stage, then out of it).
 
-It needs what ``process_vm_readv`` needs: Linux, every rank the same user,
-and ptrace permission between them (Yama's ``ptrace_scope`` 0, or a library
-such as Open MPI's that has allowed it).  ``probe`` tries it between every
-pair of ranks once, collectively; where it fails the algorithm is not offered.
+It needs what ``process_vm_readv`` and ``process_vm_writev`` need: Linux,
+every rank the same user, and ptrace permission between them (Yama's
+``ptrace_scope`` 0, or a library such as Open MPI's that has allowed it).
+``probe`` tries it between every pair of ranks once (a read and a write),
+collectively; where it fails the algorithm is not offered.
 
-Its cost is the kernel's: it pins the peer's pages for every read, so a buffer
+Its cost is the kernel's: it pins the peer's pages for every call, so a buffer
 on huge pages (numpy asks for them from 4 MiB) reads faster than one on 4 KiB
 pages.  It is a tuner candidate ("cma", ``ddlkernels._tuner.CMA_FROM``), not a
 fixed choice.
@@ -65,55 +74,91 @@ __all__ = ["CmaAllreduce", "PIECE_BYTES", "probe"]
 #: at 4 MiB, and within 4 % either way at 8-64 MiB -- where MPI_Allreduce took 294.6-300.4 us at 4 MiB.)
 PIECE_BYTES = 512 << 10
 
-#: ``ssize_t process_vm_readv(pid, local iovec *, n, remote iovec *, n, flags)`` (Linux 3.2, glibc 2.15), the
-#: pointers as int64 addresses, or None where the C library lacks it: for the probe and the Python loop (the
-#: compiled loop calls the same symbol itself, ``ddlkernels._shm_loops._readv``).
-try:
-    readv = ctypes.CDLL(None, use_errno=True).process_vm_readv
-    readv.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint64,
-                      ctypes.c_uint64]
-    readv.restype = ctypes.c_int64
-except (AttributeError, OSError):
-    readv = None
+#: From this many bytes a call pushes: each rank writes every piece it has folded into its peers' ``out``
+#: right away (``process_vm_writev``, the piece still in its cache), and the allgather reads nothing.
+#: ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --push --pages huge --pieces 512K --sizes
+#: 256K,512K,1M,4M,16M,64M`` (and other sizes from 32 KiB), seven runs reaching 1 MiB, pulling / pushing:
+#: 35.4-67.6 / 32.1-58.4 us at 1 MiB, 218-295 / 162-218 at 4 MiB, 1276-1783 / 1149-1644 at 16 MiB,
+#: 5175-7624 / 4776-6872 at 64 MiB: pushing the faster at every size from 1 MiB in every run (by 1-41 %,
+#: most where the window was slow); at 512 KiB it lost in two runs of seven (26.8-28.2 against 18.2-18.5 us).
+#: 4 ranks (one run): 147 / 159 us at 1 MiB, 991 / 1005 at 4 MiB, 3889 / 4233 at 16 MiB.  So from CMA_FROM
+#: (``ddlkernels._tuner``), where it is a candidate at all.
+PUSH_FROM = 1 << 20
 
 
-#: What every rank of a call raises when a read failed on any (the compiled loop and the Python one alike).
-READ_FAILED = ("cma allreduce: process_vm_readv failed on some rank (a peer's buffer unmapped, or ptrace "
-               "permission withdrawn); the output is garbage on every rank")
+def _libc(name):
+    """``ssize_t name(pid, local iovec *, n, remote iovec *, n, flags)`` (``process_vm_readv`` /
+    ``process_vm_writev``: Linux 3.2, glibc 2.15), the pointers as int64 addresses, or None where the C
+    library lacks it: for the probe and the Python loop (the compiled loop calls the same symbols itself,
+    ``ddlkernels._shm_loops._readv`` / ``_writev``)."""
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint64]
+    fn.restype = ctypes.c_int64
+    return fn
+
+
+readv, writev = _libc("process_vm_readv"), _libc("process_vm_writev")
+
+
+#: What every rank of a call raises when a read or write failed on any (the compiled loop and the Python one
+#: alike).
+READ_FAILED = ("cma allreduce: process_vm_readv or process_vm_writev failed on some rank (a peer's buffer "
+               "unmapped, or ptrace permission withdrawn); the output is garbage on every rank")
+
+
+def _vm(fn, pid, local, remote, nbytes):
+    if nbytes == 0:
+        return True
+    iov = (ctypes.c_int64 * 4)(local, nbytes, remote, nbytes)
+    return fn(pid, ctypes.addressof(iov), 1, ctypes.addressof(iov) + 16, 1, 0) == nbytes
 
 
 def read_into(pid: int, dst: np.ndarray, src_addr: int) -> bool:
     """``dst[:]`` = the ``dst.nbytes`` bytes at ``src_addr`` in process ``pid``; True when all arrived."""
-    if dst.nbytes == 0:
-        return True
-    local = (ctypes.c_int64 * 2)(dst.ctypes.data, dst.nbytes)
-    remote = (ctypes.c_int64 * 2)(src_addr, dst.nbytes)
-    return readv(pid, ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0) == dst.nbytes
+    return _vm(readv, pid, dst.ctypes.data, src_addr, dst.nbytes)
+
+
+def write_from(pid: int, src: np.ndarray, dst_addr: int) -> bool:
+    """The ``src.nbytes`` bytes at ``dst_addr`` in process ``pid`` = ``src``; True when all arrived."""
+    return _vm(writev, pid, src.ctypes.data, dst_addr, src.nbytes)
 
 
 def probe(comm) -> bool:
-    """Whether every rank of ``comm`` can read every other's memory with ``process_vm_readv`` (collective).
+    """Whether every rank of ``comm`` can read and write every other's memory with ``process_vm_readv`` and
+    ``process_vm_writev`` (collective).
 
-    Each rank publishes its process id and the address of a few words only
-    it could have written, reads every peer's, and checks them; the ranks
-    then agree (any failure anywhere: False everywhere).
+    Each rank publishes its process id, the address of a few words only it
+    could have written and of an inbox; it reads every peer's words and
+    checks them, and writes its own word into every peer's inbox, which each
+    checks after a barrier; the ranks then agree (any failure anywhere:
+    False everywhere).
     """
     from mpi4py import MPI
 
     me, p = comm.Get_rank(), comm.Get_size()
     mine = np.array([0x6464_6C6B_0000 + me, os.getpid(), p], dtype=np.int64)
-    ok = readv is not None and sys.platform.startswith("linux")
-    peers = comm.allgather((os.getpid(), mine.ctypes.data) if ok else None)
+    inbox = np.zeros(p, np.int64)  # word s: what rank s wrote here
+    ok = readv is not None and writev is not None and sys.platform.startswith("linux")
+    peers = comm.allgather((os.getpid(), mine.ctypes.data, inbox.ctypes.data) if ok else None)
     if ok and all(v is not None for v in peers):
         got = np.zeros(3, np.int64)
-        for s, (pid, addr) in enumerate(peers):
+        word = np.array([0x6464_6C6B_0000 + me], np.int64)
+        for s, (pid, addr, box) in enumerate(peers):
             got[:] = 0
-            if s != me and not (read_into(pid, got, addr) and got.tolist() == [0x6464_6C6B_0000 + s, pid, p]):
+            if s != me and not (read_into(pid, got, addr) and got.tolist() == [0x6464_6C6B_0000 + s, pid, p]
+                                and write_from(pid, word, box + 8 * me)):
                 ok = False
                 break
     else:
         ok = False
-    # Nobody's words may go away (the array above) before every peer has read them: this is also that barrier.
+    comm.Barrier()  # every write has landed (or failed) before anyone looks at its inbox
+    if ok:
+        ok = all(inbox[s] == 0x6464_6C6B_0000 + s for s in range(p) if s != me)
+    # Nobody's words may go away (the arrays above) before every peer has read and written them: this is also
+    # that barrier.
     return bool(comm.allreduce(int(ok), op=MPI.MIN))
 
 
@@ -126,9 +171,10 @@ class CmaAllreduce:
     communicator.
     """
 
-    def __init__(self, shm, piece_bytes: int = PIECE_BYTES):
+    def __init__(self, shm, piece_bytes: int = PIECE_BYTES, push_from: int = PUSH_FROM):
         self.shm = shm
         self.piece_bytes = int(piece_bytes)
+        self.push_from = int(push_from)
         self._pids = None
         self._fns = {}  # (dtype, n, op) -> f(x, out)
         self._scratch = {}  # dtype -> (tmp, acc)
@@ -142,8 +188,8 @@ class CmaAllreduce:
         float16 or bfloat16; "avg" is the caller's sum, then its scale).
         ``deadline``: a ``ddlkernels._wait.Deadline`` or None; a rank with one
         runs the same steps in Python, polling its barriers, and meets the
-        ranks without.  Raises ``RuntimeError`` on every rank when a read
-        failed on any.
+        ranks without.  Raises ``RuntimeError`` on every rank when a read or
+        write failed on any.
         """
         n = src.shape[0]
         if n == 0:
@@ -168,13 +214,14 @@ class CmaAllreduce:
         tmp, acc = self._buffers(dtype, step)
         pids, me, code, iov = self._pids, shm.rank, OPCODES[op], np.zeros(4, np.int64)
         loop = _shm_loops.cma_allreduce
+        push = n * dtype.itemsize >= self.push_from  # the same on every rank: the same n and dtype
 
         def f(x, out):
             if shm._flags is None:  # the window was freed since (collective: every rank's same call)
                 self._ready()
             e = shm._epoch + 1
             shm._epoch += barriers
-            if loop(x, out, me, shm._flags, e, code, shm.spin, step, pids, tmp, acc, iov):
+            if loop(x, out, me, shm._flags, e, code, shm.spin, step, pids, tmp, acc, iov, push):
                 raise RuntimeError(READ_FAILED)
 
         if len(self._fns) >= 256:
@@ -211,6 +258,7 @@ class CmaAllreduce:
         shm._barrier(deadline)
         xs, outs = lines[:, X_WORD].tolist(), lines[:, OUT_WORD].tolist()
         item, n, bad = x.itemsize, x.shape[0], 0
+        push = x.nbytes >= self.push_from  # as the compiled loop's
         cut = cuts(n, p)
         for a in range(cut[me], cut[me + 1], step):
             b = min(cut[me + 1], a + step)
@@ -226,9 +274,13 @@ class CmaAllreduce:
                 else:
                     ufunc(r, operand, out=r)
             out[a:b] = r
+            if push:
+                for s in range(p):
+                    if s != me:
+                        bad += not write_from(int(self._pids[s]), out[a:b], outs[s] + a * item)
         shm._barrier(deadline)
         for s in range(p):
-            if s != me:
+            if s != me and not push:
                 bad += not read_into(int(self._pids[s]), out[cut[s] : cut[s + 1]], outs[s] + cut[s] * item)
         lines[me, BAD_WORD] = bad
         shm._barrier(deadline)

@@ -649,22 +649,34 @@ def pieces_allgather(shard, stages, me, out, flags, epoch, spin, c, los, his, st
 X_WORD, OUT_WORD, BAD_WORD = 3, 4, 5
 
 
-@intrinsic
-def _readv(typingctx, pid, local, remote):
-    """``process_vm_readv(pid, local, 1, remote, 1, 0)`` (int64 arguments, the iovecs' addresses), as a call
-    of the C library's symbol: compiled code calling a ctypes function holds its address, which differs from
-    one process to the next, so Numba will not cache it; a symbol is resolved when the cached code loads."""
+def _vm_call(symbol):
+    """Codegen of ``symbol(pid, local, 1, remote, 1, 0)`` (``process_vm_readv`` / ``process_vm_writev``; int64
+    arguments, the iovecs' addresses), as a call of the C library's symbol: compiled code calling a ctypes
+    function holds its address, which differs from one process to the next, so Numba will not cache it; a
+    symbol is resolved when the cached code loads."""
 
     def codegen(context, builder, sig, args):
         i64, i32 = ir.IntType(64), ir.IntType(32)
         ptr = ir.IntType(8).as_pointer()
         fnty = ir.FunctionType(i64, [i32, ptr, i64, ptr, i64, i64])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "process_vm_readv")
+        fn = cgutils.get_or_insert_function(builder.module, fnty, symbol)
         p, lo, re = args
         return builder.call(fn, [builder.trunc(p, i32), builder.inttoptr(lo, ptr), i64(1),
                                  builder.inttoptr(re, ptr), i64(1), i64(0)])
 
-    return types.int64(types.int64, types.int64, types.int64), codegen
+    return codegen
+
+
+@intrinsic
+def _readv(typingctx, pid, local, remote):
+    """``process_vm_readv(pid, local, 1, remote, 1, 0)``: bytes read (``_vm_call``)."""
+    return types.int64(types.int64, types.int64, types.int64), _vm_call("process_vm_readv")
+
+
+@intrinsic
+def _writev(typingctx, pid, local, remote):
+    """``process_vm_writev(pid, local, 1, remote, 1, 0)``: bytes written (``_vm_call``)."""
+    return types.int64(types.int64, types.int64, types.int64), _vm_call("process_vm_writev")
 
 
 @njit(inline="always")
@@ -683,7 +695,21 @@ def _read(pid, dst, src_addr, iov):
 
 
 @njit(inline="always")
-def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, combine):
+def _write(pid, src, dst_addr, iov):
+    # The len(src) elements at dst_addr in process pid = src[:], by one process_vm_writev: the kernel copies
+    # them from my pages straight into the peer's.  True when every byte arrived.
+    nbytes = src.shape[0] * src.itemsize
+    if nbytes == 0:
+        return True
+    iov[0] = src.ctypes.data
+    iov[1] = nbytes
+    iov[2] = dst_addr
+    iov[3] = nbytes
+    return _writev(pid, iov.ctypes.data, iov.ctypes.data + 16) == nbytes
+
+
+@njit(inline="always")
+def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, combine):
     p = pids.shape[0]
     item = x.itemsize
     n = x.shape[0]
@@ -737,10 +763,16 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, combine):
                     _accumulate(r, t, combine)
             if inplace:
                 _copy(dst, r)
-    barrier(flags, me, p, epoch + 1, spin)  # every block is in its owner's out
-    # Allgather: every other block from its owner's out, into mine, one read each.
+        if push:
+            # The piece, still in my cache, into every peer's out at once (its block of mine, which no peer
+            # touches during the call; in place, x's piece that only I read, and have read).
+            for s in range(p):
+                if s != me and not _write(pids[s], dst, outs[s] + a * item, iov):
+                    bad += 1
+    barrier(flags, me, p, epoch + 1, spin)  # every block is in its owner's out (pushed: in every out)
+    # Allgather, unless pushed: every other block from its owner's out, into mine, one read each.
     for s in range(p):
-        if s != me:
+        if s != me and not push:
             slo, shi = _block(n, p, s)
             if not _read(pids[s], out[slo:shi], outs[s] + slo * item, iov):
                 bad += 1
@@ -754,28 +786,31 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, combine):
 
 
 @njit(cache=True, nogil=True)
-def cma_allreduce(x, out, me, flags, epoch, op, spin, step, pids, tmp, acc, iov):
+def cma_allreduce(x, out, me, flags, epoch, op, spin, step, pids, tmp, acc, iov, push):
     """``out = ((x0 op x1) op x2) ...`` over the ranks, each rank reading its peers' memory directly.
 
     Purpose: ``CmaAllreduce``'s call (its module comment) in one compiled
     loop: publish addresses, barrier, the reduce-scatter of my block
     ``step`` elements at a time, barrier, the allgather of the others'
-    blocks from their owners' ``out``, a last barrier.
+    blocks from their owners' ``out``, a last barrier.  ``push`` (the same
+    on every rank): each folded piece is written into every peer's ``out``
+    right away (``process_vm_writev``) and the allgather reads nothing.
     Preconditions: 1-D C-contiguous ``x`` and ``out`` (``out`` may be ``x``,
     never partly overlapping it) of one numpy dtype, the same length on
     every rank; ``flags`` the window's flag lines (``ddlkernels._shm``) and
     the barriers ``epoch`` .. ``epoch + 2`` every rank's next; ``pids``
     every rank's process id, each readable by ``process_vm_readv`` from here
-    (``ddlkernels._cma.probe``); ``tmp``, ``acc``: ``step`` elements of the
-    dtype, private; ``iov``: four int64.  ``op``: ``ddlkernels._shm.OPCODES``.
-    Use: ``CmaAllreduce.run``.  Returns the number of reads that failed on
+    (``ddlkernels._cma.probe``, which tries both directions); ``tmp``,
+    ``acc``: ``step`` elements of the dtype, private; ``iov``: four int64.
+    ``op``: ``ddlkernels._shm.OPCODES``.
+    Use: ``CmaAllreduce.run``.  Returns the number of reads or writes that failed on
     any rank (then ``out`` is garbage on every rank, and the caller raises):
     the same on every rank.  Bits as ``pieces_allreduce``'s.
     """
     if op == 0:
-        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, _add)
+        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, _add)
     if op == 1:
-        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, _mul)
+        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, _mul)
     if op == 2:
-        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, _max)
-    return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, _min)
+        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, _max)
+    return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, _min)

@@ -20,9 +20,10 @@ Seven algorithms compute the same result (host arrays):
   loses in the other (``bench/shm_pieces.py --spill``), so the tuner, whose watch follows
   the machine, decides;
 * ``"cma"`` -- the single-copy allreduce (``ddlkernels._cma``): every rank
-  reads its peers' buffers where they lie with ``process_vm_readv``; a
-  candidate where "shm" is, from ``CMA_FROM`` bytes, for numpy's own dtypes
-  and ops, when every pair of ranks may read each other's memory
+  reads its peers' buffers where they lie with ``process_vm_readv`` and
+  writes its results into theirs with ``process_vm_writev``; a candidate
+  where "shm" is, from ``CMA_FROM`` bytes, for numpy's own dtypes and ops,
+  when every pair of ranks may read and write each other's memory
   (``ddlkernels._cma.probe``);
 * ``"hier"`` -- the window inside each node and an allreduce of one shard
   across nodes (``ddlkernels._hier``), a candidate when the ranks span

@@ -1,4 +1,5 @@
-"""The single-copy allreduce (ddlkernels._cma): peers' buffers read with process_vm_readv.
+"""The single-copy allreduce (ddlkernels._cma): peers' buffers read with process_vm_readv (and, where it
+pushes, written with process_vm_writev).
 
 Every rank of an ``mpirun`` here shares one node and one user; the tests
 skip where there are no peers, and where the kernel refuses the reads (the
@@ -22,6 +23,8 @@ SIZES = sorted({0, 1, max(P - 1, 0), P + 1, 7, 13, 4097, 300_007})
 # numpy's own ufunc dtypes (float16 and bfloat16 are not offered to this algorithm); uint8 wraps.
 DTYPES = [np.float32, np.float64, np.int32, np.int64, np.uint8]
 NUMPY_OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+# push_from: never (the allgather reads the owners' blocks) or always (each folded piece written to the peers).
+PUSH = pytest.mark.parametrize("push_from", [1 << 62, 0], ids=["pull", "push"])
 
 needs_peers = pytest.mark.skipif(P == 1, reason="the single-copy allreduce needs 2 or more ranks")
 PERMITTED = P > 1 and probe(COMM)  # collective, at import on every rank
@@ -45,22 +48,23 @@ def test_probe_agrees_on_every_rank():
 
 
 @needs_cma
+@PUSH
 @pytest.mark.parametrize("piece_bytes", [8, 100, 4096, 1 << 20], ids=lambda b: f"pieces{b}B")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", list(NUMPY_OPS))
-def test_every_dtype_op_size_in_and_out_of_place(piece_bytes, dtype, op):
+def test_every_dtype_op_size_in_and_out_of_place(piece_bytes, dtype, op, push_from):
     """The rank-order fold, bit for bit and the same on every rank, for 0, 1, p - 1, p + 1, primes and a
     size of several default pieces, pieces smaller than p elements or not a multiple of the item; the input
     of an out-of-place call untouched; in place the same bits."""
     shm = ShmAllreduce(COMM, whole_below=0)
-    cma = CmaAllreduce(shm, piece_bytes=piece_bytes)
+    cma = CmaAllreduce(shm, piece_bytes=piece_bytes, push_from=push_from)
     for n in SIZES:
         x = rank_data(n, RANK, P, dtype, salt=n % 97)
         keep = x.copy()
         want = _fold(COMM.allgather(x), op)
         out = np.full_like(x, 99)
         cma.run(x, out, op)
-        what = f"n={n} {np.dtype(dtype).name} {op} pieces of {piece_bytes} B"
+        what = f"n={n} {np.dtype(dtype).name} {op} pieces of {piece_bytes} B, push from {push_from} B"
         assert np.array_equal(out.view(np.uint8), want.view(np.uint8)), what
         assert np.array_equal(x.view(np.uint8), keep.view(np.uint8)), f"{what}: input modified"
         assert_same_on_all_ranks(COMM, out, what)
@@ -70,15 +74,16 @@ def test_every_dtype_op_size_in_and_out_of_place(piece_bytes, dtype, op):
 
 
 @needs_cma
-def test_ranks_with_and_without_a_deadline_meet_and_skewed_calls_read_only_their_own_data():
+@PUSH
+def test_ranks_with_and_without_a_deadline_meet_and_skewed_calls_read_only_their_own_data(push_from):
     """Half the ranks of each call poll their barriers from Python (a deadline), the others run the compiled
-    loop: the same barriers.  One rank late by turns, each call's data new: without the barrier after a
-    piece's reduce-scatter, or the last one, a fast rank would read a block not yet written or already
-    overwritten by the next call."""
+    loop: the same barriers and the same push rule.  One rank late by turns, each call's data new: without the
+    barrier after a piece's reduce-scatter, or the last one, a fast rank would read a block not yet written or
+    already overwritten by the next call (pushing: return before a peer's piece has landed)."""
     from ddlkernels._wait import Deadline
 
     shm = ShmAllreduce(COMM, whole_below=0)
-    cma = CmaAllreduce(shm, piece_bytes=256)
+    cma = CmaAllreduce(shm, piece_bytes=256, push_from=push_from)
     n = 1001
     x = np.empty(n, np.int64)
     for call in range(24):
@@ -94,14 +99,15 @@ def test_ranks_with_and_without_a_deadline_meet_and_skewed_calls_read_only_their
 
 
 @needs_cma
+@PUSH
 @pytest.mark.parametrize("python", [False, True], ids=["compiled", "python"])
-def test_a_failed_read_raises_on_every_rank_and_the_next_call_works(python):
+def test_a_failed_read_raises_on_every_rank_and_the_next_call_works(python, push_from):
     """A read the kernel refuses (here: rank 0 told a wrong process id) fails the call on every rank --
     never a hang, never a silent garbage result -- and the barriers stay in step for the next call."""
     from ddlkernels._wait import Deadline
 
     shm = ShmAllreduce(COMM, whole_below=0)
-    cma = CmaAllreduce(shm, piece_bytes=4096)
+    cma = CmaAllreduce(shm, piece_bytes=4096, push_from=push_from)
     x = rank_data(5000, RANK, P, np.float64)
     want = _fold(COMM.allgather(x), "sum")
     out = np.empty_like(x)
@@ -110,7 +116,7 @@ def test_a_failed_read_raises_on_every_rank_and_the_next_call_works(python):
     if RANK == 0:
         cma._pids[:] = 0x7FFFFFFF  # no such process
     deadline = Deadline("allreduce", RANK, 60.0) if python else None
-    with pytest.raises(RuntimeError, match="process_vm_readv failed"):
+    with pytest.raises(RuntimeError, match="process_vm_readv or process_vm_writev failed"):
         cma.run(x, out, "sum", deadline=deadline)
     cma._pids[:] = good
     out[:] = 0
