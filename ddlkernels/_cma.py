@@ -81,9 +81,14 @@ PIECE_BYTES = 512 << 10
 #: 35.4-67.6 / 32.1-58.4 us at 1 MiB, 218-295 / 162-218 at 4 MiB, 1276-1783 / 1149-1644 at 16 MiB,
 #: 5175-7624 / 4776-6872 at 64 MiB: pushing the faster at every size from 1 MiB in every run (by 1-41 %,
 #: most where the window was slow); at 512 KiB it lost in two runs of seven (26.8-28.2 against 18.2-18.5 us).
-#: 4 ranks (one run): 147 / 159 us at 1 MiB, 991 / 1005 at 4 MiB, 3889 / 4233 at 16 MiB.  So from CMA_FROM
-#: (``ddlkernels._tuner``), where it is a candidate at all.
-PUSH_FROM = 1 << 20
+#: 4 ranks (one run): 147 / 159 us at 1 MiB, 991 / 1005 at 4 MiB, 3889 / 4233 at 16 MiB.  At 256 KiB
+#: pushing won in all five runs that had the size (9.7-17.1 against 11.6-25.4 us).  On an Intel Xeon VM,
+#: ``--sizes 4K,16K,32K,64K,128K,256K``, pulling / pushing: 2 ranks 8.0 / 4.7 us at 32 KiB, 11.4 / 6.1 at
+#: 64 KiB, 18.8 / 9.1 at 128 KiB, 26.1 / 15.2 at 256 KiB, 49.3-49.8 / 26.0-26.3 at 512 KiB (two runs);
+#: 4 ranks 29.8 / 24.3 at 32 KiB, 49.0 / 38.5 at 128 KiB.  So from 32 KiB, where the tuner offers this
+#: algorithm at all (``ddlkernels._tuner.CMA_FROM``), though at 512 KiB it lost in two runs of seven on the
+#: first machine.
+PUSH_FROM = 32 << 10
 
 
 def _libc(name):

@@ -139,10 +139,20 @@ SPILL_FROM = 8 << 20
 #: ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge --pieces 256K,512K,1M --sizes
 #: 64K,256K,512K,1M,4M,16M,64M`` (time of the window's "shm" / time of "cma", its default 512 KiB reads),
 #: two runs: 0.67 at 64 KiB, 0.75-0.76 at 256 KiB, 0.72-0.84 at 512 KiB, 0.75-1.07 at 1 MiB, 1.18-1.19 at
-#: 4 MiB, 1.60-1.67 at 16 MiB, 1.75-1.80 at 64 MiB.  Below 1 MiB its system calls and barriers cost
+#: 4 MiB, 1.60-1.67 at 16 MiB, 1.75-1.80 at 64 MiB.  Below 1 MiB its system calls and barriers then cost
 #: more than the stage they save.  (From 512 KiB, in a run of bench/run_results.sh at c3b0369, not kept,
-#: the tuner's trials chose it at 512 KiB, where it then ran at 0.86x MPI_Allreduce.)
-CMA_FROM = 1 << 20
+#: the tuner's trials chose it at 512 KiB, where it then ran at 0.86x MPI_Allreduce.)  Pushing its
+#: allgather (``ddlkernels._cma.PUSH_FROM``) changed that: ``bench/shm_pieces.py --cma --push --pages huge
+#: --pieces 512K`` with 256 KiB and 512 KiB among its sizes, five runs of the code of c5a9534: MPI_Allreduce / shm /
+#: cma pushing took 25.0-27.9 / 11.3-28.9 / 9.7-17.1 us at 256 KiB (cma the fastest in four), and
+#: 27.8-48.0 / 21.9-55.4 / 16.9-30.2 at 512 KiB (seven runs; cma within 4 % of MPI's call or faster in
+#: every one).  On an Intel Xeon VM (2 cores, 2 MiB L2 each), the same command with ``--sizes
+#: 4K,16K,32K,64K,128K,256K``, MPI_Allreduce / shm / cma pushing: 2 ranks 4.1 / 3.0 / 3.8 us at 4 KiB,
+#: 9.0 / 5.6 / 4.2 at 16 KiB, 12.2 / 7.6 / 4.7 at 32 KiB, 18.1 / 13.1 / 6.1 at 64 KiB, 38.7 / 28.9 / 15.2
+#: at 256 KiB (two more runs from 64 KiB within 10 %); 4 ranks (oversubscribed) 43.4 / 18.3 / 24.3 at
+#: 32 KiB, 56.5 / 25.7 / 28.4 at 64 KiB, 83.5 / 38.8 / 38.5 at 128 KiB.  So from 32 KiB: below it the
+#: window won everywhere; from there the trials (the incumbent ahead by SMALL_MARGIN or MARGIN) decide.
+CMA_FROM = 32 << 10
 #: From MPI_BELOW: timed calls per candidate, in blocks of 3, so 4 blocks each.
 #: With 6 (2 blocks), one block hit by a burst of other work (4 ranks on 2
 #: cores, a kernel thread taking a core) moved the median enough to settle

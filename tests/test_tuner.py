@@ -35,13 +35,15 @@ def test_candidates(nbytes, mpi, shm, want):
 
 
 @pytest.mark.parametrize("nbytes,want", [
-    (CMA_FROM - 1, ("mpi", "ring", "shm")),
-    (CMA_FROM, ("mpi", "ring", "shm", "cma")),  # the single copy from CMA_FROM, after the window
+    (CMA_FROM - 1, ("mpi", "nbc", "shm")),
+    (CMA_FROM, ("mpi", "nbc", "shm", "cma")),  # the single copy from CMA_FROM, after the window
+    (MPI_BELOW, ("mpi", "ring", "shm", "cma")),
+    (1 << 20, ("mpi", "ring", "shm", "cma")),
     (SPILL_FROM, ("mpi", "ring", "shm", "shm-nt", "cma")),
     (RING_FROM, ("ring", "shm", "shm-nt", "cma")),
 ])
 def test_candidates_with_the_single_copy(nbytes, want):
-    assert MPI_BELOW < CMA_FROM < SPILL_FROM
+    assert CMA_FROM < MPI_BELOW < SPILL_FROM
     assert candidates(nbytes, shm=True, cma=True) == want
     assert "cma" not in candidates(nbytes, shm=True)
 
