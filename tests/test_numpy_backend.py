@@ -151,3 +151,76 @@ def test_half_kernels_load_from_numba_cache_in_the_next_process(tmp_path):
     assert first["ok"] and second["ok"]
     assert first["misses"] == 3 and first["hits"] == 0, first      # apart, into_a, into_b compiled
     assert second["misses"] == 0 and second["hits"] == 3, second   # and all three loaded
+
+
+WIDE = [np.float32, np.float64, np.int32, np.int64]
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def wide_path(request, monkeypatch):
+    """float32/float64/int32/int64 sum and prod through ddlkernels._host_loops, or numpy's ufunc (no Numba)."""
+    from ddlkernels.backends import _numpy as nb
+
+    if request.param == "numpy":
+        monkeypatch.setattr(nb, "_LOOP", [None])
+    else:
+        assert nb._host_loop() is not None
+    return request.param
+
+
+def _views(n, dtype, seed):
+    """(name, a, b, dst) for every layout the backend may meet: operands at different offsets within a
+    64-byte line, every other element, reversed; dst apart, or the very same elements as a or as b."""
+    base = [sample(2 * n + 64, dtype, seed + k) for k in range(3)]
+    for off_a, off_b, off_d in ((0, 0, 0), (0, 0, 1), (1, 3, 2), (3, 0, 5)):
+        a, b, d = base[0][off_a:off_a + n], base[1][off_b:off_b + n], base[2][off_d:off_d + n]
+        yield f"offsets {off_a},{off_b},{off_d}", a, b, d
+    yield "strided", base[0][: 2 * n: 2], base[1][1: 2 * n + 1: 2], base[2][: 2 * n: 2]
+    yield "reversed", base[0][n - 1:: -1] if n else base[0][:0], base[1][:n], base[2][2 * n - 1: n - 1: -1]
+
+
+@pytest.mark.parametrize("dtype", WIDE, ids=[np.dtype(d).name for d in WIDE])
+@pytest.mark.parametrize("op", ["sum", "prod"])
+@pytest.mark.parametrize("n", [0, 1, 7, 64, (1 << 16) + 3])
+def test_wide_reduce_every_layout_and_alias_matches_numpy_bitwise(dtype, op, n, wide_path):
+    with np.errstate(all="ignore"):
+        for name, a, b, d in _views(n, dtype, 5):
+            want = UF[op](a.copy(), b.copy())
+            a0, b0 = a.copy(), b.copy()
+            BE.reduce(op, d, a, b)
+            assert np.array_equal(bits(d), bits(want)), name
+            assert np.array_equal(bits(a), bits(a0)) and np.array_equal(bits(b), bits(b0)), name
+            x = a.copy()
+            BE.reduce(op, x, x, b)  # into a
+            assert np.array_equal(bits(x), bits(want)), name + " into a"
+            y = b.copy()
+            BE.reduce(op, y, a, y)  # into b: a op b, a first
+            assert np.array_equal(bits(y), bits(want)), name + " into b"
+
+
+@pytest.mark.parametrize("dtype", WIDE, ids=[np.dtype(d).name for d in WIDE])
+def test_wide_reduce_partial_overlap_is_numpys_result(dtype, wide_path):
+    """dst overlapping an operand but not the same elements: the compiled loop declines, numpy's ufunc (which
+    buffers) computes it."""
+    from ddlkernels._host_loops import reduce as loop
+
+    b = sample(1001, dtype, 7)
+    for shift in (1, -1, 3):
+        buf = sample(1010, dtype, 8)
+        a, d = (buf[:1001], buf[shift:shift + 1001]) if shift > 0 else (buf[-shift:-shift + 1001], buf[:1001])
+        with np.errstate(all="ignore"):
+            want = np.add(a.copy(), b)
+            if wide_path == "compiled":
+                before = buf.copy()
+                assert loop(d, a, b, 0) is False  # declined, having written nothing
+                assert np.array_equal(bits(buf), bits(before))
+            BE.reduce("sum", d, a, b)
+        assert np.array_equal(bits(d), bits(want)), shift
+
+
+def test_wide_loop_declines_mismatched_lengths_without_writing():
+    from ddlkernels._host_loops import reduce as loop
+
+    a, b, d = np.ones(8, np.float32), np.ones(7, np.float32), np.zeros(8, np.float32)
+    assert loop(d, a, b, 0) is False and not d.any()
+    assert loop(d, a, a, 0) is True and (d == 2).all()

@@ -1,10 +1,13 @@
 """The host backend: numpy arrays (and PyTorch CPU tensors, through zero-copy views).
 
 Every kernel writes into caller-owned memory, so a ring step allocates
-nothing: a numpy ufunc for float32, float64 and the integers, one compiled
-pass of ``ddlkernels._half`` for float16 and bfloat16 (numpy's own loops for
-them run at a few percent of memory bandwidth).  Without Numba, the half
-types fall back to the numpy code below, with the same bits.
+nothing: for the sum and product of float32, float64, int32 and int64 one
+compiled loop of ``ddlkernels._host_loops`` (numpy's own runs at half speed
+on operands at different offsets within a cache line), numpy's ufuncs for
+max, min and the other integers, one compiled pass of ``ddlkernels._half``
+for float16 and bfloat16 (numpy's own loops for them run at a few percent
+of memory bandwidth).  Without Numba, numpy's ufuncs and the numpy code
+below compute the same bits.
 """
 
 from __future__ import annotations
@@ -25,6 +28,22 @@ _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multip
 #: the ring and the window.  Not max/min: numpy 2 deprecates their positional ``out``.
 _DIRECT = {(op, np.dtype(t)): _UFUNC[op] for op in ("sum", "prod")
            for t in (np.float32, np.float64, np.int32, np.int64)}
+#: The same (op, dtype) pairs -> op code of ``ddlkernels._host_loops.reduce``, the compiled loop tried first
+#: for 1-D arrays (numpy's loop halves its speed on operands at different offsets within a cache line).
+_COMPILED = {(op, np.dtype(t)): code for op, code in (("sum", 0), ("prod", 1))
+             for t in (np.float32, np.float64, np.int32, np.int64)}
+#: ``[reduce]`` of ``ddlkernels._host_loops`` once imported, ``[None]`` where Numba cannot be (numpy then).
+_LOOP: list = []
+
+
+def _host_loop():
+    if not _LOOP:
+        try:
+            from .._host_loops import reduce as loop
+        except Exception:  # noqa: BLE001 - no Numba here: numpy's loop computes the same bits
+            loop = None
+        _LOOP.append(loop)
+    return _LOOP[0]
 
 
 # Without Numba, bfloat16 is reduced through float32 scratch in blocks of
@@ -97,10 +116,13 @@ class NumpyBackend(Backend):
     def reduce(self, op, dst, a, b=None, *, avg_p=None):
         if b is None:
             a, b = dst, a
-        if avg_p is None:  # the common case first: numpy's own loop, out positionally (_DIRECT)
+        if avg_p is None:  # the common case first: the compiled loop, else numpy's, out positionally (_DIRECT)
             ufunc = _DIRECT.get((op, dst.dtype))
             if ufunc is not None:
-                ufunc(a, b, dst)
+                loop = _LOOP[0] if _LOOP else _host_loop()
+                if (loop is None or dst.ndim != 1 or a.dtype != dst.dtype or b.dtype != dst.dtype
+                        or not loop(dst, a, b, _COMPILED[op, dst.dtype])):
+                    ufunc(a, b, dst)
                 return
         if avg_p is not None and op != "sum":
             raise ValueError("avg_p is only defined for the sum")
