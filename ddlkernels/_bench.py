@@ -882,13 +882,16 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
     ``wrong`` (summed over ranks and iterations; None when unchecked),
     ``path`` and, when it could not run, ``skipped`` with the reason.
     ``progress``: True, False or "auto" (only on a terminal); rank 0 only.
-    Warmup continues past ``warmup`` calls while an implementation's tuner
-    is still measuring (``Collective.settling``), so that timed iterations
-    run the algorithm it settled on.
+    Warmup is one untimed call per line (its set-up), then ``warmup`` - 1
+    untimed samples per line, taken as the timed ones are (interleaved or
+    not, ``batch`` calls after a barrier), and more while an
+    implementation's tuner is still measuring (``Collective.settling``), so
+    that timed iterations run the algorithm it settled on, chosen in the
+    conditions they are timed in.
     ``interleave``: time iteration i of every implementation before iteration
     i + 1 of any (default), so that load from other processes, which comes
     and goes, falls on every line alike; False runs each line's iterations
-    back to back.  Warmup runs before the timed iterations, per line.
+    back to back, each line's warmup just before them.
     ``min_sample_s``: a timed sample is ``batch`` calls back to back (as
     nccl-tests times its iterations), with ``batch`` the same for every line
     of a size and chosen from one untimed probe so that the fastest line's
@@ -931,22 +934,34 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
                 # lie (see _placement).
                 _placement["next"] = 0
                 active.append([impl, impl.make(comm, count, dt, op, inplace), 0, [], 0])  # impl, state, wrong, times, redone
-            def settle(a, calls):
-                """``calls`` untimed calls, then more while the implementation's tuner is measuring (at most MAX_SETTLE)."""
-                impl, st = a[0], a[1]
-                for k in range(calls + MAX_SETTLE):
-                    if k >= calls and not impl.settling(st):
-                        break
-                    impl.run(st)
-                    if check:
-                        a[2] += impl.wrong(st)
+            def sample(a):
+                """One untimed sample of line ``a``: as a timed one (a barrier, ``batch`` calls), then its check."""
+                _time_one(comm, a[0].run, a[1], batch)
+                if check:  # right after its call: the next line writes the same output
+                    a[2] += a[0].wrong(a[1])
 
-            for a in active:
-                if bar is not None:
-                    bar.set_postfix_str(f"{kind} {format_size(row['bytes'])} {a[0].name}", refresh=False)
-                settle(a, warmup)
+            def warm(rounds, lines):
+                """``rounds`` rounds of one untimed sample per line of ``lines`` in turn, then more while one's
+                tuner is measuring (at most MAX_SETTLE).  Interleaved, the tuner's trials run amid the other
+                lines' calls, as the timed samples of what it chose then do.  Warmed line by line, each alone,
+                its trials ran with the caches only its own calls had filled: at 16 MiB, 4 ranks on 2 cores,
+                they chose the window (7.6 ms a call in its trials), which then took 9.3 ms per timed sample,
+                where cma, forced, took 6.9 ms (``bench/allreduce.py -b 8M -e 16M -f 2 -n 30 -w 14 --impls
+                ddlkernels,ring,mpi,link,pyring,copy``, the tuner's trials printed).  ``settling`` is the same
+                on every rank, so every rank runs the same rounds."""
+                for k in range(rounds + MAX_SETTLE):
+                    busy = k < rounds or any(a[0].settling(a[1]) for a in lines)
+                    if not busy:
+                        break
+                    for a in lines:
+                        sample(a)
 
             batch = 1
+            first = min(warmup, 1)  # the first warmup call: each line's lazy set-up (windows, compiled loops),
+            for a in active[:len(active) * first]:  # out of the probe
+                if bar is not None:
+                    bar.set_postfix_str(f"{kind} {format_size(row['bytes'])} {a[0].name}", refresh=False)
+                sample(a)
             if min_sample_s > 0 and not inplace and active:
                 probes = []
                 for a in active:  # each line checked right after its call: the next line's writes the same output
@@ -966,21 +981,24 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
                     if not impl.settling(st):
                         break
                     # The tuner measures this size again (its watch saw the calls slow
-                    # down: ddlkernels._tuner): settle again untimed, then time the
-                    # sample anew, so that every timed sample runs a settled choice.
-                    # settling() is the same on every rank, so all ranks redo alike.
+                    # down: ddlkernels._tuner): settle again untimed, amid the other
+                    # lines as before, then time the sample anew, so that every timed
+                    # sample runs a settled choice.  settling() is the same on every
+                    # rank, so all ranks redo alike.
                     a[4] += 1
-                    settle(a, 0)
+                    warm(0, active if interleave else [a])
                 a[3].append(t)
 
             if interleave:
                 # One iteration of each implementation in turn: a burst of load from
                 # other processes then slows every line alike instead of one.
+                warm(warmup - first, active)
                 for _ in range(iters):
                     for a in active:
                         timed(a)
             else:
                 for a in active:
+                    warm(warmup - first, [a])
                     for _ in range(iters):
                         timed(a)
             for impl, st, wrong, times, redone in active:

@@ -189,3 +189,32 @@ def test_a_size_measured_again_mid_line_is_settled_untimed_and_the_sample_redone
     assert ddl["remeasured"] >= 1, ddl
     assert "re-measured" in ddl["path"]
     assert comm.allgather(ddl["remeasured"]) == [ddl["remeasured"]] * comm.Get_size()
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_a_line_settling_in_warmup_runs_amid_the_other_lines_as_its_timed_samples_do(comm, interleave):
+    """A line whose tuner is still measuring warms up in rounds with the other lines (interleaved sweeps), so
+    its trials run in the conditions its timed samples then run in; with ``interleave=False`` each line warms
+    up alone, just before its own timed samples."""
+    mpi = make_impls("allreduce", which=("mpi",))[0]
+    calls = []
+
+    def line(name, trials):
+        left = {"n": trials}
+
+        def run(st):
+            calls.append(name)
+            left["n"] -= 1
+            mpi.run(st)
+
+        # settling: the same on every rank (every rank counts the same calls)
+        return Collective(name, mpi.bus_factor, mpi.make, run, mpi.wrong, settling=lambda st: left["n"] > 0)
+
+    rows = run_sweep(comm, [4 * 16 * comm.Get_size()], [line("tuned", 7), line("plain", 0)], iters=2, warmup=2,
+                     interleave=interleave, progress=False)
+    assert all(m["wrong"] == 0 for m in rows[0]["impls"].values())
+    # First a set-up call of each line (the first warmup call), then:
+    if interleave:  # rounds of both lines until "tuned" has made its 7 calls, then 2 timed rounds
+        assert calls == ["tuned", "plain"] + ["tuned", "plain"] * 6 + ["tuned", "plain"] * 2, calls
+    else:  # each line's warmup (the rest of tuned's 7, plain's second) and its 2 timed calls
+        assert calls == ["tuned", "plain"] + ["tuned"] * (6 + 2) + ["plain"] * (1 + 2), calls
