@@ -89,7 +89,7 @@ def sweep_table(path):
     with open(path) as f:
         data = json.load(f)
     rows = [r for r in data["rows"] if r.get("collective", "allreduce") == "allreduce"]
-    names = [n for n in ("ddlkernels", "ddl ring", "MPI_Allreduce", "python ring", "memcpy", "Sendrecv link", "chunked link")
+    names = [n for n in ("ddlkernels", "MPI_Allreduce", "ddl ring", "python ring", "memcpy", "Sendrecv link", "chunked link")
              if n in rows[0]["impls"]]
     lines = ["| N | " + " | ".join(f"{n} busbw" for n in names) + " | ddl / MPI | ddl / link | path |",
              "| ---: " * (len(names) + 3) + "| --- |"]
