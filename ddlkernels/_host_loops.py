@@ -57,9 +57,36 @@ def _overlap(x, y):
     return xl < yh and yl < xh
 
 
+@njit(inline="always")
+def _add(u, v):
+    return u + v
+
+
+@njit(inline="always")
+def _mul(u, v):
+    return u * v
+
+
 # Each shape of loop reads and writes through as few arrays as it can: LLVM vectorizes a loop over arrays it
 # cannot prove disjoint only behind a run-time overlap check, and dst = dst + b written as dst[i] = a[i] + b[i]
 # with a is dst fails that check and runs scalar.
+@njit(inline="always")
+def _reduce(d, a, b, combine):
+    n = d.shape[0]
+    if _same(d, a):
+        for i in range(n):
+            d[i] = combine(d[i], b[i])
+    elif _same(d, b):
+        for i in range(n):
+            d[i] = combine(a[i], d[i])
+    elif _overlap(d, a) or _overlap(d, b):
+        return False
+    else:
+        for i in range(n):
+            d[i] = combine(a[i], b[i])
+    return True
+
+
 @njit(cache=True, nogil=True)
 def reduce(d, a, b, op):
     """``d = a op b`` (op ``SUM`` or ``PROD``); False, having written nothing, where the preconditions fail."""
@@ -68,28 +95,6 @@ def reduce(d, a, b, op):
         return False
     if n == 0:
         return True
-    if _same(d, a):
-        if op == SUM:
-            for i in range(n):
-                d[i] = d[i] + b[i]
-        else:
-            for i in range(n):
-                d[i] = d[i] * b[i]
-        return True
-    if _same(d, b):
-        if op == SUM:
-            for i in range(n):
-                d[i] = a[i] + d[i]
-        else:
-            for i in range(n):
-                d[i] = a[i] * d[i]
-        return True
-    if _overlap(d, a) or _overlap(d, b):
-        return False
     if op == SUM:
-        for i in range(n):
-            d[i] = a[i] + b[i]
-    else:
-        for i in range(n):
-            d[i] = a[i] * b[i]
-    return True
+        return _reduce(d, a, b, _add)
+    return _reduce(d, a, b, _mul)
