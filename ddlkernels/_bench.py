@@ -958,7 +958,7 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
 
             batch = 1
             first = min(warmup, 1)  # the first warmup call: each line's lazy set-up (windows, compiled loops),
-            for a in active[:len(active) * first]:  # out of the probe
+            for a in active if first else ():  # out of the probe
                 if bar is not None:
                     bar.set_postfix_str(f"{kind} {format_size(row['bytes'])} {a[0].name}", refresh=False)
                 sample(a)

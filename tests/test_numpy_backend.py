@@ -224,3 +224,16 @@ def test_wide_loop_declines_mismatched_lengths_without_writing():
     a, b, d = np.ones(8, np.float32), np.ones(7, np.float32), np.zeros(8, np.float32)
     assert loop(d, a, b, 0) is False and not d.any()
     assert loop(d, a, a, 0) is True and (d == 2).all()
+
+
+def test_wide_reduce_of_what_the_loop_cannot_type_is_numpys():
+    """A 0-d operand (Numba's loop indexes it) is reduced by numpy's ufunc, broadcast as numpy does; a read-only
+    output raises numpy's own error."""
+    a = np.arange(5, dtype=np.float32)
+    d = np.empty_like(a)
+    BE.reduce("sum", d, a, np.array(2, np.float32))
+    assert np.array_equal(d, a + 2)
+    ro = np.zeros(5, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        BE.reduce("sum", ro, a, a)

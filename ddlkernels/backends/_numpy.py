@@ -120,9 +120,13 @@ class NumpyBackend(Backend):
             ufunc = _DIRECT.get((op, dst.dtype))
             if ufunc is not None:
                 loop = _LOOP[0] if _LOOP else _host_loop()
-                if (loop is None or dst.ndim != 1 or a.dtype != dst.dtype or b.dtype != dst.dtype
-                        or not loop(dst, a, b, _COMPILED[op, dst.dtype])):
-                    ufunc(a, b, dst)
+                if loop is not None and dst.ndim == 1 and a.dtype == dst.dtype and b.dtype == dst.dtype:
+                    try:
+                        if loop(dst, a, b, _COMPILED[op, dst.dtype]):
+                            return
+                    except Exception:  # noqa: BLE001 - what Numba cannot type (0-d, read-only out): numpy's
+                        pass           # ufunc computes it, or raises numpy's own error
+                ufunc(a, b, dst)
                 return
         if avg_p is not None and op != "sum":
             raise ValueError("avg_p is only defined for the sum")
