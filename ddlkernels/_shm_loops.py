@@ -680,32 +680,31 @@ def _writev(typingctx, pid, local, remote):
 
 
 @njit(inline="always")
-def _read(pid, dst, src_addr, iov):
-    # dst[:] = the len(dst) elements at src_addr in process pid, by one process_vm_readv: the kernel copies
-    # them straight from the peer's pages into mine.  iov: four int64, the local and the remote struct iovec.
-    # True when every byte arrived.
-    nbytes = dst.shape[0] * dst.itemsize
+def _vm(pid, mine, remote, iov, write):
+    # One process_vm_readv (write False: mine[:] = the len(mine) elements at remote in process pid) or
+    # process_vm_writev (write True: those elements = mine[:]); the kernel copies straight between the two
+    # processes' pages.  iov: four int64, the local and the remote struct iovec.  True when every byte arrived
+    # (``ddlkernels._cma._vm`` is the same from Python).
+    nbytes = mine.shape[0] * mine.itemsize
     if nbytes == 0:
         return True
-    iov[0] = dst.ctypes.data
+    iov[0] = mine.ctypes.data
     iov[1] = nbytes
-    iov[2] = src_addr
+    iov[2] = remote
     iov[3] = nbytes
+    if write:
+        return _writev(pid, iov.ctypes.data, iov.ctypes.data + 16) == nbytes
     return _readv(pid, iov.ctypes.data, iov.ctypes.data + 16) == nbytes
 
 
 @njit(inline="always")
+def _read(pid, dst, src_addr, iov):
+    return _vm(pid, dst, src_addr, iov, False)
+
+
+@njit(inline="always")
 def _write(pid, src, dst_addr, iov):
-    # The len(src) elements at dst_addr in process pid = src[:], by one process_vm_writev: the kernel copies
-    # them from my pages straight into the peer's.  True when every byte arrived.
-    nbytes = src.shape[0] * src.itemsize
-    if nbytes == 0:
-        return True
-    iov[0] = src.ctypes.data
-    iov[1] = nbytes
-    iov[2] = dst_addr
-    iov[3] = nbytes
-    return _writev(pid, iov.ctypes.data, iov.ctypes.data + 16) == nbytes
+    return _vm(pid, src, dst_addr, iov, True)
 
 
 @njit(inline="always")
