@@ -935,10 +935,11 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
                 _placement["next"] = 0
                 active.append([impl, impl.make(comm, count, dt, op, inplace), 0, [], 0])  # impl, state, wrong, times, redone
             def sample(a):
-                """One untimed sample of line ``a``: as a timed one (a barrier, ``batch`` calls), then its check."""
-                _time_one(comm, a[0].run, a[1], batch)
+                """One sample of line ``a`` (a barrier, ``batch`` calls), then its check; its time per call."""
+                t = _time_one(comm, a[0].run, a[1], batch)
                 if check:  # right after its call: the next line writes the same output
                     a[2] += a[0].wrong(a[1])
+                return t
 
             def warm(rounds, lines):
                 """``rounds`` rounds of one untimed sample per line of ``lines`` in turn, then more while one's
@@ -963,12 +964,7 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
                     bar.set_postfix_str(f"{kind} {format_size(row['bytes'])} {a[0].name}", refresh=False)
                 sample(a)
             if min_sample_s > 0 and not inplace and active:
-                probes = []
-                for a in active:  # each line checked right after its call: the next line's writes the same output
-                    probes.append(_time_one(comm, a[0].run, a[1]))
-                    if check:
-                        a[2] += a[0].wrong(a[1])
-                probe = min(probes)
+                probe = min([sample(a) for a in active])  # one call each (batch is still 1)
                 batch = int(min(MAX_BATCH, max(1, min_sample_s // max(probe, 1e-9))))
             row["batch"] = batch
 
