@@ -51,9 +51,10 @@ from ddlkernels._shm import ShmAllreduce
 from ddlkernels.backends import backend_for
 
 
-def _shard_lines(comm, x, want, shm, python=False):
+def _shard_lines(comm, x, want, shm, python=False, cma=None):
     """reduce_scatter and allgather lines, the window's and MPI's, on equal shards of ``x`` (checked once);
-    ``python``: also the window's Python loops (``ShmAllreduce._rs_loop`` / ``_ag_loop``)."""
+    ``python``: also the window's Python loops (``ShmAllreduce._rs_loop`` / ``_ag_loop``); ``cma``: a
+    ``CmaAllreduce`` whose single-copy allgather gets a line too ("allgather cma")."""
     p, r = comm.Get_size(), comm.Get_rank()
     n = x.shape[0] // p * p
     x = x[:n]
@@ -70,6 +71,12 @@ def _shard_lines(comm, x, want, shm, python=False):
         "MPI_Allgather": lambda: comm.Allgather(shard, whole),
         "allgather": lambda: shm.allgather(shard, whole, bounds),
     }
+    if cma is not None:
+        gathered = np.zeros(n, x.dtype)
+        cma.allgather(shard, gathered, bounds)
+        if not np.array_equal(gathered, want[:n]):
+            raise SystemExit("the single-copy allgather: wrong result")
+        lines["allgather cma"] = lambda: cma.allgather(shard, gathered, bounds)
     if python:
         lines["reduce_scatter python"] = lambda: shm._rs_loop(x, shard, bounds, "sum", np.add, None, None, None)
         lines["allgather python"] = lambda: shm._ag_loop(shard, whole, bounds, None)
@@ -91,7 +98,8 @@ def main():
     ap.add_argument("--shards", action="store_true",
                     help="with --small, --loop or --stream: time the window's reduce_scatter and allgather (equal "
                          "shards; whole message, or both loops, or both stores) beside MPI_Reduce_scatter_block "
-                         "and MPI_Allgather instead")
+                         "and MPI_Allgather instead; with --cma: the single-copy allgather beside them, 4 KiB-64 "
+                         "MiB (where ddlkernels._tuner.CMA_GATHER_FROM comes from)")
     ap.add_argument("--loop", action="store_true",
                     help="compare the compiled piece loop (ddlkernels._shm_loops.pieces_allreduce, what run takes) "
                          "with the Python one (ShmAllreduce._pieces, what a timeout=, \"avg\" or float16 takes)")
@@ -119,6 +127,8 @@ def main():
     a = ap.parse_args()
     if a.push and not a.cma:
         ap.error("--push goes with --cma")
+    if a.push and a.shards:
+        ap.error("--push goes with the single-copy allreduce, not --shards")
     if a.inplace and (a.small or a.shards or a.spill or a.stream or a.loop):
         ap.error("--inplace goes with the default lines or --cma")
     comm = MPI.COMM_WORLD
@@ -131,6 +141,9 @@ def main():
             variants = {f"spin {int(s)}": ShmAllreduce(comm, whole_below=whole, spin=int(s)) for s in a.spins.split(",")}
         else:
             variants = {"whole": ShmAllreduce(comm, whole_below=whole), "pieces": ShmAllreduce(comm, whole_below=0)}
+    elif a.cma and a.shards:
+        sizes = a.sizes or "4K,16K,64K,256K,1M,4M,16M,64M"
+        variants = {"window": ShmAllreduce(comm)}  # the Communicator's: whole messages below its whole_below
     elif a.cma:
         sizes = a.sizes or "64K,256K,1M,4M,16M,64M"
         window = ShmAllreduce(comm, whole_below=0)
@@ -186,6 +199,8 @@ def main():
             for k, v in variants.items():
                 fns.update({(f if f.startswith("MPI") else f"{f} {k}"): g
                             for f, g in _shard_lines(comm, x, want, v).items()})
+        elif a.shards and a.cma:
+            fns.update(_shard_lines(comm, x, want, variants["window"], cma=CmaAllreduce(variants["window"])))
         elif a.shards:
             fns.update(_shard_lines(comm, x, want, variants["whole" if a.small else "compiled"], python=a.loop))
             if "pieces" in variants:  # --small: the same calls in pieces, where the crossover is
@@ -231,6 +246,8 @@ def main():
                 pairs = [("cached/streamed", "cached", "streamed")]
             elif a.spill:
                 pairs = [("kept/spilled", "kept", "spilled")]
+            elif a.cma and a.shards:
+                pairs = [("allgather/cma", "allgather", "allgather cma"), ("MPI/cma", "MPI_Allgather", "allgather cma")]
             elif a.cma:
                 pairs = [(f"shm/{k}", "shm", k) for k in med if k.startswith("cma")]
             # --only may have left a pair's lines out.

@@ -39,6 +39,13 @@ folds in its cache; three barriers per call whatever its size.  The data
 crosses between processes once per phase, from the memory it already lies
 in, where the window moves it twice (into the stage, then out of it).
 
+The same reads make an allgather (``CmaAllreduce.allgather``): each rank
+publishes where its shard lies, one barrier, reads every peer's shard
+straight into its own output (one ``process_vm_readv`` each), one barrier
+before anyone returns -- one copy of every byte, where the window's
+allgather copies each chunk into its stage and out again.  It is the
+allgather tuner's "cma", from ``ddlkernels._tuner.CMA_GATHER_FROM`` bytes.
+
 It needs what ``process_vm_readv`` and ``process_vm_writev`` need: Linux,
 every rank the same user, and ptrace permission between them (Yama's
 ``ptrace_scope`` 0, or a library such as Open MPI's that has allowed it).
@@ -110,7 +117,7 @@ readv, writev = _libc("process_vm_readv"), _libc("process_vm_writev")
 
 #: What every rank of a call raises when a read or write failed on any (the compiled loop and the Python one
 #: alike).
-READ_FAILED = ("cma allreduce: process_vm_readv or process_vm_writev failed on some rank (a peer's buffer "
+READ_FAILED = ("cma {}: process_vm_readv or process_vm_writev failed on some rank (a peer's buffer "
                "unmapped, or ptrace permission withdrawn); the output is garbage on every rank")
 
 
@@ -181,7 +188,7 @@ class CmaAllreduce:
         self.piece_bytes = int(piece_bytes)
         self.push_from = int(push_from)
         self._pids = None
-        self._fns = {}  # (dtype, n, op) -> f(x, out)
+        self._fns = {}  # (dtype, n, op) -> f(x, out); ("allgather", dtype, n, bounds) -> f(shard, out)
         self._scratch = {}  # dtype -> (tmp, acc)
 
     def run(self, src, dst, op, deadline=None) -> None:
@@ -227,12 +234,82 @@ class CmaAllreduce:
             e = shm._epoch + 1
             shm._epoch += barriers
             if loop(x, out, me, shm._flags, e, code, shm.spin, step, pids, tmp, acc, iov, push):
-                raise RuntimeError(READ_FAILED)
+                raise RuntimeError(READ_FAILED.format("allreduce"))
 
         if len(self._fns) >= 256:
             self._fns.clear()
         self._fns[key] = f
         return f
+
+    def allgather(self, shard, out, bounds, deadline=None) -> None:
+        """``out[bounds[s][0]:bounds[s][1]] = shard of rank s`` for every s (1-D C-contiguous host arrays of
+        one dtype, not overlapping; ``bounds`` every rank's (lo, hi) in elements, the same on every rank).
+
+        Each rank reads its peers' shards straight into ``out`` with
+        ``process_vm_readv`` (``ddlkernels._shm_loops.cma_allgather``): one
+        copy per byte and two barriers, on the window's flag lines, for any
+        dtype (bytes are copied).  ``deadline`` as for ``run``.  Raises
+        ``RuntimeError`` on every rank when a read failed on any.
+        """
+        if out.shape[0] == 0:
+            return
+        if deadline is None:
+            self.gather_fn(out.dtype, out.shape[0], bounds)(shard, out)
+        else:
+            self._gather_python(shard, out, bounds, deadline)
+
+    def gather_fn(self, dtype, n, bounds):
+        """``f(shard, out)``: ``allgather`` without a deadline for ``n`` elements of ``dtype`` (n > 0) placed
+        by ``bounds``, every lookup made once (cached; for ``Communicator``'s fast path).  Allocates the
+        window's flags on first use (collective)."""
+        key = ("allgather", np.dtype(dtype), n, tuple(tuple(b) for b in bounds))
+        hit = self._fns.get(key)
+        if hit is not None:
+            return hit
+        from . import _shm_loops
+
+        shm = self._ready()
+        item = np.dtype(dtype).itemsize
+        los = np.array([b[0] * item for b in bounds], dtype=np.int64)
+        his = np.array([b[1] * item for b in bounds], dtype=np.int64)
+        pids, me, iov, loop = self._pids, shm.rank, np.zeros(4, np.int64), _shm_loops.cma_allgather
+
+        def f(shard, out):
+            if shm._flags is None:  # the window was freed since (collective: every rank's same call)
+                self._ready()
+            e = shm._epoch + 1
+            shm._epoch += 2
+            if loop(shard.view(np.uint8), out.view(np.uint8), me, shm._flags, e, shm.spin, pids, los, his, iov):
+                raise RuntimeError(READ_FAILED.format("allgather"))
+
+        if len(self._fns) >= 256:
+            self._fns.clear()
+        self._fns[key] = f
+        return f
+
+    def _gather_python(self, shard, out, bounds, deadline):
+        """``allgather``'s steps in Python, each barrier polled against ``deadline``: the compiled loop's
+        barriers, so that ranks with and without a deadline meet."""
+        from ._shm import FLAG_STRIDE
+        from ._shm_loops import BAD_WORD, X_WORD
+
+        shm = self._ready()
+        p, me = shm.p, shm.rank
+        lines = shm._flags.reshape(p, FLAG_STRIDE)
+        lines[me, X_WORD] = shard.ctypes.data
+        shm._barrier(deadline)
+        lo, hi = bounds[me]
+        out[lo:hi] = shard
+        bad = 0
+        for k in range(1, p):
+            s = (me + k) % p
+            a, b = bounds[s]
+            if b > a:
+                bad += not read_into(int(self._pids[s]), out[a:b], int(lines[s, X_WORD]))
+        lines[me, BAD_WORD] = bad
+        shm._barrier(deadline)
+        if lines[:, BAD_WORD].sum():
+            raise RuntimeError(READ_FAILED.format("allgather"))
 
     def _ready(self):
         shm = self.shm
@@ -290,4 +367,4 @@ class CmaAllreduce:
         lines[me, BAD_WORD] = bad
         shm._barrier(deadline)
         if lines[:, BAD_WORD].sum():
-            raise RuntimeError(READ_FAILED)
+            raise RuntimeError(READ_FAILED.format("allreduce"))

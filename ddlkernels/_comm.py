@@ -23,7 +23,7 @@ from ._transport import HostTransport
 from . import _hier
 from ._cma import CmaAllreduce, probe as cma_probe
 from ._shm import GATHER_STREAM_FROM, ShmAllreduce, _ufunc, one_node
-from ._tuner import SizeTuner, candidates
+from ._tuner import CMA_GATHER_FROM, SizeTuner, candidates
 from ._validate import Call
 from ._wait import Deadline, _check_timeout
 from .backends import backend_for
@@ -608,6 +608,9 @@ class Communicator:
         ``GATHER_STREAM_FROM`` bytes also measures the window writing its
         output with non-temporal stores, "shm-nt" ("shm" then writes it
         normally); a window forced on (``shm=True``) streams from that size.
+        An allgather from ``CMA_GATHER_FROM`` bytes also measures "cma", every
+        rank reading its peers' shards where they lie (``ddlkernels._cma``),
+        where the ranks may read each other's memory.
         """
         if device or dims is not None:
             return "ring", None
@@ -616,8 +619,10 @@ class Communicator:
         if self.small_bytes is not None:  # a fixed threshold: MPI's own call below it, where it applies, the ring from it
             return ("mpi" if mpi and nbytes < self.small_bytes else "ring"), None
         shm = self._shm_mode is not None
+        gather = kind == "allgather"
         cands = (("mpi",) * bool(mpi) + ("ring",) + ("shm",) * shm
-                 + ("shm-nt",) * (shm and kind == "allgather" and nbytes >= GATHER_STREAM_FROM))
+                 + ("shm-nt",) * (shm and gather and nbytes >= GATHER_STREAM_FROM)
+                 + ("cma",) * (gather and self._cma_ok and nbytes >= CMA_GATHER_FROM))
         return (cands[0], None) if len(cands) == 1 else (None, cands)
 
     def _gather_stream(self, algo):
@@ -1059,6 +1064,10 @@ class Communicator:
                 stream = self._gather_stream(algo)
                 fn = self._shm.shard_fn("allgather", dtype, count, None, bounds, stream)
                 hit = (algo, bounds, fn, stream, watch)
+            elif algo == "cma":
+                if self._cma is None or self._cma._pids is None or not self._shm.allocated or count == 0:
+                    return None  # the full path sets it up (collectively); ask again after it
+                hit = (algo, bounds, self._cma.gather_fn(dtype, count, bounds), None, watch)
             elif algo == "mpi":
                 item = dtype.itemsize
                 sizes = [(b - a) * item for a, b in bounds]
@@ -1132,6 +1141,9 @@ class Communicator:
         def run(algo):
             self.last_algorithm = algo
             dst = be.empty(count, dtype) if out is None else out
+            if algo == "cma":
+                self._cma_collectives().allgather(src, dst, expect, deadline=deadline)
+                return dst
             if algo == "shm" or algo == "shm-nt":
                 stream = self._gather_stream(algo)
                 self._shm_collectives().allgather(src, dst, expect, deadline=deadline, stream=stream)

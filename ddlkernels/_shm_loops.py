@@ -708,6 +708,19 @@ def _write(pid, src, dst_addr, iov):
 
 
 @njit(inline="always")
+def _last_barrier(flags, me, p, epoch, spin, bad):
+    # A single-copy call's last barrier, ``epoch``: my count of failed reads and writes published before it,
+    # every rank's summed after it (the same total everywhere).  A peer rewrites its word only after the first
+    # barrier of its next call, which I reach after summing.
+    flags[me * STRIDE + BAD_WORD] = bad
+    barrier(flags, me, p, epoch, spin)
+    total = 0
+    for s in range(p):
+        total += flags[s * STRIDE + BAD_WORD]
+    return total
+
+
+@njit(inline="always")
 def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, combine):
     p = pids.shape[0]
     item = x.itemsize
@@ -775,13 +788,8 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, combin
             slo, shi = _block(n, p, s)
             if not _read(pids[s], out[slo:shi], outs[s] + slo * item, iov):
                 bad += 1
-    flags[line + BAD_WORD] = bad
     # Nobody returns (and lets its caller touch x or out) while a peer may still read them.
-    barrier(flags, me, p, epoch + 2, spin)
-    total = 0
-    for s in range(p):
-        total += flags[s * STRIDE + BAD_WORD]
-    return total
+    return _last_barrier(flags, me, p, epoch + 2, spin, bad)
 
 
 @njit(cache=True, nogil=True)
@@ -813,3 +821,42 @@ def cma_allreduce(x, out, me, flags, epoch, op, spin, step, pids, tmp, acc, iov,
     if op == 2:
         return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, _max)
     return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, _min)
+
+
+@njit(cache=True, nogil=True)
+def cma_allgather(shard, out, me, flags, epoch, spin, pids, los, his, iov):
+    """``out[los[s]:his[s]] = shard of rank s`` for every s, each rank reading its peers' shards where they lie.
+
+    Purpose: ``CmaAllreduce.allgather`` in one compiled call: publish my
+    shard's address, barrier, copy my shard into my part of ``out``, read
+    every peer's shard straight into its part of ``out`` (one
+    ``process_vm_readv`` each, rank me + 1 first so that the ranks' reads
+    of one moment go to different processes), barrier: nobody returns, and
+    lets its caller touch its shard, while a peer may still read it.  One
+    copy of every byte, two barriers whatever the size, where the window
+    copies each chunk twice (into the stage, out of it) with two barriers
+    per chunk.
+    Preconditions: ``shard`` and ``out`` 1-D C-contiguous bytes (the
+    caller's arrays viewed as uint8, so one compilation serves every
+    dtype), not overlapping; ``los``/``his`` (int64, p each) every rank's
+    byte range in ``out``, mine ``len(shard)`` long, the same on every
+    rank; ``flags`` the window's flag lines and the barriers ``epoch``,
+    ``epoch + 1`` every rank's next; ``pids`` as for ``cma_allreduce``;
+    ``iov``: four int64.
+    Use: ``CmaAllreduce.allgather`` / ``gather_fn``.  Returns the number of
+    reads that failed on any rank (then ``out`` is garbage on every rank,
+    and the caller raises): the same on every rank.
+    """
+    p = pids.shape[0]
+    line = me * STRIDE
+    flags[line + X_WORD] = shard.ctypes.data
+    barrier(flags, me, p, epoch, spin)  # every shard's address is published
+    _copy(out[los[me] : his[me]], shard)
+    bad = 0
+    for k in range(1, p):
+        s = (me + k) % p
+        # A peer's address is read here, before the last barrier: a peer rewrites it only in its next call,
+        # which it enters after that barrier.
+        if his[s] > los[s] and not _read(pids[s], out[los[s] : his[s]], flags[s * STRIDE + X_WORD], iov):
+            bad += 1
+    return _last_barrier(flags, me, p, epoch + 1, spin, bad)

@@ -102,8 +102,10 @@ calls may have been made in its start-up noise.
 (``Communicator._shard_tuners``) with the candidates MPI's own call (where
 it computes the call), "ring" and, on one node, "shm" -- and for an
 allgather from ``ddlkernels._shm.GATHER_STREAM_FROM`` bytes "shm-nt", the
-window writing its output with non-temporal stores -- measured and watched
-the same way, on their fast paths as on their full paths.
+window writing its output with non-temporal stores, and from
+``CMA_GATHER_FROM`` "cma", every rank reading its peers' shards where they
+lie -- measured and watched the same way, on their fast paths as on their
+full paths.
 
 Every rank makes the same sequence of calls with the same sizes (a
 collective requires it), so every rank reaches the deciding allreduce in the
@@ -116,7 +118,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "SPILL_FROM", "CMA_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN",
+__all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "SPILL_FROM", "CMA_FROM", "CMA_GATHER_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN",
            "margin", "candidates",
            "trials", "block", "tuning_calls", "WATCH_FROM", "WATCH_CALLS", "WATCH_MIN_CALLS", "WATCH_MAX_CALLS",
            "CHECK_SECONDS", "DRIFT", "EXPLORE_CHECKS", "RECOUNT_CALLS", "RECOUNT_MAX_CALLS", "watch_interval"]
@@ -153,6 +155,15 @@ SPILL_FROM = 8 << 20
 #: 32 KiB, 56.5 / 25.7 / 28.4 at 64 KiB, 83.5 / 38.8 / 38.5 at 128 KiB.  So from 32 KiB: below it the
 #: window won everywhere; from there the trials (the incumbent ahead by SMALL_MARGIN or MARGIN) decide.
 CMA_FROM = 32 << 10
+#: An allgather's "cma" (``ddlkernels._cma.CmaAllreduce.allgather``: every rank reads its peers' shards
+#: straight into its output, one copy, two barriers) is a candidate from this size.  ``mpirun -n 2|4 python
+#: -m mpi4py bench/shm_pieces.py --cma --shards --pages huge``, MPI_Allgather / the window's allgather / cma,
+#: us per call: 2 ranks 2.05 / 2.11 / 3.64 at 4 KiB, 2.86 / 3.80 / 4.10 at 16 KiB, 4.16 / 7.62 / 5.32 at 64
+#: KiB, 9.88 / 17.76 / 10.92 at 256 KiB, 57.7 / 85.5 / 58.3 at 1 MiB, 643 / 528 / 372 at 4 MiB, 2426 / 1961 /
+#: 2419 at 16 MiB; 4 ranks 8.81 / 6.55 / 18.22 at 4 KiB, 17.2 / 8.95 / 19.6 at 16 KiB, 25.2 / 16.5 / 23.2
+#: at 64 KiB, 53.6 / 39.3 / 44.6 at 256 KiB, 1706 / 1183 / 1317 at 4 MiB.  Below 64 KiB its system calls lose
+#: to both; from there it beats the window with 2 ranks (to 4 MiB) and MPI's call with 4; the trials decide.
+CMA_GATHER_FROM = 64 << 10
 #: From MPI_BELOW: timed calls per candidate, in blocks of 3, so 4 blocks each.
 #: With 6 (2 blocks), one block hit by a burst of other work (4 ranks on 2
 #: cores, a kernel thread taking a core) moved the median enough to settle

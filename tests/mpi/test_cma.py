@@ -167,3 +167,127 @@ def test_the_tuner_weighs_it_and_a_size_settled_on_it_runs_on_both_paths():
         parts = [x[:1000].copy(), x[1000:].copy()]
         fused = ddlkernels.allreduce_many(parts, comm=dc, fusion_bytes=x.nbytes)
         assert np.array_equal(np.concatenate(fused), want) and dc.last_algorithm == "cma"
+
+
+def _gather_case(n, dtype, salt):
+    """Every rank's shard of ``n`` elements (uneven, Communicator's flat cut) and the gathered whole."""
+    from ddlkernels._shm import cuts
+
+    c = cuts(n, P)
+    bounds = [(c[s], c[s + 1]) for s in range(P)]
+    full = np.concatenate([rank_data(b - a, s, P, dtype, salt=salt) for s, (a, b) in enumerate(bounds)])
+    return bounds, full
+
+
+@needs_cma
+@pytest.mark.parametrize("dtype", DTYPES + [np.float16, "bfloat16", np.complex64, np.bool_],
+                         ids=lambda d: np.dtype(d).name if d != "bfloat16" else d)
+def test_allgather_every_dtype_and_size(dtype):
+    """Every rank's shard lands in its place in every rank's output, bit for bit, for 0, 1, p - 1, p + 1,
+    primes and a size of several MiB (uneven shards; ranks without elements when n < p), any dtype (bytes
+    are copied: half floats, complex and bool too); the shard is left as it was."""
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dtype = ml_dtypes.bfloat16
+    shm = ShmAllreduce(COMM)
+    cma = CmaAllreduce(shm)
+    for n in SIZES + [1 << 20]:
+        bounds, full = _gather_case(n, dtype, salt=n % 89)
+        lo, hi = bounds[RANK]
+        shard = full[lo:hi].copy()
+        out = np.zeros(n, full.dtype)
+        cma.allgather(shard, out, bounds)
+        what = f"n={n} {np.dtype(dtype).name}"
+        assert np.array_equal(out.view(np.uint8), full.view(np.uint8)), what
+        assert np.array_equal(shard.view(np.uint8), full[lo:hi].view(np.uint8)), f"{what}: shard modified"
+    shm.free()
+
+
+@needs_cma
+def test_allgather_ranks_with_and_without_a_deadline_meet_and_skewed_calls_read_only_their_own_data():
+    """Half the ranks of each call take the Python steps (a deadline), the others the compiled call; one rank
+    late by turns and every call's shard new, rewritten right after the call returns: without the last
+    barrier a fast rank would rewrite its shard while a peer still reads it, without the first a peer would
+    read the previous call's address."""
+    from ddlkernels._wait import Deadline
+
+    shm = ShmAllreduce(COMM)
+    cma = CmaAllreduce(shm)
+    n = 100_003
+    bounds, _ = _gather_case(n, np.int64, 0)
+    lo, hi = bounds[RANK]
+    for call in range(24):
+        if (RANK + call) % P == 0:
+            time.sleep(0.02)
+        shard = (np.arange(lo, hi, dtype=np.int64) * 1000 + call) * P + RANK  # a new array each call
+        want = np.concatenate([(np.arange(a, b, dtype=np.int64) * 1000 + call) * P + s
+                               for s, (a, b) in enumerate(bounds)])
+        out = np.zeros(n, np.int64)
+        deadline = Deadline("allgather", RANK, 60.0) if (RANK + call) % 2 else None
+        cma.allgather(shard, out, bounds, deadline=deadline)
+        shard[:] = -1  # the caller reuses its shard at once
+        assert np.array_equal(out, want), f"call {call}"
+    shm.free()
+
+
+@needs_cma
+@pytest.mark.parametrize("python", [False, True], ids=["compiled", "python"])
+def test_allgather_a_failed_read_raises_on_every_rank_and_the_next_call_works(python):
+    """A read the kernel refuses (rank 0 told a wrong process id) fails the allgather on every rank, and the
+    barriers stay in step for the next call."""
+    from ddlkernels._wait import Deadline
+
+    shm = ShmAllreduce(COMM)
+    cma = CmaAllreduce(shm)
+    bounds, full = _gather_case(5000, np.float64, 3)
+    lo, hi = bounds[RANK]
+    shard, out = full[lo:hi].copy(), np.zeros(5000)
+    cma.allgather(shard, out, bounds)  # sets up the process ids
+    good = cma._pids.copy()
+    if RANK == 0:
+        cma._pids[:] = 0x7FFFFFFF  # no such process
+    deadline = Deadline("allgather", RANK, 60.0) if python else None
+    with pytest.raises(RuntimeError, match="cma allgather: process_vm_readv or process_vm_writev failed"):
+        cma.allgather(shard, out, bounds, deadline=deadline)
+    cma._pids[:] = good
+    out[:] = 0
+    cma.allgather(shard, out, bounds)
+    assert np.array_equal(out, full)
+    shm.free()
+
+
+@needs_cma
+def test_the_allgather_tuner_weighs_it_and_a_size_settled_on_it_runs_on_both_paths():
+    """From CMA_GATHER_FROM bytes an allgather measures "cma" too: the trials run it, every call gathers every
+    shard, and a size settled on it runs it on the fast path (``count=``) and the full one (lengths
+    exchanged) alike; below that size it is no candidate."""
+    from ddlkernels._tuner import CMA_GATHER_FROM, tuning_calls
+
+    with ddlkernels.Communicator(COMM) as dc:
+        _, below = dc._shard_choices(CMA_GATHER_FROM - 4, False, None, True, "allgather")
+        assert "cma" not in below, below
+        _, rs = dc._shard_choices(4 * CMA_GATHER_FROM, False, None, True, "reduce_scatter")
+        assert "cma" not in rs, rs
+        count = CMA_GATHER_FROM // 4 + P + 1  # float32, uneven shards
+        bounds = [dc.shard_range(count, rank=q) for q in range(P)]
+        full = np.concatenate([rank_data(b - a, q, P, np.float32, salt=5) for q, (a, b) in enumerate(bounds)])
+        lo, hi = bounds[RANK]
+        shard = full[lo:hi].copy()
+        _, cands = dc._shard_choices(count * 4, False, None, True, "allgather")
+        assert cands[-1] == "cma", cands
+        n = tuning_calls(count * 4, len(cands))
+        seen = []
+        for k in range(n):
+            y = dc.allgather(shard, count=count)
+            assert np.array_equal(y, full), f"call {k} ({dc.last_algorithm})"
+            seen.append(dc.last_algorithm)
+        assert "cma" in seen, seen
+        dc._shard_tuners["allgather"].settle(count * 4, cands, "cma")  # alike on every rank
+        dc._ag_fast_cache.clear()
+        out = np.empty(count, np.float32)
+        for k in range(3):
+            y = (dc.allgather(shard, count=count, out=out) if k == 0 else dc.allgather(shard, count=count)
+                 if k == 1 else dc.allgather(shard))  # the last: lengths exchanged, the full path
+            assert dc.last_algorithm == "cma", k
+            assert np.array_equal(y, full), f"settled on cma, call {k}"
+        assert any(h and h[0] == "cma" for h in dc._ag_fast_cache.values()), dc._ag_fast_cache

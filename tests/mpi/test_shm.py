@@ -252,11 +252,11 @@ def test_the_allgather_tuner_weighs_streamed_output_and_either_runs_on_both_path
         lo, hi = bounds[RANK]
         shard = full[lo:hi].copy()
         _, cands = dc._shard_choices(count * 4, False, None, True, "allgather")
-        assert cands == ("mpi", "ring", "shm", "shm-nt"), cands
+        assert cands == ("mpi", "ring", "shm", "shm-nt") + ("cma",) * dc._cma_ok, cands
         _, rs_cands = dc._shard_choices(count * 4, False, None, True, "reduce_scatter")
         assert rs_cands == ("mpi", "ring", "shm"), rs_cands  # reduce_scatter never streams
         _, below = dc._shard_choices(GATHER_STREAM_FROM - 4, False, None, True, "allgather")
-        assert below == ("mpi", "ring", "shm"), below
+        assert below == ("mpi", "ring", "shm") + ("cma",) * dc._cma_ok, below
         n = tuning_calls(count * 4, len(cands))
         out = np.empty(count, np.float32)
         seen = []
