@@ -236,10 +236,7 @@ class CmaAllreduce:
             if loop(x, out, me, shm._flags, e, code, shm.spin, step, pids, tmp, acc, iov, push):
                 raise RuntimeError(READ_FAILED.format("allreduce"))
 
-        if len(self._fns) >= 256:
-            self._fns.clear()
-        self._fns[key] = f
-        return f
+        return self._remember(key, f)
 
     def allgather(self, shard, out, bounds, deadline=None) -> None:
         """``out[bounds[s][0]:bounds[s][1]] = shard of rank s`` for every s (1-D C-contiguous host arrays of
@@ -282,16 +279,13 @@ class CmaAllreduce:
             if loop(shard.view(np.uint8), out.view(np.uint8), me, shm._flags, e, shm.spin, pids, los, his, iov):
                 raise RuntimeError(READ_FAILED.format("allgather"))
 
-        if len(self._fns) >= 256:
-            self._fns.clear()
-        self._fns[key] = f
-        return f
+        return self._remember(key, f)
 
     def _gather_python(self, shard, out, bounds, deadline):
         """``allgather``'s steps in Python, each barrier polled against ``deadline``: the compiled loop's
         barriers, so that ranks with and without a deadline meet."""
         from ._shm import FLAG_STRIDE
-        from ._shm_loops import BAD_WORD, X_WORD
+        from ._shm_loops import X_WORD
 
         shm = self._ready()
         p, me = shm.p, shm.rank
@@ -304,12 +298,24 @@ class CmaAllreduce:
         for k in range(1, p):
             s = (me + k) % p
             a, b = bounds[s]
-            if b > a:
-                bad += not read_into(int(self._pids[s]), out[a:b], int(lines[s, X_WORD]))
-        lines[me, BAD_WORD] = bad
-        shm._barrier(deadline)
+            bad += not read_into(int(self._pids[s]), out[a:b], int(lines[s, X_WORD]))
+        self._last_barrier(lines, bad, deadline, "allgather")
+
+    def _remember(self, key, f):
+        if len(self._fns) >= 256:  # a job with ever new sizes must not grow this without bound
+            self._fns.clear()
+        self._fns[key] = f
+        return f
+
+    def _last_barrier(self, lines, bad, deadline, kind):
+        """The Python twin of ``_shm_loops._last_barrier``: my count of failed reads and writes published, the
+        last barrier, and ``RuntimeError`` on every rank when any rank counted one."""
+        from ._shm_loops import BAD_WORD
+
+        lines[self.shm.rank, BAD_WORD] = bad
+        self.shm._barrier(deadline)
         if lines[:, BAD_WORD].sum():
-            raise RuntimeError(READ_FAILED.format("allgather"))
+            raise RuntimeError(READ_FAILED.format(kind))
 
     def _ready(self):
         shm = self.shm
@@ -328,7 +334,7 @@ class CmaAllreduce:
     def _python(self, x, out, op, deadline):
         """``run``'s steps in Python, each barrier polled against ``deadline`` (``ShmAllreduce._barrier``):
         the same barriers as the compiled loop, so that ranks with and without a deadline meet."""
-        from ._shm_loops import BAD_WORD, OUT_WORD, X_WORD
+        from ._shm_loops import OUT_WORD, X_WORD
         from ._shm import FLAG_STRIDE
 
         shm = self._ready()
@@ -364,7 +370,4 @@ class CmaAllreduce:
         for s in range(p):
             if s != me and not push:
                 bad += not read_into(int(self._pids[s]), out[cut[s] : cut[s + 1]], outs[s] + cut[s] * item)
-        lines[me, BAD_WORD] = bad
-        shm._barrier(deadline)
-        if lines[:, BAD_WORD].sum():
-            raise RuntimeError(READ_FAILED.format("allreduce"))
+        self._last_barrier(lines, bad, deadline, "allreduce")

@@ -857,6 +857,6 @@ def cma_allgather(shard, out, me, flags, epoch, spin, pids, los, his, iov):
         s = (me + k) % p
         # A peer's address is read here, before the last barrier: a peer rewrites it only in its next call,
         # which it enters after that barrier.
-        if his[s] > los[s] and not _read(pids[s], out[los[s] : his[s]], flags[s * STRIDE + X_WORD], iov):
+        if not _read(pids[s], out[los[s] : his[s]], flags[s * STRIDE + X_WORD], iov):  # none for an empty shard
             bad += 1
     return _last_barrier(flags, me, p, epoch + 1, spin, bad)
