@@ -34,8 +34,8 @@ of mine during the call (in place it is input that only I read, and I have
 read it).  That is the push, from ``PUSH_FROM`` bytes, every size the tuner
 offers this algorithm at; below it (``push_from=``) the ranks pull instead:
 after the middle barrier each reads every other block from its owner's
-``out``, one read per block.  A read of ``PIECE_BYTES`` keeps what a rank
-folds in its cache; three barriers per call whatever its size.  The data
+``out``, one read per block.  A read of ``PIECE_BYTES`` (from 3 ranks
+``PIECE_BYTES_WIDE``: ``piece_for``) keeps what a rank folds in its cache; three barriers per call whatever its size.  The data
 crosses between processes once per phase, from the memory it already lies
 in, where the window moves it twice (into the stage, then out of it).
 
@@ -68,9 +68,9 @@ import numpy as np
 
 from ._shm import OPCODES, _ufunc, cuts
 
-__all__ = ["CmaAllreduce", "PIECE_BYTES", "probe"]
+__all__ = ["CmaAllreduce", "PIECE_BYTES", "PIECE_BYTES_WIDE", "piece_for", "probe"]
 
-#: Bytes of my block folded per read of a peer's input: what a rank reads and folds stays in its 1 MiB L2.
+#: Bytes of my block folded per read of a peer's input with 2 ranks: what a rank reads and folds stays in its L2.
 #: ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge --pieces 256K,512K,1M --sizes
 #: 64K,256K,512K,1M,4M,16M,64M`` (time of the window's allreduce / this one's), two runs: reads of 256 KiB
 #: 0.86-1.04 / 1.11-1.14 / 1.63-1.65 / 1.69-1.70 at 1 / 4 / 16 / 64 MiB, 512 KiB 0.75-1.07 / 1.18-1.19 /
@@ -80,6 +80,22 @@ __all__ = ["CmaAllreduce", "PIECE_BYTES", "probe"]
 #: alternated twice: 39.4-39.6 / 34.5 us at 1 MiB, 75.0-78.3 / 68.4-69.9 at 2 MiB, 194.1-200.1 / 179.3-182.5
 #: at 4 MiB, and within 4 % either way at 8-64 MiB -- where MPI_Allreduce took 294.6-300.4 us at 4 MiB.)
 PIECE_BYTES = 512 << 10
+
+#: The piece from 3 ranks (``piece_for``).  With 2 ranks a piece touches two arrays (the peer's operand read
+#: into ``out``, my own ``x``); from 3 ranks three (the fold ``r``, the operand ``t`` read into it, my ``x``), so
+#: the same bytes of cache hold a smaller piece.  4 ranks on the 2-core Xeon VM, 16 MiB, the worktrees of
+#: 32f7732 with only this constant changed, run in turn (``bench/allreduce.py -b 16M -e 16M -n 30 -w 14
+#: --impls ddlkernels,mpi`` and ``-b 4M -e 64M -f 4``): 512 KiB 7.80-8.58 ms (nine runs), 256 KiB 7.41-7.94
+#: (four), 128 KiB 7.33-8.08 (nine), 64 KiB 8.24-8.33 (two), 1 MiB 8.47-8.92 (two); at 4 and 64 MiB all
+#: within the noise of each other except 1 MiB (1.48-1.55 against 1.08-1.22 ms at 4 MiB).  3 ranks, 16 MiB:
+#: 512 KiB 6.82-6.96 ms, 256 KiB 6.18-6.69, 128 KiB 6.50-6.70.  With 2 ranks 128, 256 and 512 KiB were within
+#: the noise of each other at 4-64 MiB, and 512 KiB the fastest at 1 MiB (one piece per block).
+PIECE_BYTES_WIDE = 256 << 10
+
+
+def piece_for(p: int) -> int:
+    """Bytes per piece of a ``p``-rank call: ``PIECE_BYTES`` with 2 ranks, ``PIECE_BYTES_WIDE`` from 3."""
+    return PIECE_BYTES if p <= 2 else PIECE_BYTES_WIDE
 
 #: From this many bytes a call pushes: each rank writes every piece it has folded into its peers' ``out``
 #: right away (``process_vm_writev``, the piece still in its cache), and the allgather reads nothing.
@@ -183,9 +199,9 @@ class CmaAllreduce:
     communicator.
     """
 
-    def __init__(self, shm, piece_bytes: int = PIECE_BYTES, push_from: int = PUSH_FROM):
+    def __init__(self, shm, piece_bytes: int | None = None, push_from: int = PUSH_FROM):
         self.shm = shm
-        self.piece_bytes = int(piece_bytes)
+        self.piece_bytes = piece_for(shm.p) if piece_bytes is None else int(piece_bytes)
         self.push_from = int(push_from)
         self._pids = None
         self._fns = {}  # (dtype, n, op) -> f(x, out); ("allgather", dtype, n, bounds) -> f(shard, out)
