@@ -59,6 +59,10 @@ class Backend(abc.ABC):
     def dtype(self, x) -> np.dtype:
         return np.dtype(x.dtype)
 
+    def overlaps(self, a, b) -> bool:
+        """Whether the 1-D contiguous buffers ``a`` and ``b`` (from ``flat`` or ``empty``) share any byte."""
+        return bool(np.may_share_memory(a, b))  # exact for two contiguous host buffers: their spans
+
     def device_id(self, x) -> int | None:
         """Device ordinal of ``x`` (``None`` on the host)."""
         return None

@@ -79,7 +79,7 @@ class DeviceBackend(Backend):
         p = self._ptr(buf)
         return p, p + buf.shape[0] * buf.dtype.itemsize
 
-    def _overlaps(self, x, y) -> bool:
+    def overlaps(self, x, y) -> bool:
         x0, x1 = self._span(x)
         y0, y1 = self._span(y)
         return x0 < y1 and y0 < x1
@@ -112,9 +112,9 @@ class DeviceBackend(Backend):
             kop = "avg"
         # Kernel preconditions: b never overlaps dst; a is dst or disjoint.
         # The engine never breaks them; a caller that does gets a copy.
-        if self._overlaps(b, dst):
+        if self.overlaps(b, dst):
             b = self._dup(b)
-        if self._ptr(a) != self._ptr(dst) and self._overlaps(a, dst):
+        if self._ptr(a) != self._ptr(dst) and self.overlaps(a, dst):
             a = self._dup(a)
         self._launch_reduce(f"ddl_reduce_{kop}_{suf}", dst, a, b, n, arg)
 

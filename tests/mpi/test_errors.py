@@ -80,3 +80,71 @@ def test_a_with_block_frees_on_a_normal_exit_only():
     with ddlkernels.Communicator(MPI.COMM_WORLD) as dc2:
         pass
     assert dc2.comm is None
+
+
+def _overlapping(n, how):
+    """``(x, out)`` that share memory in way ``how``; x holds rank-unique data."""
+    buf = np.arange(2 * n + 2, dtype=np.float32) * P + COMM.Get_rank()
+    return {"shifted": (buf[:n], buf[n // 2 : n // 2 + n]), "same memory, another view": (buf[:n], buf[:n].reshape(n)),
+            "strided x under out": (buf[0 : 2 * n : 2], buf[n - 1 : 2 * n - 1])}[how]
+
+
+@pytest.mark.parametrize("how", ["shifted", "same memory, another view", "strided x under out"])
+@pytest.mark.parametrize("n", [1, 1000, 1 << 18], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("settled", [False, True], ids=["first call", "settled size"])
+def test_out_overlapping_the_input_raises_before_communicating(how, n, settled):
+    """Writing such an out changes the input, and peers that read my x where it lies (cma, shared inputs) or MPI
+    itself would read results instead: every path once wrote garbage here.  ``settled``: the size's tuner has
+    decided (its fast path, which must hand the call to the full path's check)."""
+    dc = ddlkernels.Communicator(COMM)
+    if settled:
+        a, b = np.ones(n, np.float32), np.empty(n, np.float32)
+        for _ in range(60):
+            dc.allreduce(a, out=b)
+    x, out = _overlapping(n, how)
+    keep = x.copy()
+    with pytest.raises(ValueError, match="out overlaps the input"):
+        dc.allreduce(x, out=out)
+    with pytest.raises(ValueError, match="out overlaps the input"):
+        dc.Allreduce(x, out, MPI.SUM)
+    assert np.array_equal(x, keep)
+    COMM.Barrier()  # nobody entered a collective
+    dc.free()
+
+
+@pytest.mark.parametrize("n", [1, 1000, 1 << 18], ids=lambda n: f"n{n}")
+def test_views_that_share_no_element_are_not_an_overlap(n):
+    """x and out interleaved in one buffer: their spans overlap, their elements do not."""
+    dc = ddlkernels.Communicator(COMM)
+    for _ in range(40):  # through the trials and then the settled size
+        buf = np.arange(2 * n, dtype=np.float32) * P + COMM.Get_rank()
+        x, out = buf[0::2], buf[1::2]
+        keep = x.copy()
+        dc.allreduce(x, out=out)
+        want = sum(keep - COMM.Get_rank() + r for r in range(P))
+        assert np.array_equal(out, want), dc.last_algorithm
+        assert np.array_equal(x, keep)
+    dc.free()
+
+
+@pytest.mark.parametrize("n", [1, 1000, 1 << 18], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("settled", [False, True], ids=["first call", "settled size"])
+def test_read_only_out_raises_before_communicating(n, settled):
+    dc = ddlkernels.Communicator(COMM)
+    x = np.ones(n, np.float32)
+    if settled:
+        b = np.empty(n, np.float32)
+        for _ in range(60):
+            dc.allreduce(x, out=b)
+            dc.allreduce(b, out=b)
+    ro = np.zeros(n, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        dc.allreduce(x, out=ro)
+    with pytest.raises(ValueError, match="x is read-only, and out=x reduces in place"):
+        dc.allreduce(ro, out=ro)
+    with pytest.raises(ValueError, match="read-only"):
+        dc.Allreduce(MPI.IN_PLACE, ro, MPI.SUM)
+    assert not ro.any()
+    COMM.Barrier()
+    dc.free()
