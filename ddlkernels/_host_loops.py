@@ -7,7 +7,9 @@ speed when its operands sit at different offsets within a 64-byte line,
 because then every vector load of one of them splits across two lines;
 which offsets a caller's arrays have is up to its allocator (glibc puts a
 large ``malloc`` 16 bytes past a page, a small one anywhere 16-aligned).
-LLVM's loop here does not care.  Measured with the three arrays at chosen
+LLVM's loop here does not care.  From ``STREAM_FROM`` bytes an out-of-place
+``dst`` is written with non-temporal stores, which skip the read of every
+line a normal store makes first.  Measured with the three arrays at chosen
 offsets (a and b on a line, dst 0 / 16 / 32 / 48 bytes past one), float32,
 256 KiB each, GB/s counted as STREAM does (read 2, write 1): numpy 113 /
 65 / 80 / 66, this loop 117 / 99 / 132 / 101, a copy of the same size 95;
@@ -29,10 +31,27 @@ other files.
 """
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+from numba.np.arrayobj import make_array
 
 #: op codes of ``reduce``.
 SUM, PROD = 0, 1
+
+#: Bytes per array from which ``reduce`` writes an out-of-place ``dst`` with non-temporal stores.  A normal store first reads the line it writes (read for ownership): out of the cache
+#: a sum moves four arrays' bytes for the three it counts, where libc's copy (``rep movsb``) moves two for two,
+#: so a plain loop tops out at 3/4 of the copy's bandwidth.  Streaming skips that read, but a caller that
+#: reads ``dst`` soon no longer finds it in the cache, so only from sizes far past the 2 MiB L2.  float32 sum,
+#: GB/s as STREAM counts them, plain loop / streamed / ``np.copyto`` copy in turn (``python bench/host_stream.py``,
+#: the Intel VM of bench/results, two runs): 4 MiB 29.3 / 27.4 / 28.2 and 28.9 / 27.2 / 28.9, 16 MiB 27.8 /
+#: 27.3 / 28.2 and 27.0 / 27.0 / 28.3, 32 MiB 21.2 / 26.5 / 22.5 and 21.5 / 25.8 / 20.6, 64 MiB 18.5 / 22.3 /
+#: 18.0 and 18.2 / 21.4 / 17.4, 128 MiB 16.9 / 18.1 / 14.7 and 16.5 / 17.8 / 14.4: streaming 3-6 % slower at
+#: 4 MiB, even at 16, 20-25 % faster from 32 MiB.
+STREAM_FROM = 32 << 20
+#: Elements of ``dst`` computed per block before they are streamed out: a block (16 KiB) stays in L1.
+_BLOCK_BYTES = 16 << 10
 
 
 @njit(inline="always")
@@ -67,11 +86,98 @@ def _mul(u, v):
     return u * v
 
 
+# ddlkernels._shm_loops._stream_memcpy without its fence (one fence per call here, not per block), copied
+# rather than imported for the reason in the module comment.
+@intrinsic
+def _stream_lines(typingctx, dst, src):
+    """``dst[:len(src)] = src`` (C-contiguous 1-D arrays of one dtype), the destination's whole aligned 64-byte
+    lines with non-temporal stores and the bytes before and after them with memcpy; no fence (``_fence``)."""
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == src.ndim == 1
+            and dst.layout == src.layout == "C" and dst.dtype == src.dtype):
+        return None
+
+    def codegen(context, builder, sig, args):
+        darr = make_array(sig.args[0])(context, builder, args[0])
+        sarr = make_array(sig.args[1])(context, builder, args[1])
+        i64 = ir.IntType(64)
+        itemsize = context.get_abi_sizeof(context.get_data_type(sig.args[1].dtype))
+        nbytes = builder.mul(builder.extract_value(sarr.shape, 0), i64(itemsize))
+        dst_addr = builder.ptrtoint(darr.data, i64)
+        src_addr = builder.ptrtoint(sarr.data, i64)
+        head = builder.and_(builder.neg(dst_addr), i64(63))  # bytes before dst's first line boundary
+        head = builder.select(builder.icmp_unsigned("<", nbytes, head), nbytes, head)
+        lines = builder.lshr(builder.sub(nbytes, head), i64(6))
+        body = builder.shl(lines, i64(6))
+        byte_ptr = ir.IntType(8).as_pointer()
+
+        def copy(offset, count):
+            cgutils.raw_memcpy(builder, builder.inttoptr(builder.add(dst_addr, offset), byte_ptr),
+                               builder.inttoptr(builder.add(src_addr, offset), byte_ptr), count, i64(1))
+
+        copy(i64(0), head)
+        line = ir.VectorType(i64, 8).as_pointer()
+        nontemporal = builder.module.add_metadata([ir.IntType(32)(1)])
+        with cgutils.for_range(builder, lines) as loop:
+            offset = builder.add(head, builder.shl(loop.index, i64(6)))
+            value = builder.load(builder.inttoptr(builder.add(src_addr, offset), line), align=1)
+            store = builder.store(value, builder.inttoptr(builder.add(dst_addr, offset), line), align=64)
+            store.set_metadata("nontemporal", nontemporal)
+        copy(builder.add(head, body), builder.sub(builder.sub(nbytes, head), body))
+        return context.get_dummy_value()
+
+    return types.void(dst, src), codegen
+
+
+@intrinsic
+def _fence(typingctx):
+    """A full fence: non-temporal stores are weakly ordered, so a streamed ``dst`` is fenced before ``reduce``
+    returns and its caller hands ``dst`` on (to MPI, or to a peer through a barrier's release store)."""
+
+    def codegen(context, builder, sig, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+def _disjoint(d, a, b, combine, stream):
+    """``d[i] = a[i] op b[i]`` for ``d`` apart from both operands; ``stream``: ``d`` written with non-temporal
+    stores, a block at a time (when ``d`` is C-contiguous)."""
+
+
+@overload(_disjoint, inline="always")
+def _disjoint_impl(d, a, b, combine, stream):
+    def plain(d, a, b, combine, stream):
+        for i in range(d.shape[0]):
+            d[i] = combine(a[i], b[i])
+
+    if d.layout != "C":
+        return plain
+
+    def blocks(d, a, b, combine, stream):
+        n = d.shape[0]
+        if not stream:
+            for i in range(n):
+                d[i] = combine(a[i], b[i])
+            return
+        t = np.empty(min(n, max(1, _BLOCK_BYTES // d.itemsize)), d.dtype)
+        m = t.shape[0]
+        for lo in range(0, n, m):
+            hi = min(n, lo + m)
+            x, y, u = a[lo:hi], b[lo:hi], t[: hi - lo]
+            for i in range(hi - lo):
+                u[i] = combine(x[i], y[i])
+            _stream_lines(d[lo:hi], u)
+        _fence()
+
+    return blocks
+
+
 # Each shape of loop reads and writes through as few arrays as it can: LLVM vectorizes a loop over arrays it
 # cannot prove disjoint only behind a run-time overlap check, and dst = dst + b written as dst[i] = a[i] + b[i]
 # with a is dst fails that check and runs scalar.
 @njit(inline="always")
-def _reduce(d, a, b, combine):
+def _reduce(d, a, b, combine, stream):
     n = d.shape[0]
     if _same(d, a):
         for i in range(n):
@@ -82,19 +188,21 @@ def _reduce(d, a, b, combine):
     elif _overlap(d, a) or _overlap(d, b):
         return False
     else:
-        for i in range(n):
-            d[i] = combine(a[i], b[i])
+        _disjoint(d, a, b, combine, stream)
     return True
 
 
 @njit(cache=True, nogil=True)
-def reduce(d, a, b, op):
-    """``d = a op b`` (op ``SUM`` or ``PROD``); False, having written nothing, where the preconditions fail."""
+def reduce(d, a, b, op, stream_from=STREAM_FROM):
+    """``d = a op b`` (op ``SUM`` or ``PROD``); False, having written nothing, where the preconditions fail.
+    From ``stream_from`` bytes a C-contiguous ``d`` apart from both operands is written with non-temporal
+    stores (``STREAM_FROM``); the bits are the same either way."""
     n = d.shape[0]
     if a.shape[0] != n or b.shape[0] != n:
         return False
     if n == 0:
         return True
+    stream = n * d.itemsize >= stream_from
     if op == SUM:
-        return _reduce(d, a, b, _add)
-    return _reduce(d, a, b, _mul)
+        return _reduce(d, a, b, _add, stream)
+    return _reduce(d, a, b, _mul, stream)

@@ -199,6 +199,43 @@ def test_wide_reduce_every_layout_and_alias_matches_numpy_bitwise(dtype, op, n, 
 
 
 @pytest.mark.parametrize("dtype", WIDE, ids=[np.dtype(d).name for d in WIDE])
+@pytest.mark.parametrize("op", ["sum", "prod"])
+@pytest.mark.parametrize("n", [1, 7, 64, 4095, 4097, (1 << 16) + 3])
+def test_streamed_loop_writes_numpys_bits_and_nothing_around_dst(dtype, op, n):
+    """``stream_from=0``: every out-of-place dst written with non-temporal stores in 16 KiB blocks (whole 64-byte
+    lines; memcpy before the first line boundary and after the last), at every offset and length."""
+    from ddlkernels._host_loops import reduce as loop
+
+    code = {"sum": 0, "prod": 1}[op]
+    with np.errstate(all="ignore"):
+        for name, a, b, d in _views(n, dtype, 11):
+            want = UF[op](a.copy(), b.copy())
+            around = d.base.copy() if d.base is not None else None
+            assert loop(d, a, b, code, 0) is True, name
+            assert np.array_equal(bits(d), bits(want)), name
+            if around is not None:  # every element of the base array outside d as it was
+                outside = np.ones(d.base.shape[0], bool)
+                start = (d.ctypes.data - d.base.ctypes.data) // d.itemsize
+                outside[start : start + n * (d.strides[0] // d.itemsize) : d.strides[0] // d.itemsize] = False
+                if d.strides[0] > 0:
+                    assert np.array_equal(bits(d.base[outside]), bits(around[outside])), name
+            x = a.copy()
+            assert loop(x, x, b, code, 0) is True  # in place never streams; still a op b
+            assert np.array_equal(bits(x), bits(want)), name + " into a"
+
+
+def test_backend_streams_from_the_threshold_with_the_same_bits():
+    """Through ``NumpyBackend.reduce`` at ``STREAM_FROM`` bytes (where it streams) and just below it."""
+    from ddlkernels._host_loops import STREAM_FROM
+
+    for n in (STREAM_FROM // 4, STREAM_FROM // 4 - 3):
+        a, b = sample(n, np.float32, 1), sample(n, np.float32, 2)
+        d = np.empty(n + 16, np.float32)[3 : 3 + n]
+        BE.reduce("sum", d, a, b)
+        assert np.array_equal(bits(d), bits(a + b))
+
+
+@pytest.mark.parametrize("dtype", WIDE, ids=[np.dtype(d).name for d in WIDE])
 def test_wide_reduce_partial_overlap_is_numpys_result(dtype, wide_path):
     """dst overlapping an operand but not the same elements: the compiled loop declines, numpy's ufunc (which
     buffers) computes it."""
