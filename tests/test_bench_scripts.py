@@ -87,6 +87,16 @@ def test_fastpath_overhead_runs_the_fast_path():
         assert f"Communicator.{what}(" in proc.stdout
 
 
+def test_host_stream_compares_both_loops_and_checks_their_bits():
+    """It calls the compiled loop with its threshold argument (internal) and exits non-zero if the two loops'
+    results differ."""
+    proc = subprocess.run([sys.executable, "bench/host_stream.py", "--sizes", "4K,100K", "--rounds", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.split("|")[0].strip() in ("4K", "100K")]
+    assert len(rows) == 2, proc.stdout
+
+
 def test_header_says_how_an_iteration_is_timed_per_placement():
     """Out of place: batches of calls per size; in place: one call, never an empty batch list."""
     both = run("bench/allreduce.py", "-b", "4K", "-e", "8K", "-n", "2", "-w", "1", "--place", "both",
