@@ -247,9 +247,11 @@ class CmaAllreduce:
         def f(x, out):
             if shm._flags is None:  # the window was freed since (collective: every rank's same call)
                 self._ready()
+            if shm._regions:  # where x lies, for peers that map the region (as every call's: no stale word)
+                shm._publish(x)
             e = shm._epoch + 1
             shm._epoch += barriers
-            if loop(x, out, me, shm._flags, e, code, shm.spin, step, pids, tmp, acc, iov, push):
+            if loop(x, out, me, shm._flags, e, code, shm.spin, step, pids, tmp, acc, iov, push, shm._bases):
                 raise RuntimeError(READ_FAILED.format("allreduce"))
 
         return self._remember(key, f)
@@ -359,6 +361,8 @@ class CmaAllreduce:
         tmp, acc = self._buffers(x.dtype, step)
         lines = shm._flags.reshape(p, FLAG_STRIDE)
         lines[me, X_WORD], lines[me, OUT_WORD] = x.ctypes.data, out.ctypes.data
+        if shm._regions:  # for the compiled loops of peers without a deadline (they read shared x in place)
+            shm._publish(x)
         shm._barrier(deadline)
         xs, outs = lines[:, X_WORD].tolist(), lines[:, OUT_WORD].tolist()
         item, n, bad = x.itemsize, x.shape[0], 0

@@ -721,7 +721,7 @@ def _last_barrier(flags, me, p, epoch, spin, bad):
 
 
 @njit(inline="always")
-def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, combine):
+def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases, combine):
     p = pids.shape[0]
     item = x.itemsize
     n = x.shape[0]
@@ -734,6 +734,11 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, combin
     for s in range(p):
         xs[s] = flags[s * STRIDE + X_WORD]
         outs[s] = flags[s * STRIDE + OUT_WORD]
+    # A peer's x in a shared region (``ShmAllreduce.empty``), mapped here too: read where it lies, with plain
+    # loads, instead of through the kernel (which pins its 4 KiB pages every call).  0: private, read by readv.
+    shared = np.zeros(p, np.int64)
+    if bases.shape[0] > 0:
+        _peer_inputs(flags, bases, shared)
     bad = 0
     inplace = x.ctypes.data == out.ctypes.data
     # Reduce-scatter: my block, step elements at a time, operands in rank order, folded in my out.  Out of
@@ -745,7 +750,18 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, combin
     for a in range(lo, hi, step):
         b = min(hi, a + step)
         own, dst, t = x[a:b], out[a:b], tmp[: b - a]
-        if p == 2:
+        if p == 2 and shared[1 - me] != 0:
+            row = _row(shared, 1 - me, a, b - a, x)  # the peer's operand where it lies
+            if inplace:
+                if me == 0:
+                    _accumulate(dst, row, combine)
+                else:
+                    _accumulate_left(dst, row, combine)
+            elif me == 0:
+                _combine_into(dst, own, row, combine)
+            else:
+                _combine_into(dst, row, own, combine)
+        elif p == 2:
             peer = t if inplace else dst
             if not _read(pids[1 - me], peer, xs[1 - me] + a * item, iov):
                 bad += 1
@@ -764,11 +780,15 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, combin
             r = acc[: b - a] if inplace else dst
             if me == 0:
                 _copy(r, own)
+            elif shared[0] != 0:
+                _copy(r, _row(shared, 0, a, b - a, x))
             elif not _read(pids[0], r, xs[0] + a * item, iov):
                 bad += 1
             for s in range(1, p):
                 if s == me:
                     _accumulate(r, own, combine)
+                elif shared[s] != 0:
+                    _accumulate(r, _row(shared, s, a, b - a, x), combine)
                 else:
                     if not _read(pids[s], t, xs[s] + a * item, iov):
                         bad += 1
@@ -793,7 +813,7 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, combin
 
 
 @njit(cache=True, nogil=True)
-def cma_allreduce(x, out, me, flags, epoch, op, spin, step, pids, tmp, acc, iov, push):
+def cma_allreduce(x, out, me, flags, epoch, op, spin, step, pids, tmp, acc, iov, push, bases):
     """``out = ((x0 op x1) op x2) ...`` over the ranks, each rank reading its peers' memory directly.
 
     Purpose: ``CmaAllreduce``'s call (its module comment) in one compiled
@@ -809,18 +829,22 @@ def cma_allreduce(x, out, me, flags, epoch, op, spin, step, pids, tmp, acc, iov,
     every rank's process id, each readable by ``process_vm_readv`` from here
     (``ddlkernels._cma.probe``, which tries both directions); ``tmp``,
     ``acc``: ``step`` elements of the dtype, private; ``iov``: four int64.
-    ``op``: ``ddlkernels._shm.OPCODES``.
+    ``op``: ``ddlkernels._shm.OPCODES``.  ``bases``: the window's shared
+    regions as mapped here (``ShmAllreduce._bases``, no rows when there are
+    none); with rows, every rank has published where its ``x`` lies
+    (``ShmAllreduce._publish``) before the first barrier, and a peer's ``x``
+    in a region is read where it lies instead of by ``process_vm_readv``.
     Use: ``CmaAllreduce.run``.  Returns the number of reads or writes that failed on
     any rank (then ``out`` is garbage on every rank, and the caller raises):
     the same on every rank.  Bits as ``pieces_allreduce``'s.
     """
     if op == 0:
-        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, _add)
+        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases, _add)
     if op == 1:
-        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, _mul)
+        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases, _mul)
     if op == 2:
-        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, _max)
-    return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, _min)
+        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases, _max)
+    return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases, _min)
 
 
 @njit(cache=True, nogil=True)

@@ -75,6 +75,73 @@ def test_every_dtype_op_size_in_and_out_of_place(piece_bytes, dtype, op, push_fr
 
 @needs_cma
 @PUSH
+@pytest.mark.parametrize("shared", ["all", "odd ranks"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.uint8], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", list(NUMPY_OPS))
+def test_shared_inputs_are_folded_where_they_lie(shared, dtype, op, push_from):
+    """An ``x`` in the window's shared memory (``empty``) is read by its peers with plain loads, not through
+    the kernel: the same bits as private inputs, at any offset into the region, every rank's input shared or
+    only some ranks', in and out of place, with a deadline on half the ranks (their Python twin reads by
+    readv but publishes where its x lies, for the compiled peers)."""
+    from ddlkernels._wait import Deadline
+
+    shm = ShmAllreduce(COMM, whole_below=0)
+    cma = CmaAllreduce(shm, piece_bytes=4096, push_from=push_from)
+    item = np.dtype(dtype).itemsize
+    for k, (n, skip) in enumerate(((1, 0), (P + 1, 3), (4099, 1), (300_007, 0))):
+        region = shm.empty((n + skip) * item).view(dtype)  # collective: every rank, shared or not
+        mine = shared == "all" or RANK % 2 == 1
+        x = rank_data(n, RANK, P, dtype, salt=n % 97)
+        want = _fold(COMM.allgather(x), op)
+        src = region[skip:] if mine else x.copy()
+        src[...] = x
+        deadline = Deadline("allreduce", RANK, 60.0) if (RANK + k) % 2 else None
+        out = np.full_like(x, 99)
+        cma.run(src, out, op, deadline)
+        what = f"n={n} at {skip} {np.dtype(dtype).name} {op} shared: {shared}, push from {push_from}"
+        assert np.array_equal(out.view(np.uint8), want.view(np.uint8)), what
+        assert np.array_equal(src.view(np.uint8), x.view(np.uint8)), f"{what}: input modified"
+        cma.run(src, src, op, deadline)
+        assert np.array_equal(src.view(np.uint8), want.view(np.uint8)), f"{what}: in place"
+    shm.free()  # collective: on success only
+
+
+@needs_cma
+def test_a_shared_input_goes_through_no_system_call():
+    """Every peer's pid replaced by one that cannot exist: a read through the kernel fails and is counted.  With
+    every x shared and the allgather pulling, only its reads (p - 1 a rank) fail; with private inputs the
+    reduce-scatter's fail too.  So the shared reads are plain loads, and my own block is still folded right."""
+    from ddlkernels import _shm_loops
+    from ddlkernels._shm import OPCODES
+
+    shm = ShmAllreduce(COMM, whole_below=0)
+    cma = CmaAllreduce(shm, piece_bytes=4096, push_from=1 << 62)
+    cma._ready()
+    n, step = 20_000, 1024
+    nowhere = np.full(P, int(open("/proc/sys/kernel/pid_max").read()) + 1, np.int64)  # ESRCH for every read
+    region = shm.empty(n * 4).view(np.float32)
+    x = rank_data(n, RANK, P, np.float32)
+    want = _fold(COMM.allgather(x), "sum")
+    tmp, acc, iov = np.empty(step, np.float32), np.empty(step, np.float32), np.zeros(4, np.int64)
+    failed = {}
+    for where, src in (("shared", region), ("private", x.copy())):
+        src[...] = x
+        out = np.zeros_like(x)
+        shm._publish(src)
+        e = shm._epoch + 1
+        shm._epoch += 3
+        failed[where] = _shm_loops.cma_allreduce(src, out, RANK, shm._flags, e, OPCODES["sum"], shm.spin, step,
+                                                 nowhere, tmp, acc, iov, False, shm._bases)
+        if where == "shared":
+            blo, bhi = [(n // P) * s + min(s, n % P) for s in (RANK, RANK + 1)]  # my block (_shm.cuts)
+            assert np.array_equal(out[blo:bhi], want[blo:bhi]), "my block, folded from the peers' shared inputs"
+    assert failed["shared"] == P * (P - 1), failed
+    assert failed["private"] > P * (P - 1), failed
+    shm.free()
+
+
+@needs_cma
+@PUSH
 def test_ranks_with_and_without_a_deadline_meet_and_skewed_calls_read_only_their_own_data(push_from):
     """Half the ranks of each call poll their barriers from Python (a deadline), the others run the compiled
     loop: the same barriers and the same push rule.  One rank late by turns, each call's data new: without the
