@@ -57,8 +57,8 @@ on huge pages (numpy asks for them from 4 MiB) reads faster than one on 4 KiB
 pages.  A peer's ``x`` in the window's shared memory (``ShmAllreduce.empty``,
 on 4 KiB pages) is not read through the kernel: every rank publishes where
 its ``x`` lies, as the window's own loops do, and the compiled loop folds a
-shared operand straight from its mapping here.  It is a tuner candidate ("cma", ``ddlkernels._tuner.CMA_FROM``), not a
-fixed choice.
+shared operand straight from its mapping here.  It is a tuner candidate
+("cma", ``ddlkernels._tuner.CMA_FROM``), not a fixed choice.
 """
 
 from __future__ import annotations
