@@ -35,9 +35,10 @@ read it).  That is the push, from ``PUSH_FROM`` bytes, every size the tuner
 offers this algorithm at; below it (``push_from=``) the ranks pull instead:
 after the middle barrier each reads every other block from its owner's
 ``out``, one read per block.  A read of ``PIECE_BYTES`` (from 3 ranks
-``PIECE_BYTES_WIDE``: ``piece_for``) keeps what a rank folds in its cache; three barriers per call whatever its size.  The data
-crosses between processes once per phase, from the memory it already lies
-in, where the window moves it twice (into the stage, then out of it).
+``PIECE_BYTES_WIDE``: ``piece_for``) keeps what a rank folds in its cache;
+three barriers per call whatever its size.  The data crosses between
+processes once per phase, from the memory it already lies in, where the
+window moves it twice (into the stage, then out of it).
 
 The same reads make an allgather (``CmaAllreduce.allgather``): each rank
 publishes where its shard lies, one barrier, reads every peer's shard
@@ -99,6 +100,7 @@ PIECE_BYTES_WIDE = 256 << 10
 def piece_for(p: int) -> int:
     """Bytes per piece of a ``p``-rank call: ``PIECE_BYTES`` with 2 ranks, ``PIECE_BYTES_WIDE`` from 3."""
     return PIECE_BYTES if p <= 2 else PIECE_BYTES_WIDE
+
 
 #: From this many bytes a call pushes: each rank writes every piece it has folded into its peers' ``out``
 #: right away (``process_vm_writev``, the piece still in its cache), and the allgather reads nothing.
