@@ -29,27 +29,39 @@ def main():
     ap.add_argument("-w", "--warmup", type=int, default=5)
     ap.add_argument("--chunk-bytes", default=None)
     ap.add_argument("--small-bytes", default="0",
-                    help="Communicator(small_bytes=...): 0 (default) always runs the ring, the code under study")
+                    help="Communicator(small_bytes=...): 0 (default) always runs the ring, the code under study; "
+                         "'tuned': None, the size tuner's choice (the path is printed)")
     ap.add_argument("--inplace", action="store_true")
+    ap.add_argument("--cma", action="store_true",
+                    help="run the single-copy allreduce alone (ddlkernels._cma, on the Communicator's window), "
+                         "whatever the tuner would choose: for a profiler that sees the kernel's copies (perf)")
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
     p, r = comm.Get_size(), comm.Get_rank()
     count = parse_size(a.size) // 4
     x = pattern(count, r, p, np.float32)
     out = np.empty_like(x)
-    kw = {"small_bytes": parse_size(a.small_bytes)}
+    kw = {"small_bytes": None if a.small_bytes == "tuned" else parse_size(a.small_bytes)}
     if a.chunk_bytes is not None:
         kw["chunk_bytes"] = parse_size(a.chunk_bytes)
     dc = ddlkernels.Communicator(comm, **kw)
     dst = x if a.inplace else out
+    if a.cma:
+        if not dc._cma_ok:
+            raise SystemExit("--cma: the ranks cannot read each other's memory here (ddlkernels._cma.probe)")
+        call = dc._cma_collectives().fn(x.dtype, count, "sum")
+        path = "cma (forced)"
+    else:
+        call = lambda x, out: dc.allreduce(x, "sum", out=out)  # noqa: E731
+        path = None
     for _ in range(a.warmup):
-        dc.allreduce(x, "sum", out=dst)
+        call(x, dst)
         if a.inplace:
             x[:] = pattern(count, r, p, np.float32)
     comm.Barrier()
     t0 = time.perf_counter()
     for _ in range(a.iters):
-        dc.allreduce(x, "sum", out=dst)
+        call(x, dst)
     dt = (time.perf_counter() - t0) / a.iters
     dt = comm.allreduce(dt, op=MPI.MAX)
     if not a.inplace:
@@ -57,7 +69,7 @@ def main():
     if r == 0:
         busbw = count * 4 / dt * 2 * (p - 1) / p / 1e9
         print(f"# {p} ranks, {a.size}: {dt * 1e3:.2f} ms per allreduce, busbw {busbw:.2f} GB/s, "
-              f"path {dc.last_algorithm}")
+              f"path {path or dc.last_algorithm}")
     dc.free()
 
 

@@ -74,6 +74,8 @@ run kernels_np1 "$PY" -m pytest bench/bench_reduce.py bench/bench_pack.py bench/
   --bench-rounds 30 --benchmark-json "$OUT/kernels_np1.json"
 run kernels_np2 "$MPIRUN" -n 2 "$PY" -m mpi4py -m pytest bench/bench_reduce.py -q --color=no -k "float32 or interleaved" \
   --bench-rounds 30 --benchmark-json "$OUT/kernels_np2.json"
+# The kernel's copy between processes (process_vm_readv/writev) against memcpy: the ceiling of the "cma" path.
+run kernel_copy "$PY" bench/kernel_copy.py --rounds 9
 # What a process's first half-precision reduction costs: Numba compiling, then loading its cache.
 run half_compile "$PY" bench/half_compile.py
 if [ -n "${MPICH_PYTHON:-}" ]; then

@@ -97,6 +97,16 @@ def test_host_stream_compares_both_loops_and_checks_their_bits():
     assert len(rows) == 2, proc.stdout
 
 
+def test_kernel_copy_times_both_directions_and_checks_the_bytes():
+    """Pieces that divide the buffer and one that does not; it exits non-zero if a copied byte differs."""
+    proc = subprocess.run([sys.executable, "bench/kernel_copy.py", "--bytes", "64K,100K", "--pieces", "4K,7K",
+                           "--rounds", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if not line.startswith(("#", "buffer"))]
+    assert [r[:2] for r in rows] == [["64K", "4K"], ["64K", "7K"], ["100K", "4K"], ["100K", "7K"]], proc.stdout
+    assert all(len(r) == 10 and min(map(float, r[3:7] + r[8:])) > 0 for r in rows), proc.stdout  # 4 GB/s, 2 ratios
+
+
 def test_header_says_how_an_iteration_is_timed_per_placement():
     """Out of place: batches of calls per size; in place: one call, never an empty batch list."""
     both = run("bench/allreduce.py", "-b", "4K", "-e", "8K", "-n", "2", "-w", "1", "--place", "both",
