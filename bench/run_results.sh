@@ -74,6 +74,8 @@ run kernels_np1 "$PY" -m pytest bench/bench_reduce.py bench/bench_pack.py bench/
   --bench-rounds 30 --benchmark-json "$OUT/kernels_np1.json"
 run kernels_np2 "$MPIRUN" -n 2 "$PY" -m mpi4py -m pytest bench/bench_reduce.py -q --color=no -k "float32 or interleaved" \
   --bench-rounds 30 --benchmark-json "$OUT/kernels_np2.json"
+# A job's first calls on an empty Numba cache, then on the cache it left (mpirun launched by the script).
+for n in 2 4; do run first_calls_np$n "$PY" bench/first_calls.py --ranks $n; done
 # The kernel's copy between processes (process_vm_readv/writev) against memcpy: the ceiling of the "cma" path.
 run kernel_copy "$PY" bench/kernel_copy.py --rounds 9
 # What a process's first half-precision reduction costs: Numba compiling, then loading its cache.

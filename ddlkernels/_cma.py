@@ -245,8 +245,8 @@ class CmaAllreduce:
         step = max(1, self.piece_bytes // dtype.itemsize)
         barriers = 3
         tmp, acc = self._buffers(dtype, step)
-        pids, me, code, iov = self._pids, shm.rank, OPCODES[op], np.zeros(4, np.int64)
-        loop = _shm_loops.cma_allreduce
+        pids, me, iov = self._pids, shm.rank, np.zeros(4, np.int64)
+        loop = _shm_loops.cma_allreduce[OPCODES[op]]  # compiled per op: only the ops a process uses
         push = n * dtype.itemsize >= self.push_from  # the same on every rank: the same n and dtype
 
         def f(x, out):
@@ -256,7 +256,7 @@ class CmaAllreduce:
                 shm._publish(x)
             e = shm._epoch + 1
             shm._epoch += barriers
-            if loop(x, out, me, shm._flags, e, code, shm.spin, step, pids, tmp, acc, iov, push, shm._bases):
+            if loop(x, out, me, shm._flags, e, shm.spin, step, pids, tmp, acc, iov, push, shm._bases):
                 raise RuntimeError(READ_FAILED.format("allreduce"))
 
         return self._remember(key, f)

@@ -562,8 +562,8 @@ class ShmAllreduce:
         # Every rank's stage and result as addresses (``ddlkernels._shm_loops._row``), valid until ``free``.
         stages = self._seg_addrs
         results = stages + self._stage_bytes
-        fn = self._loop_fn(self._loops.pieces_allreduce, 2 * -(-n // step), (stages, results, self.rank),
-                           (OPCODES[op], self.spin, step, n * dtype.itemsize >= self.stream_from, bool(spill)))
+        fn = self._loop_fn(self._loops.pieces_allreduce[OPCODES[op]], 2 * -(-n // step), (stages, results, self.rank),
+                           (self.spin, step, n * dtype.itemsize >= self.stream_from, bool(spill)))
         return self._remember(key, fn)
 
     def _loop_fn(self, call, barriers, head, tail):
@@ -626,7 +626,7 @@ class ShmAllreduce:
         fn = self._small.get(key)
         if fn is not None:
             return fn
-        return self._remember(key, self._prepared(self._loops.small_allreduce, dtype, OPCODES[op], self.spin))
+        return self._remember(key, self._prepared(self._loops.small_allreduce[OPCODES[op]], dtype, self.spin))
 
     def _prepared(self, call, dtype, *tail):
         """``f(a, out)``: ``call(a, stage set, rank, out, flags, epoch, *tail)`` on the next of the two
@@ -682,7 +682,7 @@ class ShmAllreduce:
             return self._remember(key, self._compiled_shards(kind, dtype, op, bounds, stream))
         if rs:
             lo, hi = bounds[self.rank]
-            fn = self._prepared(self._loops.small_reduce_scatter, dtype, OPCODES[op], self.spin, lo, hi)
+            fn = self._prepared(self._loops.small_reduce_scatter[OPCODES[op]], dtype, self.spin, lo, hi)
         else:
             los = np.array([b[0] for b in bounds], dtype=np.int64)
             his = np.array([b[1] for b in bounds], dtype=np.int64)
@@ -708,8 +708,8 @@ class ShmAllreduce:
         barriers = 2 * -(-int((his - los).max()) // c)
         head = (self._seg_addrs, self.rank)
         if rs:
-            return self._loop_fn(self._loops.pieces_reduce_scatter, barriers, head,
-                                 (OPCODES[op], self.spin, c, los, his))
+            return self._loop_fn(self._loops.pieces_reduce_scatter[OPCODES[op]], barriers, head,
+                                 (self.spin, c, los, his))
         return self._loop_fn(self._loops.pieces_allgather, barriers, head, (self.spin, c, los, his, bool(stream)))
 
     def _last_shard_fn(self, kind, dtype, n, op, bounds, stream=None):

@@ -173,18 +173,6 @@ def _fold(stage, lo, hi, out, combine):
 
 
 @njit(inline="always")
-def _fold_op(stage, lo, hi, out, op):
-    if op == 0:
-        _fold(stage, lo, hi, out, _sum)
-    elif op == 1:
-        _fold(stage, lo, hi, out, _prod)
-    elif op == 2:
-        _fold(stage, lo, hi, out, _max)
-    else:
-        _fold(stage, lo, hi, out, _min)
-
-
-@njit(inline="always")
 def _stage_and_meet(x, stage, me, flags, epoch, spin):
     # x into my row of the stage set, then barrier ``epoch``: every row is then full.
     mine = stage[me]
@@ -194,36 +182,87 @@ def _stage_and_meet(x, stage, me, flags, epoch, spin):
     _wait(flags, stage.shape[0], epoch, spin)
 
 
+# One compiled function per op, for each loop that folds (small_allreduce, small_reduce_scatter,
+# pieces_allreduce, pieces_reduce_scatter, cma_allreduce): a tuple indexed by ``ddlkernels._shm.OPCODES``
+# (sum, prod, max, min), each member with its combine fixed.  A process compiles only the ops it calls, once
+# per dtype, where one function with the op as an argument compiled all four folds for every dtype before its
+# first call.  ``python bench/first_calls.py`` (a job's first 60 float32 sum allreduces of 16 MiB, on an empty
+# Numba cache; the tuner's trials compile the window's and cma's loops): 30.2 s before, 8.0 s after with 2
+# ranks; 67.2 s and 17.7 s with 4 (on 2 cores).  A job whose cache is warm: 0.6-0.7 s either way.
 @njit(cache=True, nogil=True)
-def small_allreduce(x, stage, me, out, flags, epoch, op, spin):
-    """``out = ((x0 op x1) op x2) ...`` over the ranks, through one small-message stage set.
+def small_allreduce_sum(x, stage, me, out, flags, epoch, spin):
+    """``out = ((x0 + x1) + x2) ...`` over the ranks, through one small-message stage set
+    (``small_allreduce[op]``: ``_prod``, ``_max``, ``_min`` the same with their op).
 
     Purpose: the whole of a latency-bound allreduce in one call.
     Preconditions: ``stage`` is a (p, m) array in the window, p >= 2,
     m >= len(x), row s rank s's stage, not read by any rank since barrier
     ``epoch - 1`` (the caller alternates two sets); ``x`` and ``out`` hold
-    len(x) elements of ``stage``'s dtype (``out`` may be ``x``); ``op`` from
-    ``ddlkernels._shm.OPCODES``; every rank calls with the same ``epoch``
-    and op.
+    len(x) elements of ``stage``'s dtype (``out`` may be ``x``); every rank
+    calls with the same ``epoch`` and op.
     Use: ``ShmAllreduce._small_fn``.  The result has numpy's bits but for
     which of two NaNs a sum or product returns (see the combines above), and
     the same bits on every rank.
     """
     _stage_and_meet(x, stage, me, flags, epoch, spin)
-    _fold_op(stage, 0, x.shape[0], out, op)
+    _fold(stage, 0, x.shape[0], out, _sum)
 
 
 @njit(cache=True, nogil=True)
-def small_reduce_scatter(x, stage, me, out, flags, epoch, op, spin, lo, hi):
-    """``out = (((x0 op x1) op x2) ...)[lo:hi]``: my shard of the rank-order fold, through one stage set.
+def small_allreduce_prod(x, stage, me, out, flags, epoch, spin):
+    _stage_and_meet(x, stage, me, flags, epoch, spin)
+    _fold(stage, 0, x.shape[0], out, _prod)
+
+
+@njit(cache=True, nogil=True)
+def small_allreduce_max(x, stage, me, out, flags, epoch, spin):
+    _stage_and_meet(x, stage, me, flags, epoch, spin)
+    _fold(stage, 0, x.shape[0], out, _max)
+
+
+@njit(cache=True, nogil=True)
+def small_allreduce_min(x, stage, me, out, flags, epoch, spin):
+    _stage_and_meet(x, stage, me, flags, epoch, spin)
+    _fold(stage, 0, x.shape[0], out, _min)
+
+
+small_allreduce = (small_allreduce_sum, small_allreduce_prod, small_allreduce_max, small_allreduce_min)
+
+
+@njit(cache=True, nogil=True)
+def small_reduce_scatter_sum(x, stage, me, out, flags, epoch, spin, lo, hi):
+    """``out = (((x0 + x1) + x2) ...)[lo:hi]``: my shard of the rank-order fold, through one stage set
+    (``small_reduce_scatter[op]``: ``_prod``, ``_max``, ``_min`` the same with their op).
 
     Purpose: a latency-bound reduce_scatter in one call.
-    Preconditions: as ``small_allreduce``'s; ``out`` holds ``hi - lo``
+    Preconditions: as ``small_allreduce_sum``'s; ``out`` holds ``hi - lo``
     elements and does not overlap ``x``; [lo, hi) is within ``x``.
     Use: ``ShmAllreduce.reduce_scatter`` (small messages).
     """
     _stage_and_meet(x, stage, me, flags, epoch, spin)
-    _fold_op(stage, lo, hi, out, op)
+    _fold(stage, lo, hi, out, _sum)
+
+
+@njit(cache=True, nogil=True)
+def small_reduce_scatter_prod(x, stage, me, out, flags, epoch, spin, lo, hi):
+    _stage_and_meet(x, stage, me, flags, epoch, spin)
+    _fold(stage, lo, hi, out, _prod)
+
+
+@njit(cache=True, nogil=True)
+def small_reduce_scatter_max(x, stage, me, out, flags, epoch, spin, lo, hi):
+    _stage_and_meet(x, stage, me, flags, epoch, spin)
+    _fold(stage, lo, hi, out, _max)
+
+
+@njit(cache=True, nogil=True)
+def small_reduce_scatter_min(x, stage, me, out, flags, epoch, spin, lo, hi):
+    _stage_and_meet(x, stage, me, flags, epoch, spin)
+    _fold(stage, lo, hi, out, _min)
+
+
+small_reduce_scatter = (small_reduce_scatter_sum, small_reduce_scatter_prod, small_reduce_scatter_max,
+                        small_reduce_scatter_min)
 
 
 @njit(cache=True, nogil=True)
@@ -506,8 +545,9 @@ def _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill
 
 
 @njit(cache=True, nogil=True)
-def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, stream, spill, staged, bases):
-    """``out = ((x0 op x1) op x2) ...`` over the ranks, piece by piece through the large window.
+def pieces_allreduce_sum(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases):
+    """``out = ((x0 + x1) + x2) ...`` over the ranks, piece by piece through the large window
+    (``pieces_allreduce[op]``: ``_prod``, ``_max``, ``_min`` the same with their op).
 
     Purpose: ``ShmAllreduce``'s piece loop (its module comment) as one call
     -- stage, barrier, fold my block, barrier, gather, per piece of ``step``
@@ -518,7 +558,7 @@ def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, 
     ceil(step / p)) in the window, for ``x``'s dtype; ``out`` holds len(x)
     elements (it may be ``x``); the pieces' barriers are ``epoch``, ``epoch + 1``, ... (two per
     piece), and every rank calls with the same length, ``step``, ``epoch``
-    and op (``ddlkernels._shm.OPCODES``); a peer may run the same pieces
+    and op; a peer may run the same pieces
     from Python (``ShmAllreduce._piece``): the steps and barriers are the
     same.  ``bases`` (int64, regions x p): every rank's shared region
     (``ShmAllreduce.empty``) at its address here, none (0 rows) when there
@@ -532,14 +572,25 @@ def pieces_allreduce(x, stages, results, me, out, flags, epoch, op, spin, step, 
     two NaNs a sum or product returns (see the combines above), and the same
     on every rank.
     """
-    if op == 0:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, _add)
-    elif op == 1:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, _mul)
-    elif op == 2:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, _max)
-    else:
-        _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, _min)
+    _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, _add)
+
+
+@njit(cache=True, nogil=True)
+def pieces_allreduce_prod(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases):
+    _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, _mul)
+
+
+@njit(cache=True, nogil=True)
+def pieces_allreduce_max(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases):
+    _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, _max)
+
+
+@njit(cache=True, nogil=True)
+def pieces_allreduce_min(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases):
+    _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, _min)
+
+
+pieces_allreduce = (pieces_allreduce_sum, pieces_allreduce_prod, pieces_allreduce_max, pieces_allreduce_min)
 
 
 @njit(inline="always")
@@ -570,8 +621,9 @@ def _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, base
 
 
 @njit(cache=True, nogil=True)
-def pieces_reduce_scatter(x, stages, me, out, flags, epoch, op, spin, c, los, his, staged, bases):
-    """``out = (((x0 op x1) op x2) ...)[los[me]:his[me]]``, sub-chunk by sub-chunk through the large window.
+def pieces_reduce_scatter_sum(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases):
+    """``out = (((x0 + x1) + x2) ...)[los[me]:his[me]]``, sub-chunk by sub-chunk through the large window
+    (``pieces_reduce_scatter[op]``: ``_prod``, ``_max``, ``_min`` the same with their op).
 
     Purpose: ``ShmAllreduce.reduce_scatter``'s loop (its docstring) as one
     call: per step k, stage sub-chunk k of every peer's shard in my slot
@@ -583,18 +635,30 @@ def pieces_reduce_scatter(x, stages, me, out, flags, epoch, op, spin, c, los, hi
     my shard and does not overlap ``x``; barriers ``epoch``, ``epoch + 1``,
     ... (two per step, ceil(longest shard / c) steps), the same on every
     rank, as are ``c``, the shards and op; a peer may run the same steps
-    from Python.  ``staged`` and ``bases``: as for ``pieces_allreduce``.
+    from Python.  ``staged`` and ``bases``: as for ``pieces_allreduce_sum``.
     Use: ``ShmAllreduce._compiled_shards``.  Plain IEEE sum and product, as
-    in ``pieces_allreduce`` (each sub-chunk is folded by one rank).
+    in ``pieces_allreduce_sum`` (each sub-chunk is folded by one rank).
     """
-    if op == 0:
-        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, _add)
-    elif op == 1:
-        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, _mul)
-    elif op == 2:
-        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, _max)
-    else:
-        _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, _min)
+    _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, _add)
+
+
+@njit(cache=True, nogil=True)
+def pieces_reduce_scatter_prod(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases):
+    _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, _mul)
+
+
+@njit(cache=True, nogil=True)
+def pieces_reduce_scatter_max(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases):
+    _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, _max)
+
+
+@njit(cache=True, nogil=True)
+def pieces_reduce_scatter_min(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases):
+    _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, _min)
+
+
+pieces_reduce_scatter = (pieces_reduce_scatter_sum, pieces_reduce_scatter_prod, pieces_reduce_scatter_max,
+                         pieces_reduce_scatter_min)
 
 
 @njit(cache=True, nogil=True)
@@ -813,8 +877,9 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases,
 
 
 @njit(cache=True, nogil=True)
-def cma_allreduce(x, out, me, flags, epoch, op, spin, step, pids, tmp, acc, iov, push, bases):
-    """``out = ((x0 op x1) op x2) ...`` over the ranks, each rank reading its peers' memory directly.
+def cma_allreduce_sum(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases):
+    """``out = ((x0 + x1) + x2) ...`` over the ranks, each rank reading its peers' memory directly
+    (``cma_allreduce[op]``: ``_prod``, ``_max``, ``_min`` the same with their op).
 
     Purpose: ``CmaAllreduce``'s call (its module comment) in one compiled
     loop: publish addresses, barrier, the reduce-scatter of my block
@@ -829,22 +894,34 @@ def cma_allreduce(x, out, me, flags, epoch, op, spin, step, pids, tmp, acc, iov,
     every rank's process id, each readable by ``process_vm_readv`` from here
     (``ddlkernels._cma.probe``, which tries both directions); ``tmp``,
     ``acc``: ``step`` elements of the dtype, private; ``iov``: four int64.
-    ``op``: ``ddlkernels._shm.OPCODES``.  ``bases``: the window's shared
+    ``bases``: the window's shared
     regions as mapped here (``ShmAllreduce._bases``, no rows when there are
     none); with rows, every rank has published where its ``x`` lies
     (``ShmAllreduce._publish``) before the first barrier, and a peer's ``x``
     in a region is read where it lies instead of by ``process_vm_readv``.
     Use: ``CmaAllreduce.run``.  Returns the number of reads or writes that failed on
     any rank (then ``out`` is garbage on every rank, and the caller raises):
-    the same on every rank.  Bits as ``pieces_allreduce``'s.
+    the same on every rank.  Bits as ``pieces_allreduce_sum``'s.
     """
-    if op == 0:
-        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases, _add)
-    if op == 1:
-        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases, _mul)
-    if op == 2:
-        return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases, _max)
+    return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases, _add)
+
+
+@njit(cache=True, nogil=True)
+def cma_allreduce_prod(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases):
+    return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases, _mul)
+
+
+@njit(cache=True, nogil=True)
+def cma_allreduce_max(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases):
+    return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases, _max)
+
+
+@njit(cache=True, nogil=True)
+def cma_allreduce_min(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases):
     return _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases, _min)
+
+
+cma_allreduce = (cma_allreduce_sum, cma_allreduce_prod, cma_allreduce_max, cma_allreduce_min)
 
 
 @njit(cache=True, nogil=True)

@@ -107,6 +107,18 @@ def test_kernel_copy_times_both_directions_and_checks_the_bytes():
     assert all(len(r) == 10 and min(map(float, r[3:7] + r[8:])) > 0 for r in rows), proc.stdout  # 4 GB/s, 2 ratios
 
 
+def test_first_calls_runs_a_cold_then_a_warm_job_and_checks_the_result():
+    """It launches mpirun itself (twice, on one new Numba cache) and exits non-zero on a wrong result."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe", MPIEXEC_TIMEOUT="240")
+    proc = subprocess.run([sys.executable, "bench/first_calls.py", "--bytes", "4K", "--calls", "5"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobs = [ln for ln in proc.stdout.splitlines() if ln.startswith("job ")]
+    assert len(jobs) == 2 and "empty cache" in jobs[0] and "cache of job 1" in jobs[1], proc.stdout
+    assert all("for the 5 calls" in ln and ln.endswith("result right") for ln in jobs), proc.stdout
+
+
 def test_header_says_how_an_iteration_is_timed_per_placement():
     """Out of place: batches of calls per size; in place: one call, never an empty batch list."""
     both = run("bench/allreduce.py", "-b", "4K", "-e", "8K", "-n", "2", "-w", "1", "--place", "both",

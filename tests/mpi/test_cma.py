@@ -130,8 +130,8 @@ def test_a_shared_input_goes_through_no_system_call():
         shm._publish(src)
         e = shm._epoch + 1
         shm._epoch += 3
-        failed[where] = _shm_loops.cma_allreduce(src, out, RANK, shm._flags, e, OPCODES["sum"], shm.spin, step,
-                                                 nowhere, tmp, acc, iov, False, shm._bases)
+        failed[where] = _shm_loops.cma_allreduce[OPCODES["sum"]](src, out, RANK, shm._flags, e, shm.spin, step,
+                                                                 nowhere, tmp, acc, iov, False, shm._bases)
         if where == "shared":
             blo, bhi = [(n // P) * s + min(s, n % P) for s in (RANK, RANK + 1)]  # my block (_shm.cuts)
             assert np.array_equal(out[blo:bhi], want[blo:bhi]), "my block, folded from the peers' shared inputs"
