@@ -119,6 +119,14 @@ def test_first_calls_runs_a_cold_then_a_warm_job_and_checks_the_result():
     assert all("for the 5 calls" in ln and ln.endswith("result right") for ln in jobs), proc.stdout
 
 
+def test_profile_engine_runs_cma_alone_and_the_tuned_path():
+    """``--cma`` runs the single-copy allreduce whatever the tuner would pick; the script checks the last result."""
+    out = run("bench/profile_engine.py", "64K", "--cma", "-w", "1", "-n", "3")
+    assert "path cma (forced)" in out, out
+    out = run("bench/profile_engine.py", "4K", "--small-bytes", "tuned", "-w", "1", "-n", "3")
+    assert "2 ranks, 4K:" in out and "(forced)" not in out, out
+
+
 def test_header_says_how_an_iteration_is_timed_per_placement():
     """Out of place: batches of calls per size; in place: one call, never an empty batch list."""
     both = run("bench/allreduce.py", "-b", "4K", "-e", "8K", "-n", "2", "-w", "1", "--place", "both",
