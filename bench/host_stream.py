@@ -4,7 +4,7 @@
 
 One process, float32 sum, GB/s as STREAM counts them (reduce: read 2, write
 1 array; ``np.copyto`` copy: read 1, write 1).  Each round runs the plain loop,
-the streamed loop (``ddlkernels._host_loops.reduce(..., stream_from=0)``) and
+the streamed loop (``ddlkernels._host_loops.reduce[SUM](..., stream_from=0)``) and
 the copy once each, in that order, on their own arrays; medians over rounds.
 This is the measurement behind ``ddlkernels._host_loops.STREAM_FROM``.
 """
@@ -31,13 +31,13 @@ def main():
         n = nbytes // 4
         a, b = (np.random.default_rng(k).random(n, dtype=np.float32) for k in (1, 2))
         d, e, c = np.empty_like(a), np.empty_like(a), np.empty_like(a)
-        reduce(d, a, b, 0, 1 << 62)
-        reduce(e, a, b, 0, 0)
+        reduce[0](d, a, b, 1 << 62)
+        reduce[0](e, a, b, 0)
         if not np.array_equal(d, e):
             raise SystemExit(f"{s}: the streamed loop's result differs")
         times = {"plain": [], "stream": [], "copy": []}
         for _ in range(args.rounds):
-            for name, run in (("plain", lambda: reduce(d, a, b, 0, 1 << 62)), ("stream", lambda: reduce(e, a, b, 0, 0)),
+            for name, run in (("plain", lambda: reduce[0](d, a, b, 1 << 62)), ("stream", lambda: reduce[0](e, a, b, 0)),
                               ("copy", lambda: np.copyto(c, a))):
                 t0 = time.perf_counter()
                 run()

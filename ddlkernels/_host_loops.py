@@ -192,17 +192,31 @@ def _reduce(d, a, b, combine, stream):
     return True
 
 
-@njit(cache=True, nogil=True)
-def reduce(d, a, b, op, stream_from=STREAM_FROM):
-    """``d = a op b`` (op ``SUM`` or ``PROD``); False, having written nothing, where the preconditions fail.
-    From ``stream_from`` bytes a C-contiguous ``d`` apart from both operands is written with non-temporal
-    stores (``STREAM_FROM``); the bits are the same either way."""
+@njit(inline="always")
+def _checked(d, a, b, combine, stream_from):
     n = d.shape[0]
     if a.shape[0] != n or b.shape[0] != n:
         return False
     if n == 0:
         return True
-    stream = n * d.itemsize >= stream_from
-    if op == SUM:
-        return _reduce(d, a, b, _add, stream)
-    return _reduce(d, a, b, _mul, stream)
+    return _reduce(d, a, b, combine, n * d.itemsize >= stream_from)
+
+
+# One compiled function per op, as the shared-memory loops (``ddlkernels._shm_loops``, the comment above
+# ``small_allreduce_sum``): a process compiles only the ops it calls.  A cold compilation of the float32
+# signature took 1.9 s with both ops in one function (the ring's first call in ``bench/first_calls.py``).
+@njit(cache=True, nogil=True)
+def reduce_sum(d, a, b, stream_from=STREAM_FROM):
+    """``d = a + b`` (``reduce_prod``: ``a * b``; ``reduce[op]`` for op ``SUM`` or ``PROD``); False, having
+    written nothing, where the preconditions fail.  From ``stream_from`` bytes a C-contiguous ``d`` apart from
+    both operands is written with non-temporal stores (``STREAM_FROM``); the bits are the same either way."""
+    return _checked(d, a, b, _add, stream_from)
+
+
+@njit(cache=True, nogil=True)
+def reduce_prod(d, a, b, stream_from=STREAM_FROM):
+    return _checked(d, a, b, _mul, stream_from)
+
+
+#: ``reduce[op]``: the compiled loop for op ``SUM`` or ``PROD``.
+reduce = (reduce_sum, reduce_prod)

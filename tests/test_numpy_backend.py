@@ -211,7 +211,7 @@ def test_streamed_loop_writes_numpys_bits_and_nothing_around_dst(dtype, op, n):
         for name, a, b, d in _views(n, dtype, 11):
             want = UF[op](a.copy(), b.copy())
             around = d.base.copy() if d.base is not None else None
-            assert loop(d, a, b, code, 0) is True, name
+            assert loop[code](d, a, b, 0) is True, name
             assert np.array_equal(bits(d), bits(want)), name
             if around is not None:  # every element of the base array outside d as it was
                 outside = np.ones(d.base.shape[0], bool)
@@ -220,7 +220,7 @@ def test_streamed_loop_writes_numpys_bits_and_nothing_around_dst(dtype, op, n):
                 if d.strides[0] > 0:
                     assert np.array_equal(bits(d.base[outside]), bits(around[outside])), name
             x = a.copy()
-            assert loop(x, x, b, code, 0) is True  # in place never streams; still a op b
+            assert loop[code](x, x, b, 0) is True  # in place never streams; still a op b
             assert np.array_equal(bits(x), bits(want)), name + " into a"
 
 
@@ -249,7 +249,7 @@ def test_wide_reduce_partial_overlap_is_numpys_result(dtype, wide_path):
             want = np.add(a.copy(), b)
             if wide_path == "compiled":
                 before = buf.copy()
-                assert loop(d, a, b, 0) is False  # declined, having written nothing
+                assert loop[0](d, a, b) is False  # declined, having written nothing
                 assert np.array_equal(bits(buf), bits(before))
             BE.reduce("sum", d, a, b)
         assert np.array_equal(bits(d), bits(want)), shift
@@ -259,8 +259,8 @@ def test_wide_loop_declines_mismatched_lengths_without_writing():
     from ddlkernels._host_loops import reduce as loop
 
     a, b, d = np.ones(8, np.float32), np.ones(7, np.float32), np.zeros(8, np.float32)
-    assert loop(d, a, b, 0) is False and not d.any()
-    assert loop(d, a, a, 0) is True and (d == 2).all()
+    assert loop[0](d, a, b) is False and not d.any()
+    assert loop[0](d, a, a) is True and (d == 2).all()
 
 
 def test_wide_reduce_of_what_the_loop_cannot_type_is_numpys():

@@ -28,7 +28,7 @@ _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multip
 #: the ring and the window.  Not max/min: numpy 2 deprecates their positional ``out``.
 _DIRECT = {(op, np.dtype(t)): _UFUNC[op] for op in ("sum", "prod")
            for t in (np.float32, np.float64, np.int32, np.int64)}
-#: _DIRECT's ops -> op code of ``ddlkernels._host_loops.reduce`` (its SUM, PROD), the compiled loop tried
+#: _DIRECT's ops -> index into ``ddlkernels._host_loops.reduce`` (its SUM, PROD), the compiled loop tried
 #: first for those pairs on 1-D arrays (numpy's loop halves its speed on operands at different offsets
 #: within a cache line).
 _COMPILED = {"sum": 0, "prod": 1}
@@ -122,7 +122,7 @@ class NumpyBackend(Backend):
                 loop = _LOOP[0] if _LOOP else _host_loop()
                 if loop is not None and dst.ndim == 1 and a.dtype == dst.dtype and b.dtype == dst.dtype:
                     try:
-                        if loop(dst, a, b, _COMPILED[op]):
+                        if loop[_COMPILED[op]](dst, a, b):
                             return
                     except Exception:  # noqa: BLE001 - what Numba cannot type (0-d, read-only out): numpy's
                         pass           # ufunc computes it, or raises numpy's own error
