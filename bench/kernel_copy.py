@@ -9,8 +9,8 @@ piece, from its cache, into a peer's output in memory).  This times those two
 moves against libc's ``memcpy`` doing the same, piece after piece over each
 ``--bytes`` buffer (larger than L2), in one process (a process may read and
 write its own memory so: the kernel pins and copies exactly as for a peer's),
-from compiled loops (the allreduce's own calls: ``ddlkernels._shm_loops._read``,
-``_write``, ``_copy``).  Four lines, interleaved round by round, each the
+from compiled loops (the allreduce's own calls: ``ddlkernels._shm_loops._vm``,
+``_copy``).  Four lines, interleaved round by round, each the
 median over rounds, GB/s of bytes copied:
 
 * ``memcpy in`` / ``readv in``: buffer piece -> one piece-sized array, piece by piece;
@@ -43,40 +43,28 @@ from numba import njit
 
 from ddlkernels._bench import parse_size
 from ddlkernels._cma import PIECE_BYTES, PIECE_BYTES_WIDE
-from ddlkernels._shm_loops import _copy, _read, _write
+from ddlkernels._shm_loops import _copy, _vm
 
 
 @njit(nogil=True)
-def _readv_in(pid, big, piece, iov):
+def _kernel(pid, big, piece, iov, write):
+    # Piece after piece of big: process_vm_readv into piece (write False) or process_vm_writev from it.
     bad = 0
     for a in range(0, big.shape[0] - piece.shape[0] + 1, piece.shape[0]):
-        if not _read(pid, piece, big.ctypes.data + a, iov):
+        if not _vm(pid, piece, big.ctypes.data + a, iov, write):
             bad += 1
     return bad
 
 
 @njit(nogil=True)
-def _memcpy_in(big, piece):
+def _memcpy(big, piece, write):
+    # The same moves with libc's memcpy: big's pieces into piece (write False), or piece into them.
     n = piece.shape[0]
     for a in range(0, big.shape[0] - n + 1, n):
-        _copy(piece, big[a : a + n])
-    return 0
-
-
-@njit(nogil=True)
-def _writev_out(pid, big, piece, iov):
-    bad = 0
-    for a in range(0, big.shape[0] - piece.shape[0] + 1, piece.shape[0]):
-        if not _write(pid, piece, big.ctypes.data + a, iov):
-            bad += 1
-    return bad
-
-
-@njit(nogil=True)
-def _memcpy_out(big, piece):
-    n = piece.shape[0]
-    for a in range(0, big.shape[0] - n + 1, n):
-        _copy(big[a : a + n], piece)
+        if write:
+            _copy(big[a : a + n], piece)
+        else:
+            _copy(piece, big[a : a + n])
     return 0
 
 
@@ -107,8 +95,10 @@ def _line(pid, iov, src, dst, b, s, rounds):
         raise SystemExit(f"--pieces: {s} must be between 1 byte and the buffer's {b}")
     piece = np.zeros(size, np.uint8)
     covered = nbytes // size * size
-    lines = {"memcpy in": lambda: _memcpy_in(src, piece), "readv in": lambda: _readv_in(pid, src, piece, iov),
-             "memcpy out": lambda: _memcpy_out(dst, piece), "writev out": lambda: _writev_out(pid, dst, piece, iov)}
+    lines = {"memcpy in": lambda: _memcpy(src, piece, False),
+             "readv in": lambda: _kernel(pid, src, piece, iov, False),
+             "memcpy out": lambda: _memcpy(dst, piece, True),
+             "writev out": lambda: _kernel(pid, dst, piece, iov, True)}
     times = {k: [] for k in lines}
     for r in range(rounds + 1):  # round 0 compiles and faults the pages in, untimed
         for k, (name, run) in enumerate(lines.items()):
