@@ -15,7 +15,7 @@ last result is right (the job exits non-zero if not).  Times are the
 slowest rank's.
 
 Behind the one-function-per-op loops of ``ddlkernels._shm_loops`` (its
-comment above ``small_allreduce_sum``): a process compiles only the ops it
+comment above ``small_fold_sum``): a process compiles only the ops it
 calls.
 """
 

@@ -203,7 +203,7 @@ def _checked(d, a, b, combine, stream_from):
 
 
 # One compiled function per op, as the shared-memory loops (``ddlkernels._shm_loops``, the comment above
-# ``small_allreduce_sum``): a process compiles only the ops it calls.  The ring's first call in
+# ``small_fold_sum``): a process compiles only the ops it calls.  The ring's first call in
 # ``bench/first_calls.py`` (empty Numba cache) took 2.0-2.2 s with 2 ranks and 4.2-4.7 s with 4 while one
 # function held both ops, 1.37 s and 2.88 s after.
 @njit(cache=True, nogil=True)

@@ -619,14 +619,14 @@ class ShmAllreduce:
 
         The same steps on the same two alternating stages -- copy in,
         barrier, fold in rank order -- as one compiled call
-        (``ddlkernels._shm_loops.small_allreduce``), every view looked up
+        (``ddlkernels._shm_loops.small_fold`` over all of it), every view looked up
         once: a latency-bound call is mostly the overhead around its work.
         """
         key = (dtype, n, op)
         fn = self._small.get(key)
         if fn is not None:
             return fn
-        return self._remember(key, self._prepared(self._loops.small_allreduce[OPCODES[op]], dtype, self.spin))
+        return self._remember(key, self._prepared(self._loops.small_fold[OPCODES[op]], dtype, self.spin, 0, n))
 
     def _prepared(self, call, dtype, *tail):
         """``f(a, out)``: ``call(a, stage set, rank, out, flags, epoch, *tail)`` on the next of the two
@@ -682,7 +682,7 @@ class ShmAllreduce:
             return self._remember(key, self._compiled_shards(kind, dtype, op, bounds, stream))
         if rs:
             lo, hi = bounds[self.rank]
-            fn = self._prepared(self._loops.small_reduce_scatter[OPCODES[op]], dtype, self.spin, lo, hi)
+            fn = self._prepared(self._loops.small_fold[OPCODES[op]], dtype, self.spin, lo, hi)
         else:
             los = np.array([b[0] for b in bounds], dtype=np.int64)
             his = np.array([b[1] for b in bounds], dtype=np.int64)

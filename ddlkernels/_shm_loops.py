@@ -182,87 +182,54 @@ def _stage_and_meet(x, stage, me, flags, epoch, spin):
     _wait(flags, stage.shape[0], epoch, spin)
 
 
-# One compiled function per op, for each loop that folds (small_allreduce, small_reduce_scatter,
-# pieces_allreduce, pieces_reduce_scatter, cma_allreduce): a tuple indexed by ``ddlkernels._shm.OPCODES``
+# One compiled function per op, for each loop that folds (small_fold, pieces_allreduce,
+# pieces_reduce_scatter, cma_allreduce): a tuple indexed by ``ddlkernels._shm.OPCODES``
 # (sum, prod, max, min), each member with its combine fixed.  A process compiles only the ops it calls, once
 # per dtype, where one function with the op as an argument compiled all four folds for every dtype before its
 # first call.  ``python bench/first_calls.py`` (a job's first 60 float32 sum allreduces of 16 MiB, on an empty
 # Numba cache; the tuner's trials compile the window's and cma's loops): 30.2 s before, 8.0 s after with 2
 # ranks; 67.2 s and 17.7 s with 4 (on 2 cores).  A job whose cache is warm: 0.6-0.7 s either way.
 @njit(cache=True, nogil=True)
-def small_allreduce_sum(x, stage, me, out, flags, epoch, spin):
-    """``out = ((x0 + x1) + x2) ...`` over the ranks, through one small-message stage set
-    (``small_allreduce[op]``: ``_prod``, ``_max``, ``_min`` the same with their op).
+def small_fold_sum(x, stage, me, out, flags, epoch, spin, lo, hi):
+    """``out = (((x0 + x1) + x2) ...)[lo:hi]`` over the ranks, through one small-message stage set
+    (``small_fold[op]``: ``_prod``, ``_max``, ``_min`` the same with their op).
 
-    Purpose: the whole of a latency-bound allreduce in one call.
+    Purpose: the whole of a latency-bound allreduce ([lo, hi) all of x) or
+    reduce_scatter (my shard) in one call: stage, barrier, fold.
     Preconditions: ``stage`` is a (p, m) array in the window, p >= 2,
     m >= len(x), row s rank s's stage, not read by any rank since barrier
-    ``epoch - 1`` (the caller alternates two sets); ``x`` and ``out`` hold
-    len(x) elements of ``stage``'s dtype (``out`` may be ``x``); every rank
-    calls with the same ``epoch`` and op.
-    Use: ``ShmAllreduce._small_fn``.  The result has numpy's bits but for
-    which of two NaNs a sum or product returns (see the combines above), and
-    the same bits on every rank.
-    """
-    _stage_and_meet(x, stage, me, flags, epoch, spin)
-    _fold(stage, 0, x.shape[0], out, _sum)
-
-
-@njit(cache=True, nogil=True)
-def small_allreduce_prod(x, stage, me, out, flags, epoch, spin):
-    _stage_and_meet(x, stage, me, flags, epoch, spin)
-    _fold(stage, 0, x.shape[0], out, _prod)
-
-
-@njit(cache=True, nogil=True)
-def small_allreduce_max(x, stage, me, out, flags, epoch, spin):
-    _stage_and_meet(x, stage, me, flags, epoch, spin)
-    _fold(stage, 0, x.shape[0], out, _max)
-
-
-@njit(cache=True, nogil=True)
-def small_allreduce_min(x, stage, me, out, flags, epoch, spin):
-    _stage_and_meet(x, stage, me, flags, epoch, spin)
-    _fold(stage, 0, x.shape[0], out, _min)
-
-
-small_allreduce = (small_allreduce_sum, small_allreduce_prod, small_allreduce_max, small_allreduce_min)
-
-
-@njit(cache=True, nogil=True)
-def small_reduce_scatter_sum(x, stage, me, out, flags, epoch, spin, lo, hi):
-    """``out = (((x0 + x1) + x2) ...)[lo:hi]``: my shard of the rank-order fold, through one stage set
-    (``small_reduce_scatter[op]``: ``_prod``, ``_max``, ``_min`` the same with their op).
-
-    Purpose: a latency-bound reduce_scatter in one call.
-    Preconditions: as ``small_allreduce_sum``'s; ``out`` holds ``hi - lo``
-    elements and does not overlap ``x``; [lo, hi) is within ``x``.
-    Use: ``ShmAllreduce.reduce_scatter`` (small messages).
+    ``epoch - 1`` (the caller alternates two sets); ``x`` holds len(x)
+    elements of ``stage``'s dtype, [lo, hi) within it, ``out`` hi - lo of
+    them (``out`` may be ``x`` when [lo, hi) is all of it: x is staged
+    before ``out`` is written); every rank calls with the same ``epoch``
+    and op.
+    Use: ``ShmAllreduce._small_fn`` and ``ShmAllreduce.shard_fn``.  The
+    result has numpy's bits but for which of two NaNs a sum or product
+    returns (see the combines above), and the same bits on every rank.
     """
     _stage_and_meet(x, stage, me, flags, epoch, spin)
     _fold(stage, lo, hi, out, _sum)
 
 
 @njit(cache=True, nogil=True)
-def small_reduce_scatter_prod(x, stage, me, out, flags, epoch, spin, lo, hi):
+def small_fold_prod(x, stage, me, out, flags, epoch, spin, lo, hi):
     _stage_and_meet(x, stage, me, flags, epoch, spin)
     _fold(stage, lo, hi, out, _prod)
 
 
 @njit(cache=True, nogil=True)
-def small_reduce_scatter_max(x, stage, me, out, flags, epoch, spin, lo, hi):
+def small_fold_max(x, stage, me, out, flags, epoch, spin, lo, hi):
     _stage_and_meet(x, stage, me, flags, epoch, spin)
     _fold(stage, lo, hi, out, _max)
 
 
 @njit(cache=True, nogil=True)
-def small_reduce_scatter_min(x, stage, me, out, flags, epoch, spin, lo, hi):
+def small_fold_min(x, stage, me, out, flags, epoch, spin, lo, hi):
     _stage_and_meet(x, stage, me, flags, epoch, spin)
     _fold(stage, lo, hi, out, _min)
 
 
-small_reduce_scatter = (small_reduce_scatter_sum, small_reduce_scatter_prod, small_reduce_scatter_max,
-                        small_reduce_scatter_min)
+small_fold = (small_fold_sum, small_fold_prod, small_fold_max, small_fold_min)
 
 
 @njit(cache=True, nogil=True)
@@ -270,7 +237,7 @@ def small_allgather(shard, stage, me, out, flags, epoch, spin, los, his):
     """``out[los[s]:his[s]] = shard of rank s`` for every s, through one stage set.
 
     Purpose: a latency-bound allgather in one call.
-    Preconditions: ``stage`` as for ``small_allreduce``, with m >= every
+    Preconditions: ``stage`` as for ``small_fold_sum``, with m >= every
     shard's length; ``los``/``his`` (int64, p each) place the shards in
     ``out``, mine holding ``len(shard)`` elements; ``out`` does not overlap
     ``shard``.
