@@ -86,8 +86,10 @@ __all__ = ["CmaAllreduce", "PIECE_BYTES", "PIECE_BYTES_WIDE", "piece_for", "prob
 PIECE_BYTES = 512 << 10
 
 #: The piece from 3 ranks (``piece_for``).  With 2 ranks a piece touches two arrays (the peer's operand read
-#: into ``out``, my own ``x``); from 3 ranks three (the fold ``r``, the operand ``t`` read into it, my ``x``), so
-#: the same bytes of cache hold a smaller piece.  4 ranks on the 2-core Xeon VM, 16 MiB, the worktrees of
+#: into ``out``, my own ``x``); from 3 ranks up to five (the fold ``r``, up to three peers' operands read into
+#: rows of ``tmp``, my ``x``: ``_shm_loops._fold_piece``), so the same bytes of cache hold a smaller piece.  (The
+#: runs below folded one operand at a time, two arrays and my ``x`` at once; the run-at-a-time fold, measured
+#: with pieces of 64, 128 and 256 KiB at 4 ranks and 16 MiB, was again fastest at 256 KiB.)  4 ranks on the 2-core Xeon VM, 16 MiB, the worktrees of
 #: 32f7732 with only this constant changed, run in turn (``bench/allreduce.py -b 16M -e 16M -n 30 -w 14
 #: --impls ddlkernels,mpi`` and ``-b 4M -e 64M -f 4``): 512 KiB 7.80-8.58 ms (nine runs), 256 KiB 7.41-7.94
 #: (four), 128 KiB 7.33-8.08 (nine), 64 KiB 8.24-8.33 (two), 1 MiB 8.47-8.92 (two); at 4 and 64 MiB all
@@ -350,8 +352,9 @@ class CmaAllreduce:
 
     def _buffers(self, dtype, step):
         hit = self._scratch.get(dtype)
-        if hit is None or hit[0].shape[0] < step:
-            hit = self._scratch[dtype] = (np.empty(step, dtype), np.empty(step, dtype))
+        if hit is None or hit[1].shape[0] < step:
+            # tmp: a row per peer operand of one run of the fold (``_shm_loops._fold_piece``: up to four)
+            hit = self._scratch[dtype] = (np.empty((4, step), dtype), np.empty(step, dtype))
         return hit
 
     def _python(self, x, out, op, deadline):
@@ -375,7 +378,7 @@ class CmaAllreduce:
         cut = cuts(n, p)
         for a in range(cut[me], cut[me + 1], step):
             b = min(cut[me + 1], a + step)
-            r, t = acc[: b - a], tmp[: b - a]
+            r, t = acc[: b - a], tmp[0, : b - a]
             for s in range(p):
                 if s == me:
                     operand = x[a:b]

@@ -75,6 +75,41 @@ def test_every_dtype_op_size_in_and_out_of_place(piece_bytes, dtype, op, push_fr
 
 @needs_cma
 @PUSH
+@pytest.mark.parametrize("shared", ["none", "odd ranks"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", ["sum", "prod"])
+def test_the_fold_is_in_rank_order_where_rounding_shows(shared, dtype, op, push_from):
+    """Operands of many magnitudes, so that nearly every element rounds differently in another order: the
+    rank-order fold bit for bit, through every run of operands the loop folds at once (4, then 3 at a time:
+    5, 6 and 7 ranks end a run of 1, 2 and 3), peers' inputs read or shared.  The exact data of the other
+    tests sum to the same bits in any order, and would not see two operands swapped."""
+    shm = ShmAllreduce(COMM, whole_below=0)
+    cma = CmaAllreduce(shm, piece_bytes=4096, push_from=push_from)
+    n = 20_011
+    rng = np.random.default_rng([RANK, n])
+    if op == "sum":
+        x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 6, n)).astype(dtype)
+    else:  # factors near 1: products neither overflow nor underflow, and round at every step
+        x = (1 + rng.uniform(-0.5, 0.5, n)).astype(dtype)
+    xs = COMM.allgather(x)
+    want = _fold(xs, op)
+    if P >= 3:  # the data can tell the orders apart: the last two operands swapped give other bits
+        swapped = _fold(xs[:-2] + [xs[-1], xs[-2]], op)
+        assert not np.array_equal(swapped.view(np.uint8), want.view(np.uint8))
+    region = shm.empty(n * x.itemsize).view(dtype)  # collective
+    src = region if shared == "odd ranks" and RANK % 2 == 1 else x.copy()
+    src[...] = x
+    out = np.full_like(x, 99)
+    cma.run(src, out, op)
+    what = f"{np.dtype(dtype).name} {op} shared: {shared}, push from {push_from}"
+    assert np.array_equal(out.view(np.uint8), want.view(np.uint8)), what
+    cma.run(src, src, op)
+    assert np.array_equal(src.view(np.uint8), want.view(np.uint8)), f"{what}: in place"
+    shm.free()  # collective: on success only
+
+
+@needs_cma
+@PUSH
 @pytest.mark.parametrize("shared", ["all", "odd ranks"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.uint8], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", list(NUMPY_OPS))
@@ -122,7 +157,7 @@ def test_a_shared_input_goes_through_no_system_call():
     region = shm.empty(n * 4).view(np.float32)
     x = rank_data(n, RANK, P, np.float32)
     want = _fold(COMM.allgather(x), "sum")
-    tmp, acc, iov = np.empty(step, np.float32), np.empty(step, np.float32), np.zeros(4, np.int64)
+    tmp, acc, iov = np.empty((4, step), np.float32), np.empty(step, np.float32), np.zeros(4, np.int64)
     failed = {}
     for where, src in (("shared", region), ("private", x.copy())):
         src[...] = x
