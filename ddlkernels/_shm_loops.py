@@ -446,22 +446,87 @@ def _operand(stages, addr, s, lo, hi, at, like):
 
 
 @njit(inline="always")
-def _fold_block(res, own, stages, addr, me, lo, hi, at, combine):
-    # res = ((operand 0 op operand 1) op operand 2) ..., operand s being my own block ``own`` for s == me
-    # and rank s's (_operand) otherwise: the rank order of _fold.  Each operand pair is its own call, so
-    # that ``own`` (a slice of the caller's x, perhaps read-only) and the peers' blocks keep their types.
-    if me == 0:
-        _combine_into(res, own, _operand(stages, addr, 1, lo, hi, at, res), combine)
-    elif me == 1:
-        _combine_into(res, _operand(stages, addr, 0, lo, hi, at, res), own, combine)
+def _fold_first(r, k, a0, a1, a2, a3, combine):
+    # r = ((o0 op o1) op o2) op o3 (k == 4) or (o0 op o1) op o2 (k == 3): o0 .. o3 the len(r) elements of r's
+    # dtype at addresses a0 .. a3, none overlapping r (LLVM's run-time overlap check then passes, and the loop
+    # runs vectorized).  One pass reads every operand and writes r once, where folding one operand at a time
+    # reads and writes r once per operand.  Addresses, not arrays: a caller's own operand (a slice of its x,
+    # perhaps read-only) and a peer's (a row of scratch, a shared mapping) are then one type.
+    m = r.shape[0]
+    o0, o1, o2 = carray(_pointer(a0, r), m), carray(_pointer(a1, r), m), carray(_pointer(a2, r), m)
+    if k == 4:
+        o3 = carray(_pointer(a3, r), m)
+        for i in range(m):
+            r[i] = combine(combine(combine(o0[i], o1[i]), o2[i]), o3[i])
     else:
-        _combine_into(res, _operand(stages, addr, 0, lo, hi, at, res), _operand(stages, addr, 1, lo, hi, at, res),
-                      combine)
-    for s in range(2, stages.shape[0]):
-        if s == me:
-            _accumulate(res, own, combine)
+        for i in range(m):
+            r[i] = combine(combine(o0[i], o1[i]), o2[i])
+
+
+@njit(inline="always")
+def _fold_next(r, k, a0, a1, a2, combine):
+    # r = ((r op o0) op o1) op o2 over the k (1-3) operands at a0 .. a2: a fold's later operands, r read and
+    # written through one array (_accumulate's comment).
+    m = r.shape[0]
+    o0 = carray(_pointer(a0, r), m)
+    if k == 1:
+        for i in range(m):
+            r[i] = combine(r[i], o0[i])
+        return
+    o1 = carray(_pointer(a1, r), m)
+    if k == 2:
+        for i in range(m):
+            r[i] = combine(combine(r[i], o0[i]), o1[i])
+        return
+    o2 = carray(_pointer(a2, r), m)
+    for i in range(m):
+        r[i] = combine(combine(combine(r[i], o0[i]), o1[i]), o2[i])
+
+
+@njit(inline="always")
+def _fold_run(r, j, k, ops, combine):
+    # Fold the run of k operands j .. j + k - 1 (addresses ops[:k]) into r: the first run of a fold (j == 0,
+    # three or four operands) makes r, the later ones (one to three) fold into it.
+    if j == 0:
+        _fold_first(r, k, ops[0], ops[1], ops[2], ops[3], combine)
+    else:
+        _fold_next(r, k, ops[0], ops[1], ops[2], combine)
+
+
+@njit(inline="always")
+def _run_length(p, j):
+    # Operands in the fold's run from operand j of p: four in the first, then three at a time.  What four
+    # operands and the fold take of a core's cache bounds it (``ddlkernels._cma.PIECE_BYTES_WIDE``).
+    return min(p - j, 4 if j == 0 else 3)
+
+
+@njit(inline="always")
+def _fold_block(res, own, stages, addr, me, lo, hi, at, ops, combine):
+    # res = ((operand 0 op operand 1) op operand 2) ..., operand s being my own block ``own`` for s == me
+    # and rank s's (_operand) otherwise: the rank order of _fold.  With 2 ranks one pass of two operands (each
+    # its own call, so that ``own``, a slice of the caller's x, perhaps read-only, and the peer's block keep
+    # their types); from 3 in runs of up to four operands, a pass each (_fold_first), their addresses in
+    # ``ops`` (four int64, the caller's scratch).
+    p = stages.shape[0]
+    if p == 2:
+        if me == 0:
+            _combine_into(res, own, _operand(stages, addr, 1, lo, hi, at, res), combine)
         else:
-            _accumulate(res, _operand(stages, addr, s, lo, hi, at, res), combine)
+            _combine_into(res, _operand(stages, addr, 0, lo, hi, at, res), own, combine)
+        return
+    item = res.itemsize
+    j = 0
+    while j < p:
+        k = _run_length(p, j)
+        for s in range(j, j + k):
+            if s == me:
+                ops[s - j] = own.ctypes.data
+            elif addr[s] != 0:
+                ops[s - j] = addr[s] + at * item
+            else:
+                ops[s - j] = stages[s] + lo * item
+        _fold_run(res, j, k, ops, combine)
+        j += k
 
 
 @njit(inline="always")
@@ -477,6 +542,7 @@ def _block(n, p, s):
 def _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill, staged, bases, combine):
     p = stages.shape[0]
     addr = np.zeros(p, np.int64)
+    ops = np.empty(4, np.int64)  # a fold run's operand addresses (_fold_block)
     e = epoch
     for a in range(0, x.shape[0], step):
         b = min(x.shape[0], a + step)
@@ -496,11 +562,11 @@ def _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill
             # Summed into my stage's slot for my own block, which nobody reads, then written to the result
             # with non-temporal stores: the peers read it from memory, not from this core's cache.
             mine = _row(stages, me, lo, k, x)
-            _fold_block(mine, xs[lo:hi], stages, addr, me, lo, hi, a + lo, combine)
+            _fold_block(mine, xs[lo:hi], stages, addr, me, lo, hi, a + lo, ops, combine)
             _stream(res, mine, True)
             _stream(dst, mine, stream)
         else:
-            _fold_block(res, xs[lo:hi], stages, addr, me, lo, hi, a + lo, combine)
+            _fold_block(res, xs[lo:hi], stages, addr, me, lo, hi, a + lo, ops, combine)
             _stream(dst, res, stream)
         barrier(flags, me, p, e + 1, spin)
         # Every other block from its owner's result.
@@ -564,6 +630,7 @@ pieces_allreduce = (pieces_allreduce_sum, pieces_allreduce_prod, pieces_allreduc
 def _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, bases, combine):
     p = stages.shape[0]
     addr = np.zeros(p, np.int64)
+    ops = np.empty(4, np.int64)  # a fold run's operand addresses (_fold_block)
     lo, hi = los[me], his[me]
     e = epoch
     for k in range(0, (his - los).max(), c):
@@ -582,7 +649,7 @@ def _rs_pieces(x, stages, me, out, flags, epoch, spin, c, los, his, staged, base
         a = lo + k
         b = min(hi, a + c)
         if b > a:
-            _fold_block(out[k : k + b - a], x[a:b], stages, addr, me, me * c, me * c + b - a, a, combine)
+            _fold_block(out[k : k + b - a], x[a:b], stages, addr, me, me * c, me * c + b - a, a, ops, combine)
         barrier(flags, me, p, e + 1, spin)  # every peer is done with my slots before I refill them
         e += 2
 
@@ -752,43 +819,6 @@ def _last_barrier(flags, me, p, epoch, spin, bad):
 
 
 @njit(inline="always")
-def _fold_first(r, ops, k, combine):
-    # r = ((o0 op o1) op o2) op o3 (k == 4) or (o0 op o1) op o2 (k == 3): o the operands at ops[:k], each
-    # len(r) elements of r's dtype, none overlapping r (LLVM's run-time overlap check then passes, and the loop
-    # runs vectorized).  One pass reads every operand and writes r once, where folding one operand at a time
-    # would read and write r once per operand.
-    m = r.shape[0]
-    o0, o1, o2 = carray(_pointer(ops[0], r), m), carray(_pointer(ops[1], r), m), carray(_pointer(ops[2], r), m)
-    if k == 4:
-        o3 = carray(_pointer(ops[3], r), m)
-        for i in range(m):
-            r[i] = combine(combine(combine(o0[i], o1[i]), o2[i]), o3[i])
-    else:
-        for i in range(m):
-            r[i] = combine(combine(o0[i], o1[i]), o2[i])
-
-
-@njit(inline="always")
-def _fold_next(r, ops, k, combine):
-    # r = ((r op o0) op o1) op o2 over the k (1-3) operands at ops[:k]: the fold's later operands, r read and
-    # written through one array (_accumulate's comment).
-    m = r.shape[0]
-    o0 = carray(_pointer(ops[0], r), m)
-    if k == 1:
-        for i in range(m):
-            r[i] = combine(r[i], o0[i])
-        return
-    o1 = carray(_pointer(ops[1], r), m)
-    if k == 2:
-        for i in range(m):
-            r[i] = combine(combine(r[i], o0[i]), o1[i])
-        return
-    o2 = carray(_pointer(ops[2], r), m)
-    for i in range(m):
-        r[i] = combine(combine(combine(r[i], o0[i]), o1[i]), o2[i])
-
-
-@njit(inline="always")
 def _fold_piece(r, x, a, me, pids, xs, shared, tmp, ops, iov, combine):
     # From 3 ranks: r = ((x0 op x1) op x2) ... over elements [a, a + len(r)) of every rank's x, in rank order.
     # The operands come in runs (the first of four, the later of three): each peer's of a run read into a row
@@ -804,7 +834,7 @@ def _fold_piece(r, x, a, me, pids, xs, shared, tmp, ops, iov, combine):
     bad = 0
     j = 0
     while j < p:
-        k = min(p - j, 4 if j == 0 else 3)
+        k = _run_length(p, j)
         row = 0
         for s in range(j, j + k):
             if s == me:
@@ -817,10 +847,7 @@ def _fold_piece(r, x, a, me, pids, xs, shared, tmp, ops, iov, combine):
                 if not _read(pids[s], t, xs[s] + a * item, iov):
                     bad += 1
                 ops[s - j] = t.ctypes.data
-        if j == 0:
-            _fold_first(r, ops, k, combine)
-        else:
-            _fold_next(r, ops, k, combine)
+        _fold_run(r, j, k, ops, combine)
         j += k
     return bad
 

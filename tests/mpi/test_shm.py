@@ -373,6 +373,49 @@ def _bounds(n):
     return [(int(cuts[s]), int(cuts[s + 1])) for s in range(P)]
 
 
+def _varied(n, dtype, op):
+    """Operands of many magnitudes (sum) or factors near 1 (prod), unique per rank and element: nearly every
+    element rounds differently when two operands trade places, which the exact data of ``rank_data`` do not
+    (they sum to the same bits in any order)."""
+    rng = np.random.default_rng([RANK, n])
+    if op == "sum":
+        return (rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 6, n)).astype(dtype)
+    return (1 + rng.uniform(-0.5, 0.5, n)).astype(dtype)
+
+
+@needs_peers
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("op", ["sum", "prod"])
+@pytest.mark.parametrize("form", ["pieces", "spilled", "shared"])
+def test_the_fold_is_in_rank_order_where_rounding_shows(dtype, op, form):
+    """The window's fold runs its operands four, then three, at a time (``_shm_loops._fold_block``): with
+    data whose bits show the order, every element of the allreduce (staged, spilled, or read from inputs in
+    shared memory) and of the reduce-scatter is still ((x0 op x1) op x2) ..., at every rank count (5, 6 and 7
+    ranks end on a run of 1, 2 and 3)."""
+    n = 4099
+    x = _varied(n, dtype, op)
+    xs = COMM.allgather(x)
+    be = backend_for(x)
+    want = _rank_order_fold(xs, op, be)
+    if P >= 3:  # the data tell the orders apart
+        assert not np.array_equal(_rank_order_fold(xs[:-2] + [xs[-1], xs[-2]], op, be).view(np.uint8),
+                                  want.view(np.uint8))
+    shm = ShmAllreduce(COMM, piece_bytes=1000, whole_below=0)
+    src = x
+    if form == "shared":
+        src = shm.empty(x.nbytes).view(dtype)  # collective
+        src[...] = x
+    got = np.empty_like(x)
+    shm.run(src, got, op, be.reduce, spill=form == "spilled")
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{op} {form}: not the rank-order fold"
+    bounds = _bounds(n)
+    lo, hi = bounds[RANK]
+    shard = np.empty(hi - lo, dtype)
+    shm.reduce_scatter(src, shard, bounds, op, be.reduce)
+    assert np.array_equal(shard.view(np.uint8), want[lo:hi].view(np.uint8)), f"{op} {form}: reduce-scatter"
+    shm.free()  # collective: on success only
+
+
 @needs_peers
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", OPS)
