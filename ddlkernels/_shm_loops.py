@@ -874,11 +874,11 @@ def _cma(x, out, me, flags, epoch, spin, step, pids, tmp, acc, iov, push, bases,
     bad = 0
     inplace = x.ctypes.data == out.ctypes.data
     ops = np.empty(4, np.int64)
-    # Reduce-scatter: my block, step elements at a time, operands in rank order, folded in my out.  Out of
-    # place, the first peer's operand is read straight into out and the rest folded into it there: 6-13 % faster
-    # at 1-4 MiB with 2 ranks than reading into tmp and folding from it into out (``_cma.PIECE_BYTES``'
-    # comment).  In place, out is my own operand: the peers' go through tmp (with 3 or more ranks the fold
-    # through acc, copied to out at the end).
+    # Reduce-scatter: my block, step elements at a time, operands in rank order, folded in my out.  With 2
+    # ranks, out of place, the peer's operand is read straight into out and mine folded into it there: 6-13 %
+    # faster at 1-4 MiB than reading into tmp and folding from it into out (``_cma.PIECE_BYTES``' comment); in
+    # place, out is my own operand and the peer's goes through tmp.  From 3 ranks the peers' operands are read
+    # into rows of tmp and folded a run at a time (_fold_piece) into out, or in place into acc, copied to out.
     lo, hi = _block(n, p, me)
     for a in range(lo, hi, step):
         b = min(hi, a + step)
