@@ -85,17 +85,17 @@ __all__ = ["CmaAllreduce", "PIECE_BYTES", "PIECE_BYTES_WIDE", "piece_for", "prob
 #: at 4 MiB, and within 4 % either way at 8-64 MiB -- where MPI_Allreduce took 294.6-300.4 us at 4 MiB.)
 PIECE_BYTES = 512 << 10
 
-#: The piece from 3 ranks (``piece_for``).  With 2 ranks a piece touches two arrays (the peer's operand read
-#: into ``out``, my own ``x``); from 3 ranks up to five (the fold ``r``, up to three peers' operands read into
-#: rows of ``tmp``, my ``x``: ``_shm_loops._fold_piece``), so the same bytes of cache hold a smaller piece.  (The
-#: runs below folded one operand at a time, two arrays and my ``x`` at once; the run-at-a-time fold, measured
-#: with pieces of 64, 128 and 256 KiB at 4 ranks and 16 MiB, was again fastest at 256 KiB.)  4 ranks on the 2-core Xeon VM, 16 MiB, the worktrees of
-#: 32f7732 with only this constant changed, run in turn (``bench/allreduce.py -b 16M -e 16M -n 30 -w 14
-#: --impls ddlkernels,mpi`` and ``-b 4M -e 64M -f 4``): 512 KiB 7.80-8.58 ms (nine runs), 256 KiB 7.41-7.94
-#: (four), 128 KiB 7.33-8.08 (nine), 64 KiB 8.24-8.33 (two), 1 MiB 8.47-8.92 (two); at 4 and 64 MiB all
-#: within the noise of each other except 1 MiB (1.48-1.55 against 1.08-1.22 ms at 4 MiB).  3 ranks, 16 MiB:
-#: 512 KiB 6.82-6.96 ms, 256 KiB 6.18-6.69, 128 KiB 6.50-6.70.  With 2 ranks 128, 256 and 512 KiB were within
-#: the noise of each other at 4-64 MiB, and 512 KiB the fastest at 1 MiB (one piece per block).
+#: The piece from 3 ranks (``piece_for``).  With 2 ranks a piece touches two arrays (the peer's operand read into
+#: ``out``, my own ``x``); from 3 ranks up to five (the fold ``r``, up to three peers' operands read into rows of
+#: ``tmp``, my ``x``: ``_shm_loops._fold_piece``), so the same bytes of cache hold a smaller piece. (The runs below
+#: folded one operand at a time; the fold of a run of operands per pass, in a throwaway script at 4 ranks and 16
+#: MiB, ran 6.83-7.10 ms with pieces of 256 KiB, 7.17-7.64 with 128 KiB and 7.12-7.52 with 64 KiB, medians of six
+#: rounds.)  4 ranks on the 2-core Xeon VM, 16 MiB, the worktrees of 32f7732 with only this constant changed, run in
+#: turn (``bench/allreduce.py -b 16M -e 16M -n 30 -w 14 --impls ddlkernels,mpi`` and ``-b 4M -e 64M -f 4``): 512 KiB
+#: 7.80-8.58 ms (nine runs), 256 KiB 7.41-7.94 (four), 128 KiB 7.33-8.08 (nine), 64 KiB 8.24-8.33 (two), 1 MiB
+#: 8.47-8.92 (two); at 4 and 64 MiB all within the noise of each other except 1 MiB (1.48-1.55 against 1.08-1.22 ms
+#: at 4 MiB).  3 ranks, 16 MiB: 512 KiB 6.82-6.96 ms, 256 KiB 6.18-6.69, 128 KiB 6.50-6.70.  With 2 ranks 128, 256 and
+#: 512 KiB were within the noise of each other at 4-64 MiB, and 512 KiB the fastest at 1 MiB (one piece per block).
 PIECE_BYTES_WIDE = 256 << 10
 
 
