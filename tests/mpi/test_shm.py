@@ -401,7 +401,7 @@ def test_the_fold_is_in_rank_order_where_rounding_shows(dtype, op, form):
         assert not np.array_equal(_rank_order_fold(xs[:-2] + [xs[-1], xs[-2]], op, be).view(np.uint8),
                                   want.view(np.uint8))
     shm = ShmAllreduce(COMM, piece_bytes=1000, whole_below=0)
-    src = x
+    src = x.copy()
     if form == "shared":
         src = shm.empty(x.nbytes).view(dtype)  # collective
         src[...] = x
@@ -413,6 +413,9 @@ def test_the_fold_is_in_rank_order_where_rounding_shows(dtype, op, form):
     shard = np.empty(hi - lo, dtype)
     shm.reduce_scatter(src, shard, bounds, op, be.reduce)
     assert np.array_equal(shard.view(np.uint8), want[lo:hi].view(np.uint8)), f"{op} {form}: reduce-scatter"
+    assert np.array_equal(src.view(np.uint8), x.view(np.uint8)), f"{op} {form}: input modified"
+    shm.run(src, src, op, be.reduce, spill=form == "spilled")
+    assert np.array_equal(src.view(np.uint8), want.view(np.uint8)), f"{op} {form}: in place"
     shm.free()  # collective: on success only
 
 
