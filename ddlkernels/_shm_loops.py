@@ -558,15 +558,15 @@ def _pieces(x, stages, results, me, out, flags, epoch, spin, step, stream, spill
         # My block, summed in rank order into my published result, then copied to out (out is only written).
         k = hi - lo
         res, dst = _row(results, me, 0, k, x), os[lo:hi]
+        # Spilled: summed into my stage's slot for my own block, which nobody reads, then written to the result
+        # with non-temporal stores: the peers read it from memory, not from this core's cache.  One call of the
+        # fold for both: it is inlined, and each call site is compiled again (with 4 ranks' runs, five loops).
+        mine = _row(stages, me, lo, k, x) if spill else res
+        _fold_block(mine, xs[lo:hi], stages, addr, me, lo, hi, a + lo, ops, combine)
         if spill:
-            # Summed into my stage's slot for my own block, which nobody reads, then written to the result
-            # with non-temporal stores: the peers read it from memory, not from this core's cache.
-            mine = _row(stages, me, lo, k, x)
-            _fold_block(mine, xs[lo:hi], stages, addr, me, lo, hi, a + lo, ops, combine)
             _stream(res, mine, True)
             _stream(dst, mine, stream)
         else:
-            _fold_block(res, xs[lo:hi], stages, addr, me, lo, hi, a + lo, ops, combine)
             _stream(dst, res, stream)
         barrier(flags, me, p, e + 1, spin)
         # Every other block from its owner's result.
