@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from ddlkernels._bench import parse_size
-from ddlkernels._host_loops import reduce
+from ddlkernels._host_loops import SUM, reduce
 
 
 def main():
@@ -31,13 +31,13 @@ def main():
         n = nbytes // 4
         a, b = (np.random.default_rng(k).random(n, dtype=np.float32) for k in (1, 2))
         d, e, c = np.empty_like(a), np.empty_like(a), np.empty_like(a)
-        reduce[0](d, a, b, 1 << 62)
-        reduce[0](e, a, b, 0)
+        reduce[SUM](d, a, b, 1 << 62)
+        reduce[SUM](e, a, b, 0)
         if not np.array_equal(d, e):
             raise SystemExit(f"{s}: the streamed loop's result differs")
         times = {"plain": [], "stream": [], "copy": []}
         for _ in range(args.rounds):
-            for name, run in (("plain", lambda: reduce[0](d, a, b, 1 << 62)), ("stream", lambda: reduce[0](e, a, b, 0)),
+            for name, run in (("plain", lambda: reduce[SUM](d, a, b, 1 << 62)), ("stream", lambda: reduce[SUM](e, a, b, 0)),
                               ("copy", lambda: np.copyto(c, a))):
                 t0 = time.perf_counter()
                 run()
