@@ -18,6 +18,9 @@ The variables are documented in the README:
                                written by ``python -m ddlkernels calibrate``, or
                                a preset name
 ``DDLKERNELS_RACK_MAP``        a file mapping host names to racks
+``DDLKERNELS_CACHE_DIR``       where compiled CUDA kernels are kept (default
+                               ``$XDG_CACHE_HOME/ddlkernels`` or
+                               ``~/.cache/ddlkernels``; ``off``: not kept)
 =============================  =================================================
 """
 
@@ -52,6 +55,16 @@ def _int_env(name: str, default: int) -> int:
     return value
 
 
+def _cache_dir():
+    raw = os.environ.get("DDLKERNELS_CACHE_DIR", "").strip()
+    if raw.lower() in ("off", "none", "0"):
+        return None
+    if raw:
+        return os.path.expanduser(raw)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ddlkernels")
+
+
 def _tristate_env(name: str):
     raw = os.environ.get(name, "").strip().lower()
     if raw in ("", "auto"):
@@ -75,6 +88,7 @@ class Defaults:
         self.window = WINDOW
         self.topology = os.environ.get("DDLKERNELS_TOPOLOGY") or None
         self.rack_map = os.environ.get("DDLKERNELS_RACK_MAP") or None
+        self.cache_dir = _cache_dir()
 
 
 def defaults() -> Defaults:

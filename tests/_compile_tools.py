@@ -20,10 +20,43 @@ from pathlib import Path
 from ddlkernels._kernel_sources import kernel_dir, nvrtc_options
 
 __all__ = ["nvrtc", "nvcc", "nvcc_path", "ptxas_path", "ptxas", "parse_ptxas", "ptx_entries", "vectorized",
-           "numba_ptx", "NVRTC_ARCHS", "NVCC_ARCHS"]
+           "numba_ptx", "NVRTC_ARCHS", "NVCC_ARCHS", "NUMBA_ARCHS", "nvrtc_supported", "nvcc_supported"]
 
-NVRTC_ARCHS = (70, 80, 90)
-NVCC_ARCHS = (75, 80, 90)
+#: Targets the kernels are compiled for: the oldest one each compiler still knows (CUDA 12: sm_70; CUDA 13
+#: dropped it: sm_75), Ampere and Hopper.  Asked of the compilers, so CUDA 12 and 13 toolchains both work.
+WANTED_ARCHS = ((70, 75), (80,), (90,))
+
+
+def _pick(supported) -> tuple:
+    supported = set(supported)
+    return tuple(next(a for a in alts if a in supported) for alts in WANTED_ARCHS if any(a in supported for a in alts))
+
+
+def nvrtc_supported() -> tuple:
+    """Compute capabilities the cuda-python NVRTC supports (``nvrtcGetSupportedArchs``); () without it."""
+    try:
+        from cuda.bindings import nvrtc as N
+    except ImportError:
+        return ()
+    err, n = N.nvrtcGetNumSupportedArchs()
+    err, archs = N.nvrtcGetSupportedArchs()
+    return tuple(int(a) for a in archs)
+
+
+def nvcc_supported() -> tuple:
+    """Compute capabilities of ``nvcc --list-gpu-arch``; () without nvcc."""
+    if nvcc_path() is None:
+        return ()
+    res = subprocess.run([nvcc_path(), "--list-gpu-arch"], capture_output=True, text=True)
+    return tuple(int(m) for m in re.findall(r"compute_(\d+)", res.stdout))
+
+
+def nvrtc_major():
+    try:
+        from cuda.bindings import nvrtc as N
+    except ImportError:
+        return None
+    return N.nvrtcVersion()[1]
 
 _INFO = re.compile(r"Function properties for (\S+)\s*\n.*?(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
                    r"\s*\n.*?Used (\d+) registers", re.S)
@@ -46,7 +79,7 @@ def nvrtc(source: str, arch: str) -> tuple[bool, str, bytes]:
     err, prog = N.nvrtcCreateProgram(src, source.encode(), 0, [], [])
     try:
         extra = ("-Xptxas=-v",) if arch.startswith("sm_") else ()
-        opts = [o.encode() for o in nvrtc_options(arch, extra)]
+        opts = [o.encode() for o in nvrtc_options(arch, extra, major=nvrtc_major())]
         (err,) = N.nvrtcCompileProgram(prog, len(opts), opts)
         _, n = N.nvrtcGetProgramLogSize(prog)
         log = b" " * n
@@ -131,3 +164,9 @@ def numba_ptx(pyfunc, sig, cc: int) -> tuple[str, str]:
     ptx, _ = cuda.compile_ptx(pyfunc, sig, cc=(cc // 10, cc % 10))
     names = list(ptx_entries(ptx))
     return ptx, names[0] if names else ""
+
+
+NVRTC_ARCHS = _pick(nvrtc_supported())
+NVCC_ARCHS = _pick(nvcc_supported())
+#: Numba kernels go through numba-cuda's NVVM and the pip ptxas (CUDA 12 here, which reaches sm_70).
+NUMBA_ARCHS = (70, 80, 90)
