@@ -56,6 +56,7 @@ __all__ = [
     "suffix_of",
     "kernel_signature",
     "launch_config",
+    "numba_cuda_compat",
 ]
 
 OPS = ("sum", "prod", "max", "min", "avg")
@@ -195,7 +196,20 @@ def ddl_unpack(buf, tensors, offsets):
 
 
 # --- compilation -------------------------------------------------------------------
+def numba_cuda_compat() -> None:
+    """Let numba-cuda compile under numpy 2.5, which removed ``numpy.row_stack``.
+
+    numba-cuda (up to 0.30.4 at least) registers an overload of ``numpy.row_stack`` when it first
+    compiles a kernel, so without the name every compile fails with an AttributeError deep inside
+    numba-cuda.  numpy documented ``row_stack`` as an alias of ``vstack`` until it removed it: the
+    alias is restored, nothing else changes.
+    """
+    if not hasattr(np, "row_stack"):
+        np.row_stack = np.vstack
+
+
 def _namespace():
+    numba_cuda_compat()
     from numba import cuda, float32, int32, uint16, uint32
 
     ns = {"cuda": cuda, "float32": float32, "int32": int32, "uint16": uint16, "uint32": uint32}
