@@ -41,7 +41,7 @@ __all__ = [
 
 
 def allreduce(x, op="sum", *, comm=None, out=None, dims=None, chunk_bytes=None, backend=None, validate=None,
-              timeout=None):
+              timeout=None, stream=None):
     """Reduce ``x`` over every rank of ``comm``; see ``Communicator.allreduce``.
 
     ``comm`` is an mpi4py ``Intracomm`` or a ``Communicator`` (default
@@ -49,10 +49,13 @@ def allreduce(x, op="sum", *, comm=None, out=None, dims=None, chunk_bytes=None, 
     device (``out`` itself when given; ``out=x`` reduces in place).
     ``validate=True`` checks first that every rank passed the same count,
     dtype, op and dims; ``timeout`` (seconds) raises ``CollectiveTimeout``
-    instead of waiting longer (docs/reliability.md).
+    instead of waiting longer (docs/reliability.md).  ``stream`` (device
+    arrays): the stream the call is ordered on; default the caller's current
+    stream for the array's library.
     """
     return as_communicator(comm).allreduce(
-        x, op, out=out, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate, timeout=timeout
+        x, op, out=out, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate, timeout=timeout,
+        stream=stream
     )
 
 
@@ -62,15 +65,16 @@ def Allreduce(sendbuf, recvbuf, op=None, comm=None, *, validate=None, timeout=No
 
 
 def reduce_scatter(x, op="sum", *, out=None, comm=None, dims=None, chunk_bytes=None, backend=None, validate=None,
-                   timeout=None):
+                   timeout=None, stream=None):
     """Reduce ``x`` over every rank and return this rank's shard: elements ``shard_range(x.size)`` (into ``out``)."""
     return as_communicator(comm).reduce_scatter(
-        x, op, out=out, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate, timeout=timeout
+        x, op, out=out, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate, timeout=timeout,
+        stream=stream
     )
 
 
 def allgather(shard, *, count=None, out=None, comm=None, dims=None, chunk_bytes=None, backend=None, validate=None,
-              timeout=None):
+              timeout=None, stream=None):
     """Inverse of ``reduce_scatter``'s split: every rank's shard, concatenated, on every rank.
 
     ``count``: the whole buffer's element count, when the caller knows it
@@ -79,7 +83,7 @@ def allgather(shard, *, count=None, out=None, comm=None, dims=None, chunk_bytes=
     """
     return as_communicator(comm).allgather(
         shard, count=count, out=out, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate,
-        timeout=timeout
+        timeout=timeout, stream=stream
     )
 
 

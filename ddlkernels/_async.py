@@ -28,6 +28,14 @@ It uses MPI's own algorithm, not the ring, and only the dtypes MPI can add
 (float32, float64, int32, int64) on the host.  docs/fusion.md has the
 measurements behind the default.
 
+Device arrays keep the caller's stream order (``ddlkernels.backends._device``):
+the start call packs on the caller's stream and records an event there; the
+progress thread runs the reductions on a stream of its own, on the caller's
+device, after that event; ``wait()`` makes the caller's current stream wait
+for the reductions' last event before it unpacks -- no host block on the
+device's work anywhere.  A pool buffer carries the event of its last unpack,
+so the next handle to take it writes it only after that.
+
 Handles are collective in order: every rank must start the same reductions in
 the same order (each engine runs them first in, first out).  A rank that never
 starts its part leaves the others' ``wait()`` blocked, as any collective would;
@@ -38,6 +46,7 @@ raised by ``wait()`` (the progress thread's communicator inherits it).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import weakref
@@ -56,7 +65,12 @@ _MPI_ADDS = {"float32", "float64", "int32", "int64"}
 
 
 class _Pool:
-    """Reusable host/device buffers, by backend and dtype; a buffer is taken by one handle at a time."""
+    """Reusable host/device buffers, by backend and dtype; a buffer is taken by one handle at a time.
+
+    A device buffer comes back with the event of the last work that read it (its unpack, on some
+    caller's stream); ``take`` makes the taker's compute stream wait for it before the buffer is
+    written again.
+    """
 
     def __init__(self):
         self._free: dict = {}
@@ -66,33 +80,61 @@ class _Pool:
         key = (backend.name, np.dtype(dtype))
         with self._lock:
             free = self._free.setdefault(key, [])
-            for i, b in enumerate(free):
+            for i, (b, ev) in enumerate(free):
                 if len(b) >= count:
-                    return free.pop(i)
+                    del free[i]
+                    if ev is not None:
+                        backend.wait(backend.compute_stream(), ev)
+                    return b
         return backend.empty(max(int(count), 1), dtype)
 
     def give(self, backend, dtype, buf):
+        ev = backend.record(backend.compute_stream()) if backend.device else None
         with self._lock:
-            self._free.setdefault((backend.name, np.dtype(dtype)), []).append(buf)
+            self._free.setdefault((backend.name, np.dtype(dtype)), []).append((buf, ev))
+
+
+class _Device:
+    """Where a unit of device work runs: its backend and device, the event on the caller's stream that
+    its inputs wait for, an array that tells the caller's stream at ``wait()`` (its library), and, once
+    done, the event its results are ready at."""
+
+    __slots__ = ("backend", "device", "ready", "like", "done")
+
+    def __init__(self, backend, x, stream=None):
+        self.backend, self.like = backend, x
+        self.device = backend.device_id(x)
+        self.ready = backend.record(backend.call_stream(x, stream))
+        self.done = None
+
+    def order_caller(self):
+        """Make the calling thread's current stream (for ``like``'s library) wait for the results."""
+        be = self.backend
+        if self.done is not None:
+            be.wait(be.call_stream(self.like), self.done)
 
 
 class _Work:
     """One unit of work for the progress thread: a function of the thread's Communicator."""
 
-    __slots__ = ("fn", "event", "error")
+    __slots__ = ("fn", "event", "error", "device")
 
-    def __init__(self, fn):
+    def __init__(self, fn, device=None):
         self.fn = fn
         self.event = threading.Event()
         self.error = None
+        self.device = device  # a _Device for device arrays, else None
 
     def done(self) -> bool:
         return self.event.is_set()
 
     def wait(self):
+        """Block until the work has run; for device work, order the caller's current stream after it."""
         self.event.wait()
         if self.error is not None:
             raise self.error
+        if self.device is not None:
+            self.device.order_caller()
 
 
 class ThreadEngine:
@@ -122,6 +164,7 @@ class ThreadEngine:
             self.comm = Communicator(comm, chunk_bytes=chunk_bytes)
         self.size = self.comm.size
         self.pool = _Pool()
+        self._streams: dict = {}  # (backend name, device) -> the progress thread's stream there
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ddlkernels-progress", daemon=True)
         self._thread.start()
@@ -133,23 +176,46 @@ class ThreadEngine:
             if work is None:
                 return
             try:
-                work.fn(self.comm)
+                d = work.device
+                if d is None:
+                    work.fn(self.comm)
+                else:
+                    be = d.backend
+                    s = self._stream(be, d.device)
+                    with be.using(s, d.device):  # the calls inside run on s, on the caller's device
+                        be.wait(s, d.ready)
+                        work.fn(self.comm)
+                        d.done = be.record(s)
             except BaseException as exc:  # re-raised in the caller's thread by wait()
                 work.error = exc
             finally:
                 work.event.set()
 
-    def submit(self, fn) -> _Work:
+    def _stream(self, be, device):
+        """The progress thread's stream on ``device``: its reductions never wait behind the caller's work."""
+        key = (be.name, device)
+        s = self._streams.get(key)
+        if s is None:
+            s = self._streams[key] = be.new_stream(device)
+        return s
+
+    def submit(self, fn, device=None) -> _Work:
+        """Queue ``fn(communicator)``; ``device``: a ``_Device`` when it touches device arrays."""
         if self.closed:
             raise RuntimeError("this progress engine was closed")
-        w = _Work(fn)
+        w = _Work(fn, device)
         self._queue.put(w)
         return w
 
-    def reduce_async(self, buf, opname: str, backend):
-        """Start ``allreduce(buf, opname, out=buf)``; returns an object with ``wait()`` and ``done()``."""
+    def reduce_async(self, buf, opname: str, backend, stream=None):
+        """Start ``allreduce(buf, opname, out=buf)``; returns an object with ``wait()`` and ``done()``.
+
+        A device ``buf`` is read after the work queued before this call on the caller's stream
+        (``stream``, default its current one), and ``wait()`` orders the caller's stream after the result.
+        """
         name = backend.name
-        return self.submit(lambda c: c.allreduce(buf, opname, out=buf, backend=name))
+        device = _Device(backend, buf, stream) if backend.device else None
+        return self.submit(lambda c: c.allreduce(buf, opname, out=buf, backend=name), device)
 
     def poll(self) -> None:
         """Nothing to do: the thread progresses on its own."""
@@ -206,7 +272,7 @@ class HooksEngine:
         if name not in _MPI_ADDS:
             raise TypeError(f"progress='hooks' uses MPI_Iallreduce, which cannot reduce {name}; use progress='thread'")
 
-    def reduce_async(self, buf, opname: str, backend):
+    def reduce_async(self, buf, opname: str, backend, stream=None):
         from mpi4py import MPI
 
         self.check_buffer(backend, buf.dtype)
@@ -305,15 +371,17 @@ class Handle:
                 # After an error another bucket's transfer may still be using
                 # its buffer: those buffers are dropped, not returned to the pool.
                 if self._error is None:
-                    for b, buf, base in self._bufs:
-                        if base is not None:  # a pool buffer (not the outputs' own): copy back, return it
-                            job.unpack(b, buf)
-                            eng.pool.give(job.backend, b.dtype, base)
+                    with _on_caller_stream(job, None):  # where w.wait() ordered the results
+                        for b, buf, base in self._bufs:
+                            if base is not None:  # a pool buffer (not the outputs' own): copy back, return it
+                                job.unpack(b, buf)
+                                eng.pool.give(job.backend, b.dtype, base)
             self._result = job.outs[0] if self._single else job.outs
         return self._result
 
 
-def allreduce_many_async(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None, progress="thread") -> Handle:
+def allreduce_many_async(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None, progress="thread",
+                         stream=None) -> Handle:
     """Start ``allreduce_many(tensors, op, ...)``; ``handle.wait()`` returns the list of outputs.
 
     Arguments as for ``ddlkernels.allreduce_many``; ``progress`` is "thread"
@@ -321,20 +389,38 @@ def allreduce_many_async(tensors, op="sum", *, comm=None, out=None, fusion_bytes
     nonblocking allreduce, moved on by ``Handle.done()``/``wait()`` and by the
     engine's ``poll()``).  Local errors are raised here, before any
     communication; a mismatch between ranks is raised by ``wait()`` on every rank.
+    Device tensors: the start reads them after the work queued on ``stream``
+    (default: the caller's current stream), and ``wait()`` orders the
+    caller's current stream after the results, without blocking the host on
+    the device.
     """
     job = FusionJob(tensors, op, out=out, fusion_bytes=fusion_bytes, what="allreduce_many_async")
-    return _start(job, comm, progress, single=False)
+    return _start(job, comm, progress, single=False, stream=stream)
 
 
-def allreduce_async(x, op="sum", *, comm=None, out=None, progress="thread") -> Handle:
-    """Start ``allreduce(x, op, out=out)``; ``handle.wait()`` returns the reduced array."""
+def allreduce_async(x, op="sum", *, comm=None, out=None, progress="thread", stream=None) -> Handle:
+    """Start ``allreduce(x, op, out=out)``; ``handle.wait()`` returns the reduced array (``stream``: as for
+    ``allreduce_many_async``)."""
     backend_for(x)  # a clear TypeError for a non-array, before anything else
     job = FusionJob([x], op, out=None if out is None else [out], fusion_bytes=None, what="allreduce_async")
-    return _start(job, comm, progress, single=True)
+    return _start(job, comm, progress, single=True, stream=stream)
 
 
-def _start(job: FusionJob, comm, progress, single) -> Handle:
+def _on_caller_stream(job: FusionJob, stream):
+    """For a device job, the caller's stream (``stream``, else its current one) as this thread's compute
+    stream; a no-op for host jobs."""
+    be = job.backend
+    if be is None or not be.device:
+        if stream is not None:
+            raise ValueError("stream= orders device work; the arrays of this call are host arrays")
+        return contextlib.nullcontext()
+    x0 = job.tensors[0]
+    return be.using(be.call_stream(x0, stream), be.device_id(x0))
+
+
+def _start(job: FusionJob, comm, progress, single, stream=None) -> Handle:
     normalize_op(job.opname)
+    caller = _on_caller_stream(job, stream)  # checks stream= before anything starts
     eng = progress_engine(comm, progress)
     h = Handle(eng, job, single)
     sig = job.signature()
@@ -355,19 +441,23 @@ def _start(job: FusionJob, comm, progress, single) -> Handle:
         return h
     # Thread: pack now, in the caller's thread (a snapshot of the inputs),
     # then the whole job (agreement check + every bucket) is one unit of work.
-    for b in job.buckets:
-        buf = base = None
-        # Only a tensor too large for a fusion buffer is reduced from its own
-        # memory; everything else is snapshotted, so inputs are free again now.
-        b.direct = b.direct and b.count * b.dtype.itemsize > job.fusion_bytes
-        if b.home is not None:
-            buf = b.home
-            job.pack(b, buf)
-        elif not b.direct:
-            base = eng.pool.take(job.backend, b.dtype, b.count)
-            buf = base[: b.count]
-            job.pack(b, buf)
-        h._bufs.append((b, buf, base))
+    device = None
+    with caller:  # device: the packs run on the caller's stream, and the work waits for them
+        for b in job.buckets:
+            buf = base = None
+            # Only a tensor too large for a fusion buffer is reduced from its own
+            # memory; everything else is snapshotted, so inputs are free again now.
+            b.direct = b.direct and b.count * b.dtype.itemsize > job.fusion_bytes
+            if b.home is not None:
+                buf = b.home
+                job.pack(b, buf)
+            elif not b.direct:
+                base = eng.pool.take(job.backend, b.dtype, b.count)
+                buf = base[: b.count]
+                job.pack(b, buf)
+            h._bufs.append((b, buf, base))
+        if job.backend is not None and job.backend.device:
+            device = _Device(job.backend, job.tensors[0])
     bufs = list(h._bufs)
 
     def run(c):
@@ -379,5 +469,5 @@ def _start(job: FusionJob, comm, progress, single) -> Handle:
             else:
                 c.allreduce(buf, job.opname, out=buf, backend=job.backend.name)
 
-    h._works.append(eng.submit(run))
+    h._works.append(eng.submit(run, device))
     return h

@@ -10,6 +10,7 @@ attribute caching, created lazily on first use.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from time import perf_counter
 
@@ -160,6 +161,8 @@ class Communicator:
         self._schedules: dict = {}
         self._buffers: dict = {}
         self._transports: dict = {}
+        #: (backend name, device) -> event recorded at the end of the last device call (see _device_call)
+        self._tails: dict = {}
         #: "ring", "mpi", "nbc", "shm", "shm-nt", "cma" or "hier": which algorithm the last allreduce, reduce_scatter or
         #: allgather ran
         #: (for reports; ddlkernels._tuner).
@@ -271,7 +274,7 @@ class Communicator:
 
     # -- buffers -------------------------------------------------------------
     def _slots(self, backend, dtype, chunk):
-        key = ("slots", backend.name, dtype, chunk, self.window)
+        key = ("slots", _where(backend), dtype, chunk, self.window)
         slots = self._buffers.get(key)
         if slots is None:
             slots = [backend.empty(chunk + ALIGN_PAD, dtype) for _ in range(self.window)]
@@ -279,7 +282,7 @@ class Communicator:
         return slots
 
     def _scratch(self, backend, dtype, count):
-        key = ("scratch", backend.name, dtype)
+        key = ("scratch", _where(backend), dtype)
         buf = self._buffers.get(key)
         if buf is None or len(buf) < count:
             buf = backend.empty(max(count, 1), dtype)
@@ -295,7 +298,7 @@ class Communicator:
         is returned, so steady-state calls allocate nothing.  Two views of
         one tag alias each other; use distinct tags for buffers alive at once.
         """
-        key = ("reusable", tag, backend.name, np.dtype(dtype))
+        key = ("reusable", tag, _where(backend), np.dtype(dtype))
         buf = self._buffers.get(key)
         if buf is None or len(buf) < count:
             buf = backend.empty(max(int(count), 1), dtype)
@@ -337,7 +340,8 @@ class Communicator:
         return self._shm_collectives().empty(count * dt.itemsize).view(dt).reshape(shape)
 
     def _transport(self, backend):
-        t = self._transports.get(backend.name)
+        where = _where(backend)
+        t = self._transports.get(where)
         if t is None:
             if backend.device and not self.cuda_aware(backend)[0]:
                 from ._staged import StagedTransport
@@ -345,7 +349,7 @@ class Communicator:
                 t = StagedTransport(self.comm, backend, self.chunk_bytes, self.window)
             else:
                 t = HostTransport(self.comm, backend)
-            self._transports[backend.name] = t
+            self._transports[where] = t
         return t
 
     def cuda_aware(self, backend=None):
@@ -393,7 +397,7 @@ class Communicator:
         return Call(self, kind, v, None if t is None else Deadline(kind, self.rank, t))
 
     def allreduce(self, x, op="sum", *, out=None, dims=None, chunk_bytes=None, backend=None, validate=None,
-                  timeout=None):
+                  timeout=None, stream=None):
         """Reduce ``x`` over all ranks; every rank gets the same bits.
 
         ``op``: "sum", "avg", "max", "min", "prod" or ``MPI.SUM``/``MAX``/``MIN``/``PROD``.
@@ -405,7 +409,12 @@ class Communicator:
         array backend by name ("numpy", "cupy", "numba").  ``validate``: check
         that every rank passed the same arguments first (default: the
         Communicator's).  ``timeout``: seconds before ``CollectiveTimeout``
-        (default: the Communicator's).
+        (default: the Communicator's).  ``stream`` (device arrays): the
+        stream the call is ordered on -- a CuPy, torch or Numba stream or a
+        raw ``cudaStream_t``; default the caller's current stream for the
+        array's library (torch's current stream, CuPy's current stream,
+        Numba's default stream).  The call reads ``x`` after the work queued
+        there before it, and work queued there after it sees the result.
         Returns ``out``, or a new array of ``x``'s type, shape and device.
         """
         if type(x) is np.ndarray and self._plain_call(dims, chunk_bytes, backend, validate, timeout):
@@ -414,9 +423,9 @@ class Communicator:
                 return done
         call = self._call("allreduce", validate, timeout)
         if call is None:
-            return self._allreduce(x, op, out, dims, chunk_bytes, backend, None)
+            return self._allreduce(x, op, out, dims, chunk_bytes, backend, None, stream)
         with call:
-            return self._allreduce(x, op, out, dims, chunk_bytes, backend, call)
+            return self._allreduce(x, op, out, dims, chunk_bytes, backend, call, stream)
 
     def _plain_call(self, dims, chunk_bytes, backend, validate, timeout):
         """No per-call option that the fast paths leave to the full path, and no per-communicator check."""
@@ -524,8 +533,37 @@ class Communicator:
         self._fast[op, dt, nbytes, inplace] = hit
         return hit
 
-    def _allreduce(self, x, op, out, dims, chunk_bytes, backend, call):
+    def _allreduce(self, x, op, out, dims, chunk_bytes, backend, call, stream=None):
         opname, be, dtype, chunk = self._prepare(x, op, chunk_bytes, dims, backend)
+        with self._device_call(be, x, stream):
+            return self._allreduce_on(be, x, opname, dtype, chunk, out, dims, call)
+
+    def _device_call(self, be, x, stream):
+        """The caller's stream as this thread's compute stream for one call on ``x`` (device arrays).
+
+        The call waits, on that stream, for the last device call of this Communicator (on whatever
+        stream it ran): its receive slots, scratch buffers and fusion buffers are reused by every
+        call, and a call on another stream must not write them while an earlier one may still read
+        them.  No host block: one event recorded and one waited per call.
+        """
+        if not be.device:
+            if stream is not None:
+                raise ValueError("stream= orders device work; the arrays of this call are host arrays")
+            return contextlib.nullcontext()
+        return self._on_stream(be, be.call_stream(x, stream), be.device_id(x))
+
+    @contextlib.contextmanager
+    def _on_stream(self, be, s, device):
+        with be.using(s, device):
+            tail = self._tails.get(_where(be))
+            if tail is not None:
+                be.wait(s, tail)
+            try:
+                yield s
+            finally:
+                self._tails[_where(be)] = be.record(s)
+
+    def _allreduce_on(self, be, x, opname, dtype, chunk, out, dims, call):
         src, src_copied = self._flat_input(be, x)
         count = src.shape[0]
         inplace = out is x
@@ -854,7 +892,7 @@ class Communicator:
         self._allreduce(sendbuf, op, recvbuf, None, None, None, call)
 
     def reduce_scatter(self, x, op="sum", *, out=None, dims=None, chunk_bytes=None, backend=None, validate=None,
-                       timeout=None):
+                       timeout=None, stream=None):
         """Reduce ``x`` over all ranks and return this rank's shard (a new 1-D array, or ``out``).
 
         The shard is ``x.reshape(-1)[start:stop]`` of the reduced buffer with
@@ -862,7 +900,7 @@ class Communicator:
         ``out``: a contiguous 1-D array of ``stop - start`` elements of
         ``x``'s dtype, backend and device, not overlapping ``x``, to write
         the shard into (a loop of calls then allocates nothing).
-        ``validate`` and ``timeout`` as for ``allreduce``.
+        ``validate``, ``timeout`` and ``stream`` as for ``allreduce``.
         """
         if type(x) is np.ndarray and self._plain_call(dims, chunk_bytes, backend, validate, timeout):
             done = self._rs_fast(x, op, out)
@@ -870,9 +908,9 @@ class Communicator:
                 return done
         call = self._call("reduce_scatter", validate, timeout)
         if call is None:
-            return self._reduce_scatter(x, op, out, dims, chunk_bytes, backend, None)
+            return self._reduce_scatter(x, op, out, dims, chunk_bytes, backend, None, stream)
         with call:
-            return self._reduce_scatter(x, op, out, dims, chunk_bytes, backend, call)
+            return self._reduce_scatter(x, op, out, dims, chunk_bytes, backend, call, stream)
 
     def _shard_fast_algo(self, kind, nbytes, cands):
         """What a shard fast path may run for this settled size: ``(algorithm, watch)``, or ``(None, None)``
@@ -969,8 +1007,12 @@ class Communicator:
             self._shard_watch(watch, t0, self._rs_fast_cache)
         return shard
 
-    def _reduce_scatter(self, x, op, out, dims, chunk_bytes, backend, call):
+    def _reduce_scatter(self, x, op, out, dims, chunk_bytes, backend, call, stream=None):
         opname, be, dtype, chunk = self._prepare(x, op, chunk_bytes, dims, backend)
+        with self._device_call(be, x, stream):
+            return self._reduce_scatter_on(be, x, opname, dtype, chunk, out, dims, call)
+
+    def _reduce_scatter_on(self, be, x, opname, dtype, chunk, out, dims, call):
         src, _ = self._flat_input(be, x)
         count = src.shape[0]
         plan = self._shard_plan(dims)
@@ -1019,7 +1061,7 @@ class Communicator:
         return self._shard_path("reduce_scatter", count * dtype.itemsize, be.device, dims, run, mpi)
 
     def allgather(self, shard, *, count=None, out=None, dims=None, chunk_bytes=None, backend=None, validate=None,
-                  timeout=None):
+                  timeout=None, stream=None):
         """Concatenate every rank's shard into the whole buffer (a new 1-D array on every rank).
 
         Rank r's shard goes to ``shard_range(count, dims, r)``; the lengths
@@ -1031,8 +1073,8 @@ class Communicator:
         contiguous 1-D array of ``count`` elements of the shard's dtype,
         backend and device, not overlapping it, to gather into (a loop of
         calls then allocates nothing); it also gives ``count`` when that is
-        None.  ``validate`` (dtype, dims, chunk and ``count``) and
-        ``timeout`` as for ``allreduce``.
+        None.  ``validate`` (dtype, dims, chunk and ``count``),
+        ``timeout`` and ``stream`` as for ``allreduce``.
         """
         if count is None and out is not None:
             count = out.size if out.__class__ is np.ndarray else _size(out)
@@ -1043,9 +1085,9 @@ class Communicator:
                 return done
         call = self._call("allgather", validate, timeout)
         if call is None:
-            return self._allgather(shard, count, out, dims, chunk_bytes, backend, None)
+            return self._allgather(shard, count, out, dims, chunk_bytes, backend, None, stream)
         with call:
-            return self._allgather(shard, count, out, dims, chunk_bytes, backend, call)
+            return self._allgather(shard, count, out, dims, chunk_bytes, backend, call, stream)
 
     def _ag_fast(self, shard, count, out):
         """An allgather with ``count`` given, settled on MPI or shared memory: straight to it, or None."""
@@ -1115,8 +1157,12 @@ class Communicator:
             self._shard_watch(watch, t0, self._ag_fast_cache)
         return out
 
-    def _allgather(self, shard, count, out, dims, chunk_bytes, backend, call):
+    def _allgather(self, shard, count, out, dims, chunk_bytes, backend, call, stream=None):
         _, be, dtype, chunk = self._prepare(shard, "sum", chunk_bytes, dims, backend)
+        with self._device_call(be, shard, stream):
+            return self._allgather_on(be, shard, dtype, chunk, count, out, dims, call)
+
+    def _allgather_on(self, be, shard, dtype, chunk, count, out, dims, call):
         src, _ = self._flat_input(be, shard)
         if count is None:
             lengths = np.empty(self.size, dtype=np.int64)
@@ -1185,6 +1231,12 @@ class Communicator:
         nbytes = count * dtype.itemsize
         mpi = not be.device and dims is None and self._ag_mpi_ok(count, nbytes)
         return self._shard_path("allgather", nbytes, be.device, dims, run, mpi)
+
+
+def _where(backend):
+    """Key of a backend's buffers and transports: its name, and for a device backend the current device
+    (a call makes its array's device current), so that no buffer of one GPU is used on another."""
+    return (backend.name, backend.current_device()) if backend.device else backend.name
 
 
 def backend_input_numpy(x):

@@ -438,7 +438,7 @@ def _fmt(item) -> str:
     return repr(item)
 
 
-def allreduce_many(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None, chunk_bytes=None):
+def allreduce_many(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None, chunk_bytes=None, stream=None):
     """Allreduce a list of arrays with one collective per fusion buffer; results in input order.
 
     tensors       numpy arrays, CPU torch tensors, or device arrays of one GPU
@@ -452,6 +452,8 @@ def allreduce_many(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None,
     fusion_bytes  largest fusion buffer in bytes (default ``FUSION_BYTES`` = 64 MiB);
                   a tensor larger than this is reduced on its own, without a copy.
     chunk_bytes   pipeline chunk of the ring, as for ``allreduce``.
+    stream        device tensors: the stream the packs, reductions and unpacks are
+                  ordered on, as for ``allreduce`` (default the caller's current one).
 
     Collective: every rank must pass the same number of tensors with the same
     dtypes and shapes, in the same order; a rank that does not makes every rank
@@ -462,15 +464,24 @@ def allreduce_many(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None,
     c = as_communicator(comm)
     if chunk_bytes is not None:
         _positive("chunk_bytes", chunk_bytes)
+    if job.backend is None:  # no tensors: only the agreement
+        if stream is not None:
+            raise ValueError("stream= orders device work; this call has no arrays")
+        check_same_on_all_ranks(c.comm, job.signature(), "allreduce_many")
+        return job.outs
+    scope = c._device_call(job.backend, job.tensors[0], stream)  # checks stream= before any communication
     check_same_on_all_ranks(c.comm, job.signature(), "allreduce_many")
     need: dict = {}  # largest packed bucket per dtype: the reusable buffer is sized once
     for b in job.buckets:
         if not b.direct and b.home is None:
             need[b.dtype] = max(need.get(b.dtype, 0), b.count)
-    bufs = {dt: c.reusable_buffer("fusion", job.backend, dt, n) for dt, n in need.items()}
-    for b in job.buckets:
-        buf = None if b.direct or b.home is not None else bufs[b.dtype][: b.count]
-        job.reduce_bucket(c, b, buf, chunk_bytes)
+    # Device: the packs, reductions and unpacks on the caller's stream, after the last call of this
+    # Communicator, whose fusion buffers these are (Communicator._device_call).
+    with scope:
+        bufs = {dt: c.reusable_buffer("fusion", job.backend, dt, n) for dt, n in need.items()}
+        for b in job.buckets:
+            buf = None if b.direct or b.home is not None else bufs[b.dtype][: b.count]
+            job.reduce_bucket(c, b, buf, chunk_bytes)
     return job.outs
 
 

@@ -3,24 +3,25 @@
 Worked example: one chunk k of a reduce-scatter step on one rank, with the
 engine's window of receive slots (here 2) and this transport's streams::
 
-    compute stream   ... reduce(k-1) ......... reduce(k) ..........
-                            |ev                    ^ waits for H2D(k)
-    copy stream      D2H(send k+1) ... H2D(k) -----+
-                       |sync            ^
-    host / MPI       Isend(pinned) --- Wait(recv k) on pinned slot
-                     (chunk k+1 leaves while chunk k is still arriving
-                      and chunk k-1 is being reduced on the device)
+    compute stream   ... reduce(k-2) ..ev1.... reduce(k-1) ......... reduce(k) ....
+                                       |                               ^ waits ev3
+    copy stream      D2H(send) ....... wait ev1 -> H2D(k) into slot k%2 -> ev3
+                       |sync                        ^ slot k%2 was last read by reduce(k-2)
+    host / MPI       Isend(pinned) --- Wait(recv k) on pinned slot ---+
 
 * ``isend(buf)``: an event recorded on the compute stream makes the copy
-  stream wait for the kernel that produced ``buf``; the chunk is copied D2H
+  stream wait for the kernels that produced ``buf``; the chunk is copied D2H
   into a pinned slot on the copy stream, and as soon as that copy (only that
   one) is done, ``MPI_Isend`` starts from the slot.  Earlier chunks are
   still on the wire meanwhile.
 * ``irecv(buf)``: ``MPI_Irecv`` is posted at once into a pinned slot, so the
   data can arrive while the device works.  ``Wait()`` completes the MPI
-  receive, queues the H2D copy on the copy stream and makes the compute
-  stream wait for it with an event -- the host does not block on the copy,
-  and the reduction the engine launches next is ordered after it.
+  receive, makes the copy stream wait for everything queued on the compute
+  stream so far (the kernels that still read or write ``buf``: the engine
+  reuses a receive slot for chunk k + window right after launching the
+  reduction of chunk k, which reads it), queues the H2D copy, and makes the
+  compute stream wait for that copy -- the host does not block, and the
+  reduction the engine launches next is ordered after it.
 * Slots are page-locked buffers of ``chunk_bytes`` allocated on first need
   and reused for the lifetime of the transport (page-locking is slow: a
   Communicator keeps one transport per backend).  A send slot returns to
@@ -29,6 +30,13 @@ engine's window of receive slots (here 2) and this transport's streams::
   completes a phase's sends at its end, so that is up to the bytes this rank
   sends in one phase -- and no further; a bounded pool could deadlock, since
   a send only completes once the neighbour has posted its receive.
+
+Every rule above is an ordering a GPU does not give for free: without it a
+copy may overwrite a buffer that a queued kernel has yet to read, or MPI may
+send a slot that the copy has yet to fill.  tests/mpi/test_stream_emulator.py
+runs this transport on an emulated device whose queued copies and kernels
+run late, in random orders that respect only streams and events, and checks
+that removing any one of these waits gives wrong results.
 
 Messages travel as bytes (``MPI_BYTE``): the device and host views share one
 layout, and no MPI datatype exists for float16/bfloat16 anyway.
@@ -162,9 +170,11 @@ class StagedTransport(Transport):
     def _land(self, slot, buf, nbytes):
         be = self.backend
         if nbytes:
+            compute = be.compute_stream()
+            be.wait(self._copy, be.record(compute))  # kernels still reading or writing buf come first
             be.h2d(buf, slot[:nbytes], self._copy)
             ev = be.record(self._copy)
-            be.wait(be.compute_stream(), ev)  # the next reduction sees the data
+            be.wait(compute, ev)  # the next reduction sees the data
             self._landing.append((slot, ev))
         else:
             self._put(slot)

@@ -41,17 +41,22 @@ class HostTransport(Transport):
 
     def __init__(self, comm, backend=None):
         self.comm = comm
-        self.irecv = comm.Irecv
         if backend is not None and backend.device:
-            # CUDA-aware MPI reads device memory directly: the kernels that
-            # produced a chunk must have finished before it is handed over.
+            # CUDA-aware MPI reads and writes device memory directly, outside the streams: the
+            # kernels that produced a chunk must have finished before it is sent, and those that
+            # still read or write a buffer (a receive slot the engine reposts right after launching
+            # the reduction that reads it) before MPI may write it.
             def isend(buf, peer, tag, _sync=backend.synchronize, _isend=comm.Isend):
                 _sync()
                 return _isend(buf, peer, tag)
 
-            self.isend = isend
+            def irecv(buf, peer, tag, _sync=backend.synchronize, _irecv=comm.Irecv):
+                _sync()
+                return _irecv(buf, peer, tag)
+
+            self.isend, self.irecv = isend, irecv
         else:
-            self.isend = comm.Isend
+            self.isend, self.irecv = comm.Isend, comm.Irecv
 
     # The bound methods set in __init__ shadow these; they exist so that the
     # class satisfies the interface.

@@ -181,6 +181,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._ddl_engine = progress_engine(self._ddl_comm, progress)
         self._ddl_backend = backend_for(self._ddl_params[0].detach()) if self._ddl_params else None
         self._ddl_bufs = [self._ddl_backend.empty(b.count, b.dtype) for b in self._ddl_buckets]
+        self._ddl_unpacked = [None] * len(self._ddl_buckets)  # device: event of each buffer's last unpack
         if self._ddl_bufs and not self._ddl_backend.device:
             for buf in self._ddl_bufs:
                 buf[...] = 0
@@ -247,15 +248,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grads[e.index] = p.grad if p.grad is not None else torch.zeros_like(p)
         return grads
 
+    def _ddl_stream(self):
+        """CUDA parameters: this thread's current torch stream as the compute stream of the block (packs,
+        unpacks and the reductions' ordering run there); host parameters: nothing."""
+        be = self._ddl_backend
+        if be is None or not be.device:
+            return contextlib.nullcontext()
+        p = self._ddl_params[0]
+        return be.using(be.call_stream(p), be.device_id(p))
+
     def _ddl_start(self, k, grads):
         if self._ddl_comm.size == 1:
             return  # the average (or sum) over one rank is the gradient itself
-        b, buf = self._ddl_buckets[k], self._ddl_bufs[k]
-        pack_into(self._ddl_backend, b, buf, grads)
-        if self.ddl_overlap:
-            self._ddl_works[k] = self._ddl_engine.reduce_async(buf, self._ddl_op, self._ddl_backend)
-        else:
-            self._ddl_comm.allreduce(buf, self._ddl_op, out=buf, backend=self._ddl_backend.name)
+        b, buf, be = self._ddl_buckets[k], self._ddl_bufs[k], self._ddl_backend
+        # In a gradient hook: the current stream is the one backward computed these gradients on.
+        with self._ddl_stream():
+            if self._ddl_unpacked[k] is not None:  # last step's unpack (on step()'s stream) read buf
+                be.wait(be.compute_stream(), self._ddl_unpacked[k])
+            pack_into(be, b, buf, grads)
+            if self.ddl_overlap:
+                self._ddl_works[k] = self._ddl_engine.reduce_async(buf, self._ddl_op, be)
+            else:
+                self._ddl_comm.allreduce(buf, self._ddl_op, out=buf, backend=be.name)
 
     # -- step --------------------------------------------------------------------
     def synchronize(self):
@@ -284,9 +298,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             while self._ddl_next < len(self._ddl_buckets):
                 self._ddl_start(self._ddl_next, self._ddl_grads_of(self._ddl_next))
                 self._ddl_next += 1
-            for w in self._ddl_works:
-                if w is not None:
-                    w.wait()
+            with self._ddl_stream():  # device: the current stream waits for each reduction, then unpacks
+                for w in self._ddl_works:
+                    if w is not None:
+                        w.wait()
             if anyone:
                 mine = [f"{self._ddl_names[i]!r} ({self._ddl_counts[i]} of {self._ddl_bpps})" for i in missing]
                 every = comm.allgather(mine) if comm.Get_size() > 1 else [mine]
@@ -297,9 +312,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "pass on every rank: leave unused ones out of named_parameters and the optimizer, or set "
                     "requires_grad=False"
                 )
-            for k, b in enumerate(self._ddl_buckets if comm.Get_size() > 1 else ()):
-                outs = {e.index: self._ddl_params[e.index].grad for e in b.entries}
-                unpack_from(self._ddl_backend, b, self._ddl_bufs[k], outs)
+            be = self._ddl_backend
+            with self._ddl_stream():
+                for k, b in enumerate(self._ddl_buckets if comm.Get_size() > 1 else ()):
+                    outs = {e.index: self._ddl_params[e.index].grad for e in b.entries}
+                    unpack_from(be, b, self._ddl_bufs[k], outs)
+                    if be.device:  # the next pack into this buffer waits for this read of it
+                        self._ddl_unpacked[k] = be.record(be.compute_stream())
         finally:
             self._ddl_reset_step()
             self.ddl_timing["sync_s"] += time.perf_counter() - t0

@@ -1,10 +1,16 @@
 """The CuPy backend: CuPy arrays, and CUDA arrays of other libraries through DLPack, zero-copy.
 
-Kernels are kernels/reduce.cu and kernels/pack.cu, compiled by CuPy's
-``RawModule`` (NVRTC) once per device and cached by CuPy; they run on CuPy's
-*current* stream, so they are ordered after whatever the user queued there.
-The staging transport copies on a separate non-blocking stream and orders
-itself against the current stream with events.
+Kernels are kernels/reduce.cu and kernels/pack.cu, compiled by NVRTC with
+our own options (``ddlkernels._kernel_sources.compile_source``: CuPy's
+``RawModule`` would append ``-ftz=true`` and flush subnormals), loaded once
+per device, their functions looked up once.
+
+Streams: a call runs on the caller's stream (``stream_of``): CuPy's current
+stream for CuPy arrays, torch's current stream for torch tensors (wrapped as
+a ``cupy.cuda.ExternalStream``), or the ``stream=`` given.  ``using`` makes
+it CuPy's current stream too, so CuPy's own copies and allocations of the
+call are ordered on it.  The staging transport copies on a separate
+non-blocking stream and orders itself against the compute stream with events.
 
 A CUDA torch tensor becomes a CuPy array with ``cupy.from_dlpack`` (bfloat16
 through its int16 bits: CuPy has no bfloat16) and ``like`` returns a torch
@@ -13,10 +19,12 @@ tensor sharing the result's memory (``torch.from_dlpack``).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .._dtypes import BFLOAT16
-from .._kernel_sources import nvrtc_options, read_source
+from .._kernel_sources import compile_source
 from . import BackendUnavailable
 from ._device import DeviceBackend, pack_offsets, storage_dtype
 
@@ -25,10 +33,23 @@ __all__ = ["CupyBackend"]
 _THREADS = 256
 
 
+class _StreamHandle:
+    """A raw ``cudaStream_t`` as the CUDA stream protocol presents one (``__cuda_stream__``)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = int(handle)
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
 class CupyBackend(DeviceBackend):
     name = "cupy"
 
     def __init__(self):
+        super().__init__()
         try:
             import cupy
         except ImportError as exc:
@@ -37,30 +58,80 @@ class CupyBackend(DeviceBackend):
                 "pip install 'numba-cuda[cu12]' and backend='numba')"
             ) from exc
         self._cp = cupy
-        self._modules: dict = {}
+        self._modules: dict = {}  # (device, source) -> loaded cupy.cuda.function.Module
+        self._functions: dict = {}  # (device, kernel name) -> cupy.cuda.function.Function
+        self._external: dict = {}  # (stream handle, device) -> cupy.cuda.ExternalStream
 
     # -- kernels' modules -------------------------------------------------------------
-    def _module(self, source):
-        mod = self._modules.get(source)
-        if mod is None:
-            cp = self._cp
-            opts = list(nvrtc_options())
-            try:
-                inc = cp.cuda.get_cuda_path()
-                if inc:
-                    opts.append(f"-I{inc}/include")
-            except Exception:  # no toolkit path known to CuPy: ours suffice
-                pass
-            mod = cp.RawModule(code=read_source(source), options=tuple(opts), backend="nvrtc")
-            self._modules[source] = mod
-        return mod
+    def _function(self, source, name):
+        dev = self._cp.cuda.runtime.getDevice()
+        fn = self._functions.get((dev, name))
+        if fn is None:
+            mod = self._modules.get((dev, source))
+            if mod is None:
+                arch = int(self._cp.cuda.Device(dev).compute_capability)
+                _, image = compile_source(source, arch)
+                mod = self._cp.cuda.function.Module()
+                mod.load(image)  # cuModuleLoadData: a cubin, or PTX the driver compiles
+                self._modules[(dev, source)] = mod
+            fn = self._functions[(dev, name)] = mod.get_function(name)
+        return fn
 
     # -- streams and events ----------------------------------------------------------
-    def compute_stream(self):
+    def default_stream(self):
         return self._cp.cuda.get_current_stream()
 
-    def new_stream(self):
-        return self._cp.cuda.Stream(non_blocking=True)
+    def compute_stream(self):
+        # ``using`` made the call's stream CuPy's current one; outside it, CuPy's current stream is the caller's.
+        return self._cp.cuda.get_current_stream()
+
+    def _on_device(self, device, stream):
+        stack = contextlib.ExitStack()
+        if device is not None:
+            stack.enter_context(self._cp.cuda.Device(device))
+        if stream is not None:
+            stack.enter_context(stream)
+        return stack
+
+    def stream_of(self, x, stream=None):
+        cp = self._cp
+        if stream is None:
+            if type(x).__module__.startswith("torch"):
+                import torch
+
+                return self._wrap(torch.cuda.current_stream(x.device).cuda_stream, x.device.index)
+            return cp.cuda.get_current_stream()
+        if isinstance(stream, cp.cuda.stream.BaseStream):
+            return stream
+        mod = type(stream).__module__
+        if mod.startswith("torch"):
+            return self._wrap(stream.cuda_stream, stream.device.index)
+        if mod.startswith("numba"):
+            return self._wrap(int(stream.handle.value or 0), None)
+        if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
+            return self._wrap(int(stream), None)
+        raise TypeError(f"stream must be a CuPy, torch or Numba stream or a cudaStream_t int, got {stream!r}")
+
+    def _wrap(self, handle, device):
+        """A CuPy stream for the raw ``cudaStream_t`` ``handle`` of ``device`` (cached: made once per stream)."""
+        cp = self._cp
+        dev = cp.cuda.runtime.getDevice() if device is None else int(device)
+        s = self._external.get((handle, dev))
+        if s is None:
+            with cp.cuda.Device(dev):
+                if hasattr(cp.cuda.Stream, "from_external"):  # CuPy 14: the CUDA stream protocol
+                    s = cp.cuda.Stream.from_external(_StreamHandle(handle))
+                else:
+                    s = cp.cuda.ExternalStream(int(handle), dev)
+            self._external[(handle, dev)] = s
+        return s
+
+    def new_stream(self, device=None):
+        with self._cp.cuda.Device(device):
+            return self._cp.cuda.Stream(non_blocking=True)
+
+    def current_device(self):
+        return self._cp.cuda.runtime.getDevice()
 
     def record(self, stream):
         ev = self._cp.cuda.Event(disable_timing=True)
@@ -73,8 +144,8 @@ class CupyBackend(DeviceBackend):
     def sync(self, ev):
         ev.synchronize()
 
-    def synchronize(self):
-        self._cp.cuda.get_current_stream().synchronize()
+    def query(self, ev):
+        return ev.done
 
     def pinned(self, nbytes):
         import cupyx
@@ -82,9 +153,7 @@ class CupyBackend(DeviceBackend):
         return cupyx.empty_pinned((int(nbytes),), dtype=np.uint8)
 
     def d2h(self, host, dev, stream):
-        # Ordered on ``stream``; the staging transport syncs on an event of
-        # that stream right after, whatever CuPy's blocking default is.
-        dev.get(stream=stream, out=host.view(dev.dtype))
+        dev.get(stream=stream, out=host.view(dev.dtype), blocking=False)
 
     def h2d(self, dev, host, stream):
         dev.set(host.view(dev.dtype), stream=stream)
@@ -153,8 +222,8 @@ class CupyBackend(DeviceBackend):
     def _launch_reduce(self, name, dst, a, b, n, arg):
         vec = 16 // dst.dtype.itemsize  # elements per 128-bit word
         blocks = max(1, min(-(-n // (_THREADS * vec)), 4096))
-        kern = self._module("reduce.cu").get_function(name)
-        kern((blocks,), (_THREADS,), (dst, a, b, np.uint64(n), arg))
+        self._function("reduce.cu", name)((blocks,), (_THREADS,), (dst, a, b, np.uint64(n), arg),
+                                           stream=self._cp.cuda.get_current_stream())
 
     def pack(self, tensors, buf, offsets=None):
         """Copy flat device buffers ``tensors`` into ``buf`` at byte ``offsets`` (default 16-byte aligned), one launch."""
@@ -179,6 +248,7 @@ class CupyBackend(DeviceBackend):
             d_table = self._cp.empty(table.shape, dtype=np.uint64)
             d_table.set(table)
             blocks = max(1, min(-(-max(sizes) // (_THREADS * 16)), 64))
-            kern = self._module("pack.cu").get_function(name)
-            kern((blocks, min(len(tensors), 65535)), (_THREADS,), (d_table, np.int32(len(tensors)), buf))
+            self._function("pack.cu", name)((blocks, min(len(tensors), 65535)), (_THREADS,),
+                                            (d_table, np.int32(len(tensors)), buf),
+                                            stream=self._cp.cuda.get_current_stream())
         return list(offsets)

@@ -6,19 +6,32 @@ device backend a uint16 buffer always means bfloat16.  ``dtype(x)`` reports
 the user's logical dtype; ``flat``/``empty`` hand out storage buffers and
 ``like`` turns them back into the user's type.
 
-Besides the ``Backend`` interface, device backends offer what the staging
-transport (``ddlkernels._staged``) needs, in the array library's own terms:
+Streams are part of the contract: every call runs on the *caller's* stream
+(torch's current stream for torch tensors, CuPy's current stream for CuPy
+arrays, Numba's default stream for Numba arrays, or the ``stream=`` the
+caller passed), so that it is ordered after the work that produced its
+input and before the work that reads its result.  ``Communicator`` makes
+that stream this thread's compute stream for the call (``using``); the
+kernels, and the transports' events, use ``compute_stream()``.
 
-=====================  ========================================================
-``compute_stream()``   the stream the reduction kernels run on
-``new_stream()``       a stream for copies (does not serialize with compute)
-``pinned(nbytes)``     page-locked host memory, as a numpy uint8 array
-``d2h(host, dev, s)``  async copy device -> host (same byte length) on stream s
-``h2d(dev, host, s)``  async copy host -> device on stream s
-``record(s)``          an event recorded on stream s
-``wait(s, ev)``        make stream s wait for event ev (no host block)
-``sync(ev)``           block the host until ev has happened
-=====================  ========================================================
+Besides the ``Backend`` interface, device backends offer what the staging
+transport (``ddlkernels._staged``) and the progress thread need, in the
+array library's own terms:
+
+=========================  ====================================================
+``stream_of(x, stream)``   the stream a call on ``x`` runs on (see above)
+``using(stream, device)``  context: ``stream`` on ``device`` is this thread's
+                           compute stream (and the library's current stream)
+``compute_stream()``       this thread's compute stream (the caller's)
+``new_stream(device)``     a stream for copies (does not serialize with compute)
+``pinned(nbytes)``         page-locked host memory, as a numpy uint8 array
+``d2h(host, dev, s)``      async copy device -> host (same byte length) on stream s
+``h2d(dev, host, s)``      async copy host -> device on stream s
+``record(s)``              an event recorded on stream s
+``wait(s, ev)``            make stream s wait for event ev (no host block)
+``sync(ev)``               block the host until ev has happened
+``query(ev)``              whether ev has happened (no block)
+=========================  ====================================================
 
 and ``pack(tensors, buf, offsets)`` / ``unpack(buf, tensors, offsets)``:
 copy a list of flat device buffers into one fusion buffer and back, in one
@@ -29,6 +42,8 @@ ones so every tensor takes the 128-bit path of kernels/pack.cu).
 from __future__ import annotations
 
 import abc
+import contextlib
+import threading
 
 import numpy as np
 
@@ -58,6 +73,63 @@ def pack_offsets(nbytes, align: int = 16) -> tuple[list[int], int]:
 
 class DeviceBackend(Backend):
     device = True
+
+    def __init__(self):
+        # The compute stream is per thread: the progress thread of ddlkernels._async runs calls on a
+        # stream of its own while the caller's thread runs others on the caller's stream.
+        self._tls = threading.local()
+
+    # -- streams ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def stream_of(self, x, stream=None):
+        """The stream a call on array ``x`` runs on: ``stream`` (this library's stream, a torch
+        ``cuda.Stream``, or a raw ``cudaStream_t`` as int) when given, else the caller's current stream
+        for ``x``'s library (see the module docstring)."""
+
+    def call_stream(self, x, stream=None):
+        """The stream of a call on ``x``: ``stream`` when given; inside a ``using`` block (a call made by
+        another call of this library, or the progress thread's) that block's stream; else ``stream_of(x)``."""
+        if stream is None:
+            s = getattr(self._tls, "stream", None)
+            if s is not None:
+                return s
+        return self.stream_of(x, stream)
+
+    @abc.abstractmethod
+    def default_stream(self):
+        """The compute stream of a thread outside any ``using`` block."""
+
+    @contextlib.contextmanager
+    def using(self, stream, device=None):
+        """Within the block, ``stream`` (on ``device``, an ordinal or None for the current one) is this
+        thread's compute stream."""
+        prev = getattr(self._tls, "stream", None)
+        self._tls.stream = stream
+        try:
+            with self._on_device(device, stream):
+                yield stream
+        finally:
+            self._tls.stream = prev
+
+    def compute_stream(self):
+        s = getattr(self._tls, "stream", None)
+        return self.default_stream() if s is None else s
+
+    def current_device(self) -> int:
+        """This thread's current device ordinal (``using`` makes the call's array's device current)."""
+        return 0
+
+    @abc.abstractmethod
+    def new_stream(self, device=None):
+        """A new stream on ``device`` (default: the current one) that does not serialize with others."""
+
+    def _on_device(self, device, stream):
+        """Context of ``device`` (and of ``stream``, where the library has a current stream of its own)."""
+        return contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        """Block until the work queued on this thread's compute stream has finished."""
+        self.sync(self.record(self.compute_stream()))
 
     # -- subclass hooks ---------------------------------------------------------
     @abc.abstractmethod

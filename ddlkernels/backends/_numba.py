@@ -1,9 +1,10 @@
 """The Numba-CUDA backend: numba device arrays (and CUDA arrays of other libraries, zero-copy).
 
-Kernels are those of ``ddlkernels._numba_kernels``, launched on a stream of
-this backend (a blocking stream: it orders itself after work the user queued
-on the legacy default stream, as Numba code usually does, while the staging
-transport's copy stream runs beside it).  Runs unchanged in the Numba CUDA
+Kernels are those of ``ddlkernels._numba_kernels``, launched on the
+caller's stream (``stream_of``): Numba's default stream for Numba arrays (as
+a Numba kernel launched without a stream runs), torch's current stream for
+torch tensors, or the ``stream=`` given.  The staging transport's copy stream
+runs beside it, ordered by events.  Runs unchanged in the Numba CUDA
 simulator (``NUMBA_ENABLE_CUDASIM=1``), which is how the device path is
 tested without a GPU.
 
@@ -13,6 +14,8 @@ torch tensor sharing the result's memory.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
@@ -28,6 +31,7 @@ class NumbaBackend(DeviceBackend):
     name = "numba"
 
     def __init__(self):
+        super().__init__()
         try:
             from numba import cuda
         except ImportError as exc:  # pragma: no cover - numba is installed in CI
@@ -36,17 +40,44 @@ class NumbaBackend(DeviceBackend):
                 "(or install CuPy: pip install cupy-cuda12x)"
             ) from exc
         self._cuda = cuda
-        self._stream = None
         self.simulated = bool(getattr(__import__("numba").config, "ENABLE_CUDASIM", 0))
 
     # -- streams and events ----------------------------------------------------------
-    def compute_stream(self):
-        if self._stream is None:
-            self._stream = self._cuda.stream()
-        return self._stream
+    def default_stream(self):
+        return self._cuda.default_stream()
 
-    def new_stream(self):
-        return self._cuda.stream()
+    def stream_of(self, x, stream=None):
+        cuda = self._cuda
+        if stream is None:
+            if type(x).__module__.startswith("torch"):
+                import torch
+
+                return cuda.external_stream(torch.cuda.current_stream(x.device).cuda_stream)
+            return cuda.default_stream()
+        mod = type(stream).__module__
+        if mod.startswith("numba"):
+            return stream
+        if mod.startswith("torch"):
+            return cuda.external_stream(stream.cuda_stream)
+        if mod.startswith("cupy"):
+            return cuda.external_stream(stream.ptr)
+        if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
+            return cuda.external_stream(int(stream))
+        raise TypeError(f"stream must be a Numba, torch or CuPy stream or a cudaStream_t int, got {stream!r}")
+
+    def _on_device(self, device, stream):
+        if device is None or self.simulated:
+            return contextlib.nullcontext()
+        return self._cuda.gpus[int(device)]
+
+    def new_stream(self, device=None):
+        with self._on_device(device, None):
+            return self._cuda.stream()
+
+    def current_device(self):
+        if self.simulated:
+            return 0
+        return int(self._cuda.get_current_device().id)
 
     def record(self, stream):
         try:
@@ -62,9 +93,11 @@ class NumbaBackend(DeviceBackend):
     def sync(self, ev):
         ev.synchronize()
 
-    def synchronize(self):
-        if self._stream is not None:
-            self._stream.synchronize()
+    def query(self, ev):
+        q = getattr(ev, "query", None)
+        if q is None:  # the simulator's events have no query: its work is done when queued
+            return True
+        return bool(q())
 
     def pinned(self, nbytes):
         return self._cuda.pinned_array(int(nbytes), dtype=np.uint8)

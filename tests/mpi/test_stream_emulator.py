@@ -1,0 +1,312 @@
+"""The device path on a device whose queued work runs late, in random legal orders (tests/stream_emulator.py).
+
+A GPU runs a kernel or copy whenever its stream and events allow, so a missing
+event wait corrupts data only now and then; the Numba simulator runs work the
+moment it is queued and never shows it.  Here every copy and kernel of the
+staged transport, the CUDA-aware transport (MPI handed the "device" memory,
+which is host memory), the engine, fusion, the progress thread and the torch
+optimizer runs late, under seeded schedules, and every result must equal,
+bit for bit, the host path of the same Communicator -- read back through the
+caller's stream, as ``cupy.asnumpy`` would.
+
+The second half shows that this catches what it is for: each event wait and
+host synchronization of the device path is removed in turn (a source-level
+mutation of that one line), and the same workloads must then give wrong
+results.  A mutation that no workload catches fails its test.
+"""
+
+import contextlib
+import inspect
+import textwrap
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ddlkernels
+from ddlkernels import _async, _comm, _staged, _transport
+from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name
+from stream_emulator import emulated_device
+
+COMM = MPI.COMM_WORLD
+P, R = COMM.Get_size(), COMM.Get_rank()
+pytestmark = pytest.mark.skipif(P < 2, reason="one rank exchanges nothing: the transports are not used")
+
+# 16-byte chunks and 2 receive slots: every block is several chunks, so slots are reused within a step.
+CHUNK = 16
+SIZES = sorted({1, 3, P + 1, 37})
+SEEDS = {"lazy": (1, 2), "random": (3,)}
+
+
+def data(n, dtype, salt=0):
+    """Unique per rank and element, exact in every float type (multiples of 1/16)."""
+    dt = np.dtype(dtype)
+    key = np.arange(n, dtype=np.int64) * P + R + 7919 * salt
+    if dt.kind == "i":
+        return (key * 2654435761 % 100003 - 50001).astype(dt)
+    return (((key * 37) % 251 - 125) / 16.0).astype(dt)
+
+
+def comm_for(aware):
+    return ddlkernels.Communicator(COMM, chunk_bytes=CHUNK, small_bytes=0, window=2, cuda_aware=aware, shm=False)
+
+
+def wrong_anywhere(bad: int) -> int:
+    """Wrong results summed over ranks (the same number on every rank)."""
+    return COMM.allreduce(bad, op=MPI.SUM)
+
+
+# -- workloads: each returns how many of its results differ from the host path ----------------------------
+
+def ring_workload(be, c, dtypes=(np.float32,), ops=("sum",)):
+    """allreduce, in and out of place, flat ring and (where P is even) a 2-D box, on a caller stream that
+    is not the default; plus the input overwritten on that stream right after the call."""
+    bad = 0
+    s = be.new_stream()
+    boxes = [None] + ([(2, P // 2)] if P % 2 == 0 and P > 2 else [])
+    with be.current(s):
+        for dt in dtypes:
+            for op in ops:
+                for n in SIZES:
+                    for dims in boxes:
+                        x = data(n, dt, salt=n)
+                        host = c.allreduce(x, op, dims=dims)
+                        d = be.to_device(x)
+                        got = c.allreduce(d, op, dims=dims)
+                        be.write(d, np.zeros_like(x))  # the caller reuses its input at once
+                        bad += not np.array_equal(be.to_host(got).view(np.uint8), host.view(np.uint8))
+                        d = be.to_device(x)
+                        c.allreduce(d, op, out=d, dims=dims)
+                        bad += not np.array_equal(be.to_host(d).view(np.uint8), host.view(np.uint8))
+    return bad
+
+
+def shard_workload(be, c):
+    """reduce_scatter calls alternating between two streams, then allgathers of their shards: the
+    scratch buffer and the receive slots are the Communicator's, shared by every call, and each call's
+    last kernel is still queued when the next one starts."""
+    bad = 0
+    a, b = be.new_stream(), be.new_stream()
+    counts = SIZES + [2 * P + 3]
+    shards = []
+    for k, n in enumerate(counts):
+        with be.current(a if k % 2 else b):
+            shards.append(c.reduce_scatter(be.to_device(data(n, np.float32, salt=k)), "sum"))
+    wholes = []
+    for k, (n, shard) in enumerate(zip(counts, shards)):
+        with be.current(b if k % 2 else a):  # the other stream: it must wait for the shard's
+            wholes.append(c.allgather(shard, count=n))
+    for k, (n, shard, whole) in enumerate(zip(counts, shards, wholes)):
+        x = data(n, np.float32, salt=k)
+        bad += not np.array_equal(be.to_host(shard, a if k % 2 else b), c.reduce_scatter(x, "sum"))
+        bad += not np.array_equal(be.to_host(whole, b if k % 2 else a), c.allreduce(x, "sum"))
+    return bad
+
+
+def fusion_workload(be, c):
+    """allreduce_many (pack kernel -> ring -> unpack kernel) on two streams in turn; read at the end.  Every
+    bucket holds several tensors, so each call ends with an unpack of the Communicator's fusion buffer."""
+    bad = 0
+    a, b = be.new_stream(), be.new_stream()
+    shapes = [(3,), (2, 5), (1,), (7,), (4, 3), (2,)]  # buckets of 96 bytes: [3, 10, 1] and [7, 12, 2]
+    pending = []
+    for k in range(4):
+        hosts = [data(int(np.prod(sh)), np.int32, salt=10 * k + i).reshape(sh) for i, sh in enumerate(shapes)]
+        s = a if k % 2 else b
+        with be.current(s):
+            outs = ddlkernels.allreduce_many([be.to_device(h) for h in hosts], "sum", comm=c, fusion_bytes=96)
+        pending.append((s, outs, [c.allreduce(h, "sum") for h in hosts]))
+    for s, outs, refs in pending:
+        for o, ref in zip(outs, refs):
+            bad += not np.array_equal(be.to_host(o, s), ref)
+    return bad
+
+
+def async_workload(be, c):
+    """allreduce_many_async / allreduce_async on the progress thread, started and waited on caller streams
+    that differ from handle to handle (the pool's buffers pass from one handle to the next)."""
+    bad = 0
+    a, b = be.new_stream(), be.new_stream()
+    shapes = [(5,), (3, 2), (9,)]
+    pending = []
+    for k in range(4):
+        s = a if k % 2 else b
+        hosts = [data(int(np.prod(sh)), np.float32, salt=20 * k + i).reshape(sh) for i, sh in enumerate(shapes)]
+        with be.current(s):
+            h = ddlkernels.allreduce_many_async([be.to_device(x) for x in hosts], "sum", comm=c)
+            outs = h.wait()
+            h1 = ddlkernels.allreduce_async(be.to_device(hosts[0]), "avg", comm=c)
+            one = h1.wait()
+        pending.append((s, outs, [c.allreduce(x, "sum") for x in hosts], one, c.allreduce(hosts[0], "avg")))
+    for s, outs, refs, one, ref1 in pending:
+        for o, ref in zip(outs, refs):
+            bad += not np.array_equal(be.to_host(o, s), ref)
+        bad += not np.array_equal(be.to_host(one, s), ref1)
+    return bad
+
+
+def torch_workload(be, c, steps=4):
+    """DistributedOptimizer (progress thread) on "CUDA" parameters (CPU tensors claimed by the emulator):
+    each step's backward, hooks and ``synchronize()`` on another caller stream, every step's reduced
+    gradients read only at the end, through the stream they were installed on (as an optimizer update
+    queued there would read them).  They must equal, bitwise, the same steps on host tensors.  The
+    parameters are not updated, so both runs see the same model.
+    """
+    torch = pytest.importorskip("torch")
+    import ddlkernels.torch as ddt
+
+    def steps_of(device_like):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        opt = ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), comm=c, progress="thread",
+                                       fusion_bytes=128)
+        streams = [be.new_stream(), be.new_stream()]
+        installed = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 * step + R)
+            x, y = torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+            s = streams[step % 2]
+            with be.current(s) if device_like else contextlib.nullcontext():
+                opt.zero_grad()  # new gradient tensors each step
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.synchronize()
+            installed.append((s, [p.grad for p in model.parameters()]))
+        out = []
+        for s, grads in installed:
+            if device_like:
+                be.emu.sync_stream(s)
+            out += [gr.detach().numpy().reshape(-1) for gr in grads]
+        return np.concatenate(out)
+
+    host = steps_of(False)
+    type(be).claim_torch = True  # from here CPU tensors are "CUDA" tensors of the emulated device
+    try:
+        dev = steps_of(True)
+    finally:
+        type(be).claim_torch = False
+    return int(not np.array_equal(host.view(np.uint8), dev.view(np.uint8)))
+
+
+def long_workload(be, c):
+    """Messages of many chunks per ring step: the staging transport runs out of free pinned slots and
+    takes back the oldest one whose host-to-device copy was queued."""
+    bad = 0
+    with be.current(be.new_stream()):
+        for n in (301,):
+            x = data(n, np.float32, salt=n)
+            bad += not np.array_equal(be.to_host(c.allreduce(be.to_device(x), "sum")), c.allreduce(x, "sum"))
+    return bad
+
+
+WORKLOADS = {
+    "ring-staged": lambda be: ring_workload(be, comm_for(False)),
+    "ring-staged-long": lambda be: long_workload(be, comm_for(False)),
+    "ring-aware": lambda be: ring_workload(be, comm_for(True)),
+    "shards-staged": lambda be: shard_workload(be, comm_for(False)),
+    "shards-aware": lambda be: shard_workload(be, comm_for(True)),
+    "fusion": lambda be: fusion_workload(be, comm_for(False)),
+    "async": lambda be: async_workload(be, comm_for(False)),
+    "torch": lambda be: torch_workload(be, comm_for(False)),
+}
+
+
+def run(workload, policy, seed):
+    with emulated_device(seed=1000 * seed + R, policy=policy) as be:
+        return WORKLOADS[workload](be)
+
+
+# -- the device path is right on a device that runs late -----------------------------------------------
+
+@pytest.mark.parametrize("policy", sorted(SEEDS))
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_device_path_equals_host_path_under_late_random_schedules(workload, policy):
+    bad = sum(run(workload, policy, seed) for seed in SEEDS[policy])
+    assert wrong_anywhere(bad) == 0, f"{workload} under {policy}: {bad} wrong results on rank {R}"
+
+
+@pytest.mark.parametrize("aware", [False, True], ids=["staged", "cuda-aware"])
+def test_every_dtype_and_op_bitwise(aware):
+    with emulated_device(seed=77 + R, policy="lazy") as be:
+        bad = ring_workload(be, comm_for(aware), dtypes=SUPPORTED_DTYPES, ops=("sum", "avg", "max", "min", "prod"))
+    assert wrong_anywhere(bad) == 0
+
+
+def test_eager_schedule_is_what_launch_blocking_does():
+    """Everything run the moment it is queued (CUDA_LAUNCH_BLOCKING=1): right, with or without the waits."""
+    with emulated_device(seed=5, policy="eager") as be:
+        assert wrong_anywhere(ring_workload(be, comm_for(False))) == 0
+
+
+def test_stream_argument_orders_the_call_on_that_stream():
+    """``stream=`` instead of the current stream: the input is written on s, the call ordered on s."""
+    with emulated_device(seed=11 + R, policy="lazy") as be:
+        c = comm_for(False)
+        s = be.new_stream()
+        x = data(37, np.float32, salt=4)
+        d = be.to_device(x, stream=s)  # the current (default) stream knows nothing of this copy
+        got = c.allreduce(d, "sum", stream=s)
+        assert np.array_equal(be.to_host(got, s), c.allreduce(x, "sum"))
+        with pytest.raises(ValueError, match="host arrays"):
+            c.allreduce(x, "sum", stream=s)
+        c.free()
+
+
+# -- every wait is needed: remove one, and some workload gives wrong results -----------------------------
+
+def _mutated(obj, name, line, nth=0):
+    """``obj.name`` (a function or method) recompiled from its source without the ``nth`` line containing
+    ``line`` (a statement: a ``pass`` keeps the block valid)."""
+    fn = inspect.unwrap(getattr(obj, name))
+    src = textwrap.dedent(inspect.getsource(fn))
+    lines = src.splitlines()
+    hits = [i for i, ln in enumerate(lines) if line in ln]
+    assert len(hits) > nth, f"mutation target {line!r} not found in {obj.__name__}.{name}: the code changed"
+    i = hits[nth]
+    indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+    lines[i] = indent + "pass  # mutated"
+    ns = dict(fn.__globals__)
+    exec(compile("\n".join(lines), f"<mutated {name}>", "exec"), ns)
+    return ns[name]
+
+
+#: (id, where, function, the line removed, which occurrence, workloads that must catch it)
+MUTATIONS = [
+    ("staged-land-waits-for-kernels", _staged.StagedTransport, "_land", "be.wait(self._copy, be.record(compute))",
+     0, ["ring-staged"]),
+    ("staged-kernels-wait-for-land", _staged.StagedTransport, "_land", "be.wait(compute, ev)", 0, ["ring-staged"]),
+    ("staged-send-waits-for-kernels", _staged.StagedTransport, "isend",
+     "be.wait(self._copy, be.record(be.compute_stream()))", 0, ["ring-staged"]),
+    ("staged-send-waits-for-its-copy", _staged.StagedTransport, "isend", "be.sync(be.record(self._copy))", 0,
+     ["ring-staged"]),
+    ("staged-slot-reuse-waits-for-its-copy", _staged.StagedTransport, "_acquire", "self.backend.sync(ev)", 0,
+     ["ring-staged-long"]),
+    ("aware-send-waits-for-kernels", _transport.HostTransport, "__init__", "_sync()", 0, ["ring-aware"]),
+    ("aware-recv-waits-for-kernels", _transport.HostTransport, "__init__", "_sync()", 1, ["ring-aware"]),
+    ("call-waits-for-previous-call", _comm.Communicator, "_on_stream", "be.wait(s, tail)", 0,
+     ["shards-staged", "fusion"]),
+    ("progress-thread-waits-for-caller", _async.ThreadEngine, "_run", "be.wait(s, d.ready)", 0, ["async"]),
+    ("caller-waits-for-progress-thread", _async._Device, "order_caller", "be.wait(be.call_stream(self.like)", 0,
+     ["async"]),
+    ("pool-buffer-waits-for-last-unpack", _async._Pool, "take", "backend.wait(backend.compute_stream(), ev)", 0,
+     ["async"]),
+]
+
+
+def _torch_mutation():
+    torch = pytest.importorskip("torch")  # noqa: F841
+    import ddlkernels.torch as ddt
+
+    return ("optimizer-pack-waits-for-last-unpack", ddt._DistributedOptimizer, "_ddl_start",
+            "be.wait(be.compute_stream(), self._ddl_unpacked[k])", 0, ["torch"])
+
+
+@pytest.mark.parametrize("index", range(len(MUTATIONS) + 1),
+                         ids=[m[0] for m in MUTATIONS] + ["optimizer-pack-waits-for-last-unpack"])
+def test_removing_any_one_wait_gives_wrong_results(index, monkeypatch):
+    ident, obj, name, line, nth, catchers = MUTATIONS[index] if index < len(MUTATIONS) else _torch_mutation()
+    monkeypatch.setattr(obj, name, _mutated(obj, name, line, nth))
+    caught = {}
+    for w in catchers:
+        caught[w] = wrong_anywhere(sum(run(w, "lazy", seed) for seed in (1, 2)))
+    assert any(caught.values()), f"removing {line!r} from {obj.__name__}.{name} went unnoticed: {caught}"
