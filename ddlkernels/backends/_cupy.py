@@ -119,7 +119,9 @@ class CupyBackend(DeviceBackend):
         s = self._external.get((handle, dev))
         if s is None:
             with cp.cuda.Device(dev):
-                if hasattr(cp.cuda.Stream, "from_external"):  # CuPy 14: the CUDA stream protocol
+                if handle == 0:  # the legacy default stream (torch's default stream)
+                    s = cp.cuda.Stream.null
+                elif hasattr(cp.cuda.Stream, "from_external"):  # CuPy 14: the CUDA stream protocol
                     s = cp.cuda.Stream.from_external(_StreamHandle(handle))
                 else:
                     s = cp.cuda.ExternalStream(int(handle), dev)

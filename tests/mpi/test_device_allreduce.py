@@ -1,9 +1,9 @@
 """The device path end to end: allreduce of Numba device arrays, staged through pinned host memory.
 
-Without a GPU this runs in the Numba CUDA simulator: the module sets
-``NUMBA_ENABLE_CUDASIM=1`` before numba is first imported (no other module of
-tests/mpi imports numba).  With a GPU and numba already imported for real it
-runs on the device unchanged.  Every result must equal, bit for bit, the host
+Without a GPU this runs in the Numba CUDA simulator: tests/mpi/conftest.py
+sets ``NUMBA_ENABLE_CUDASIM=1`` before numba is first imported where the
+machine has no NVIDIA device.  With a GPU it runs on the device unchanged
+(tests/gpu/ holds the suite written for real devices).  Every result must equal, bit for bit, the host
 (numpy) result of the same Communicator -- same ring, same chunks, so the
 same operations in the same order -- and be the same on every rank.
 
@@ -12,22 +12,16 @@ explicitly: every chunk goes device -> pinned host -> MPI -> pinned host ->
 device through ``ddlkernels._staged.StagedTransport``.
 """
 
-import os
-import sys
+import numpy as np
+import pytest
+from mpi4py import MPI
+from numba import config as _nb_config
+from numba import cuda
 
-if "numba" not in sys.modules:
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-from numba import config as _nb_config  # noqa: E402
-from numba import cuda  # noqa: E402
-
-import ddlkernels  # noqa: E402
-from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name  # noqa: E402
-from ddlkernels._staged import StagedTransport  # noqa: E402
-from ddlkernels.backends import backend_for, get_backend  # noqa: E402
+import ddlkernels
+from ddlkernels._dtypes import BFLOAT16, SUPPORTED_DTYPES, dtype_name
+from ddlkernels._staged import StagedTransport
+from ddlkernels.backends import backend_for, get_backend
 
 SIMULATED = bool(getattr(_nb_config, "ENABLE_CUDASIM", 0))
 if not SIMULATED and not cuda.is_available():
@@ -55,9 +49,17 @@ def data(n, dtype, salt=0):
 
 
 def to_device(x):
-    # Numba device arrays cannot hold bfloat16 for kernels; the user's
-    # array may: the backend reduces its uint16 bits.
+    # numba-cuda cannot copy an ml_dtypes array (on a GPU, to_device raises "cannot include dtype 'E' in a
+    # buffer"): a user copies the bits and views them, and the backend reduces those uint16 bits.
+    if x.dtype == BFLOAT16:
+        return cuda.to_device(x.view(np.uint16)).view(BFLOAT16)
     return cuda.to_device(x)
+
+
+def to_host(d):
+    if d.dtype == BFLOAT16:
+        return d.view(np.uint16).copy_to_host().view(BFLOAT16)
+    return d.copy_to_host()
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +88,12 @@ def test_device_equals_host_bitwise(dcomm, dtype, op):
         got = dcomm.allreduce(d, op)
         host = dcomm.allreduce(x, op)
         assert type(got) is type(d), "the result must be of the input's array type"
-        g = got.copy_to_host()
+        g = to_host(got)
         assert g.dtype == host.dtype and g.shape == (n,)
         gb, hb = g.view(np.uint8), host.view(np.uint8)
         assert np.array_equal(gb, hb), f"n={n}: device result differs from host at {np.flatnonzero(g != host)[:5]}"
         assert same_everywhere(gb)
-        assert np.array_equal(d.copy_to_host().view(np.uint8), x.view(np.uint8)), "input modified"
+        assert np.array_equal(to_host(d).view(np.uint8), x.view(np.uint8)), "input modified"
 
 
 def test_the_device_path_is_staged(dcomm):
