@@ -309,4 +309,6 @@ def test_removing_any_one_wait_gives_wrong_results(index, monkeypatch):
     caught = {}
     for w in catchers:
         caught[w] = wrong_anywhere(sum(run(w, "lazy", seed) for seed in (1, 2)))
+    if R == 0:  # shown with pytest -s: how many results each workload got wrong without this wait
+        print(f"\n{ident}: wrong results without it: {caught}")
     assert any(caught.values()), f"removing {line!r} from {obj.__name__}.{name} went unnoticed: {caught}"
