@@ -272,12 +272,12 @@ def _mutated(obj, name, line, nth=0):
 
 #: (id, where, function, the line removed, which occurrence, workloads that must catch it)
 MUTATIONS = [
-    ("staged-land-waits-for-kernels", _staged.StagedTransport, "_land", "be.wait(self._copy, be.record(compute))",
+    ("staged-land-waits-for-kernels", _staged.StagedTransport, "_land", "be.wait(self._h2d, be.record(compute))",
      0, ["ring-staged"]),
     ("staged-kernels-wait-for-land", _staged.StagedTransport, "_land", "be.wait(compute, ev)", 0, ["ring-staged"]),
     ("staged-send-waits-for-kernels", _staged.StagedTransport, "isend",
-     "be.wait(self._copy, be.record(be.compute_stream()))", 0, ["ring-staged"]),
-    ("staged-send-waits-for-its-copy", _staged.StagedTransport, "isend", "be.sync(be.record(self._copy))", 0,
+     "be.wait(self._d2h, be.record(be.compute_stream()))", 0, ["ring-staged"]),
+    ("staged-send-posted-after-its-copy", _staged.StagedTransport, "_post_oldest", "self.backend.sync(s.ev)", 0,
      ["ring-staged"]),
     ("staged-slot-reuse-waits-for-its-copy", _staged.StagedTransport, "_acquire", "self.backend.sync(ev)", 0,
      ["ring-staged-long"]),
