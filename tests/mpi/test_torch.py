@@ -250,3 +250,32 @@ def test_progress_auto_hooks_for_float32_thread_for_bfloat16():
         opt.step()
         raw = np.concatenate([p.detach().view(torch.int16).numpy().reshape(-1).view(np.uint8) for p in model.parameters()])
         assert_same_on_all_ranks(COMM, raw, f"bfloat16 step {s}")
+
+
+@pytest.mark.parametrize("name,ours", [("SUM", "sum"), ("AVG", "avg"), ("MAX", "max"), ("MIN", "min"),
+                                       ("PRODUCT", "prod")])
+def test_torch_reduce_ops_are_accepted_everywhere_an_op_is(name, ours):
+    import torch.distributed as dist
+
+    import ddlkernels
+
+    kind = getattr(dist.ReduceOp, name)
+    x = torch.arange(1, 8, dtype=torch.float64) * (RANK + 1) / 4  # exact in float64 under every op here
+    want = ddlkernels.allreduce(x, ours)
+    for op in (kind, dist.ReduceOp(kind)):  # the RedOpType member and a ReduceOp holding it
+        assert torch.equal(ddlkernels.allreduce(x, op), want)
+        got = torch.empty_like(x)
+        ddlkernels.Allreduce(x, got, op)
+        assert torch.equal(got, want)
+        assert torch.equal(ddlkernels.allreduce_many_async([x], op).wait()[0], want)
+
+
+def test_bitwise_and_premul_torch_ops_are_refused_before_any_message():
+    import torch.distributed as dist
+
+    import ddlkernels
+
+    for op in (dist.ReduceOp.BAND, dist.ReduceOp.BXOR, dist.ReduceOp.PREMUL_SUM):
+        with pytest.raises(ValueError, match="ReduceOp SUM, AVG, MAX, MIN and PRODUCT"):
+            ddlkernels.allreduce(torch.ones(3), op)
+    COMM.Barrier()
