@@ -17,6 +17,7 @@ from ._wait import CollectiveTimeout
 from ._dtypes import OPS, SUPPORTED_DTYPES
 from ._fusion import allreduce_many
 from ._async import Handle, allreduce_async, allreduce_many_async
+from ._local import device_index, local_device, local_rank, local_size
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,10 @@ __all__ = [
     "empty",
     "CollectiveTimeout",
     "abort_on_exception",
+    "local_rank",
+    "local_size",
+    "local_device",
+    "device_index",
     "OPS",
     "SUPPORTED_DTYPES",
     "__version__",
