@@ -204,13 +204,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         #: True: hooks start bucket reductions during backward; False: step() reduces
         #: every bucket after backward.  May be changed between steps, on every rank alike.
         self.ddl_overlap = bool(overlap)
+        host = not self._ddl_params or self._ddl_params[0].device.type == "cpu"
+        mpi_adds = all(dtype_name(d) in ("float32", "float64", "int32", "int64") for d in dtypes)
         if progress == "auto":
             # Measured (docs/fusion.md): polled MPI_Iallreduce exposed less
             # communication than the progress thread in the training example;
             # the thread is the driver that handles every dtype and device.
-            host = not self._ddl_params or self._ddl_params[0].device.type == "cpu"
-            mpi_adds = all(dtype_name(d) in ("float32", "float64", "int32", "int64") for d in dtypes)
             progress = "hooks" if host and mpi_adds else "thread"
+        elif progress == "hooks" and not (host and mpi_adds):
+            # Found here, not in the first backward: a compressed wire (float16) makes this easy to ask for.
+            raise ValueError("progress='hooks' reduces host float32/float64/int32/int64 buckets with MPI_Iallreduce; "
+                             f"these travel as {sorted({dtype_name(d) for d in dtypes})} on {self._ddl_params[0].device}"
+                             "; use progress='thread' or 'auto'")
         self.ddl_progress = progress
         signature = ["DistributedOptimizer", opname, (fusion_bytes, bpps, bool(overlap), progress, missing_grads)] + [
             (f"{n} {dtype_name(d)}", tuple(p.shape)) for n, p, d in zip(self._ddl_names, self._ddl_params, dtypes)

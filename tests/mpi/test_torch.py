@@ -229,6 +229,8 @@ def test_local_bad_input():
         ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=object())
     with pytest.raises(ValueError, match="compression 'fp8'"):
         ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression="fp8")
+    with pytest.raises(ValueError, match=r"progress='hooks' .* travel as \['float16'\]"):
+        ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression="fp16", progress="hooks")
     COMM.Barrier()
 
 
