@@ -12,14 +12,14 @@ import importlib
 import pytest
 from mpi4py import MPI
 
-torch = pytest.importorskip("torch", reason="torch not installed (pip install -e .[torch])")
-datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn not installed (pip install -e .[torch])")
-train_mod = importlib.import_module("ddlkernels.examples.train")
-
 COMM = MPI.COMM_WORLD
 P = COMM.Get_size()
 if P == 1:
     pytest.skip("1 rank against 1 rank shows nothing", allow_module_level=True)
+torch = pytest.importorskip("torch", reason="torch not installed (pip install -e .[torch])")
+datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn not installed (pip install -e .[torch])")
+train_mod = importlib.import_module("ddlkernels.examples.train")
+
 # 0.5 points of 359 held-out digits: one digit is 0.28 points, so at most one digit may differ.
 TOLERANCE = 0.005
 
