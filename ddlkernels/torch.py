@@ -28,7 +28,17 @@ the settings of ``comm``), so with a fixed ``small_bytes`` (see
 ``ddlkernels._tuner``) the parameters are bitwise equal either way.  A
 one-rank job reduces nothing: the average over one rank is the gradient.
 
-Needs the optional extra: ``pip install ddlkernels[torch]``.
+DistributedDataParallel instead (docs/gpus.md)::
+
+    ddt.init_process_group("gloo")                   # rank and size from MPI
+    model = torch.nn.parallel.DistributedDataParallel(model.to(ddt.set_device()))
+    model.register_comm_hook(ddt.HookState(), ddt.allreduce_hook)   # buckets reduced by ddlkernels
+
+``ddt.all_reduce(t)`` reduces in place, as ``torch.distributed.all_reduce``;
+``broadcast_object`` and ``broadcast_optimizer_state`` resume a job as
+Horovod's do.
+
+Needs the optional extra: ``pip install ddlkernels[torch]`` (torch >= 2.1).
 """
 
 from __future__ import annotations
