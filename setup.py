@@ -22,7 +22,7 @@ setup(
         "test": ["pytest>=7", "pytest-benchmark", "hypothesis", "matplotlib", "tqdm", "psutil"],
         "bench": ["pytest-benchmark", "matplotlib", "tqdm"],
         "cuda12": ["cupy-cuda12x", "numba-cuda[cu12]"],
-        "torch": ["torch", "scikit-learn"],  # scikit-learn: the digits data of ddlkernels.examples.train
+        "torch": ["torch>=2.1", "scikit-learn"],  # 2.1: register_post_accumulate_grad_hook; scikit-learn: the digits of ddlkernels.examples.train
     },
     entry_points={"console_scripts": ["ddlkernels=ddlkernels.__main__:main"]},
 )

@@ -2,7 +2,7 @@
 
     mpirun -n 2 python bench/allgather.py -b 4K -e 64M --json r.json --plot r.png
 
-Options: `python bench/allgather.py --help` (the same as `python -m ddlkernels bench -c allgather`).
+Options: `python bench/allgather.py --help` (the same as `python -m ddlkernels bench --collective allgather`).
 """
 
 import os

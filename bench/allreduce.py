@@ -2,7 +2,7 @@
 
     mpirun -n 2 python bench/allreduce.py -b 4K -e 64M --json r.json --plot r.png
 
-Options: `python bench/allreduce.py --help` (the same as `python -m ddlkernels bench -c allreduce`).
+Options: `python bench/allreduce.py --help` (the same as `python -m ddlkernels bench --collective allreduce`).
 """
 
 import os

@@ -2,7 +2,7 @@
 
     mpirun -n 2 python bench/reduce_scatter.py -b 4K -e 64M --json r.json --plot r.png
 
-Options: `python bench/reduce_scatter.py --help` (the same as `python -m ddlkernels bench -c reduce_scatter`).
+Options: `python bench/reduce_scatter.py --help` (the same as `python -m ddlkernels bench --collective reduce_scatter`).
 """
 
 import os

@@ -61,11 +61,11 @@ run chunk_np2 "$MPIRUN" -n 2 "$PY" bench/allreduce.py -b 1M -e 64M -f 4 -n "$ITE
 run allreduce_np2_tuned "$PY" bench/allreduce.py --launch 2 --mpi-algorithm ring,rabenseifner,recursive_doubling \
   -b 64K -e 64M -f 4 -n "$ITERS" -w "$WARMUP" --no-progress \
   --json "$OUT/allreduce_np2_tuned.json" --plot "$OUT/allreduce_np2_tuned.png"
-for n in 2 4; do run rs_ag_np${n}_float32 "$MPIRUN" -n $n "$PY" bench/allreduce.py -c reduce_scatter,allgather -b 4K -e 64M -f 4 \
+for n in 2 4; do run rs_ag_np${n}_float32 "$MPIRUN" -n $n "$PY" bench/allreduce.py --collective reduce_scatter,allgather -b 4K -e 64M -f 4 \
     -n "$ITERS" -w "$WARMUP" --no-progress --json "$OUT/rs_ag_np${n}_float32.json" --plot "$OUT/rs_ag_np${n}_float32.png"
 done
 # Inputs (allgather: shards) in Communicator.empty's shared memory, which peers read in place, beside the plain line.
-for n in 2 4; do run shared_np${n}_float32 "$MPIRUN" -n $n "$PY" bench/allreduce.py -c all -b 64K -e 64M -f 4 -n "$ITERS" \
+for n in 2 4; do run shared_np${n}_float32 "$MPIRUN" -n $n "$PY" bench/allreduce.py --collective all -b 64K -e 64M -f 4 -n "$ITERS" \
     -w "$WARMUP" -d float32 -o sum --no-progress --impls ddlkernels,shared,mpi,link \
     --json "$OUT/shared_np${n}_float32.json" --plot "$OUT/shared_np${n}_float32.png"
 done

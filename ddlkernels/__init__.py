@@ -17,6 +17,7 @@ from ._wait import CollectiveTimeout
 from ._dtypes import OPS, SUPPORTED_DTYPES
 from ._fusion import allreduce_many
 from ._async import Handle, allreduce_async, allreduce_many_async
+from ._local import device_index, local_device, local_rank, local_size
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,10 @@ __all__ = [
     "empty",
     "CollectiveTimeout",
     "abort_on_exception",
+    "local_rank",
+    "local_size",
+    "local_device",
+    "device_index",
     "OPS",
     "SUPPORTED_DTYPES",
     "__version__",
@@ -46,7 +51,9 @@ def allreduce(x, op="sum", *, comm=None, out=None, dims=None, chunk_bytes=None, 
 
     ``comm`` is an mpi4py ``Intracomm`` or a ``Communicator`` (default
     ``MPI.COMM_WORLD``).  Returns the reduced array, of ``x``'s type, shape and
-    device (``out`` itself when given; ``out=x`` reduces in place).
+    device (``out`` itself when given; ``out=x`` reduces in place).  Unlike
+    ``torch.distributed.all_reduce(t)``, ``x`` itself is left alone unless
+    ``out=x``; ``ddlkernels.torch.all_reduce(t)`` is the in-place spelling.
     ``validate=True`` checks first that every rank passed the same count,
     dtype, op and dims; ``timeout`` (seconds) raises ``CollectiveTimeout``
     instead of waiting longer (docs/reliability.md).  ``stream`` (device

@@ -71,29 +71,42 @@ def _thread_level(level):
 def _job(args):
     from mpi4py import MPI
 
-    from ddlkernels._bench import ALLREDUCE_IMPLS, dump_json, format_size, format_table, parse_size, run_sweep, sweep_sizes
+    from ddlkernels._bench import (ALLREDUCE_IMPLS, comment, dump_json, format_footer, format_size, format_table,
+                                   run_sweep)
+    from ddlkernels._cli_bench import _write_csv, expand_nccl_arguments
 
+    dtypes, ops, sizes = expand_nccl_arguments(args)
     comm = MPI.COMM_WORLD
-    sizes = sweep_sizes(parse_size(args.begin), parse_size(args.end), args.factor)
     impls = [ALLREDUCE_IMPLS["ddlkernels"], ALLREDUCE_IMPLS["MPI_Allreduce"]]
-    rows = run_sweep(comm, sizes, impls, dtype=args.dtype, op=args.op, iters=args.iters, warmup=args.warmup,
-                     check=not args.no_check, inplace=args.inplace, min_sample_s=args.min_sample_ms / 1e3)
-    wrong = sum((r["impls"][i.name]["wrong"] or 0) for r in rows for i in impls)
+    rows = []
+    for dt in dtypes:  # nccl-tests' order: every type, then within it every op
+        for op in ops:
+            rows += run_sweep(comm, sizes, impls, dtype=dt, op=op, iters=args.iters, warmup=args.warmup,
+                              check=bool(args.check), inplace=args.inplace, min_sample_s=args.min_sample_ms / 1e3)
+    names = [i.name for i in impls]
+    wrong = sum((r["impls"][n]["wrong"] or 0) for r in rows for n in names)
     if comm.Get_rank() == 0:
-        print(f"# ddlkernels allreduce vs MPI_Allreduce: {comm.Get_size()} ranks, {args.dtype}, op {args.op}, "
-              f"{'in place' if args.inplace else 'out of place'}, {args.iters} iterations (median), "
-              f"time = slowest rank; busbw = algbw * 2(p-1)/p; path: which algorithm ddlkernels ran "
-              f"(ring: its multi-dimensional ring; shm: its shared-memory allreduce, shm-nt: the same with its results "
-              f"written to memory; cma: single copy, peers' buffers read with process_vm_readv; "
-              f"hier: shm per node + across nodes; "
-              f"mpi / nbc: MPI_Allreduce / "
-              f"MPI_Iallreduce, as its size tuner chose)")
-        if args.min_sample_ms > 0 and not args.inplace:
-            calls = " ".join(f"{format_size(r['bytes'])}x{r['batch']}" for r in rows)
-            print(f"# an iteration = back-to-back calls lasting about {args.min_sample_ms:g} ms, as nccl-tests "
-                  f"times them (calls per size: {calls})")
-        print(format_table(rows, impls, ratio_of=("ddlkernels", "MPI_Allreduce")))
-        print(f"# #wrong total: {wrong}")
+        if args.csv != "-":
+            print(comment(
+                f"ddlkernels allreduce vs MPI_Allreduce: {comm.Get_size()} ranks, type {args.dtype}, op {args.op}, "
+                f"{'in place' if args.inplace else 'out of place'}, {args.iters} iterations (median), time = slowest "
+                f"rank; busbw = algbw * 2(p-1)/p"))
+            print(comment(
+                "path: which algorithm ddlkernels ran, as its size tuner chose (ring: its multi-dimensional ring; "
+                "shm: its shared-memory allreduce, shm-nt: the same with its results written to memory; cma: single "
+                "copy, peers' buffers read with process_vm_readv; hier: shm per node + across nodes; mpi / nbc: "
+                "MPI_Allreduce / MPI_Iallreduce)"))
+            if args.min_sample_ms > 0 and not args.inplace:
+                seen = {}
+                for r in rows:
+                    seen.setdefault(r["bytes"], r["batch"])
+                calls = " ".join(f"{format_size(b)}x{n}" for b, n in seen.items())
+                print(comment(f"an iteration = back-to-back calls lasting about {args.min_sample_ms:g} ms, as "
+                              f"nccl-tests times them (calls per size: {calls})"))
+            print(format_table(rows, impls, ratio_of="ddlkernels"))
+            print(format_footer(rows, names))
+        if args.csv:
+            _write_csv(args.csv, rows, names, "median")
         if args.json:
             dump_json(args.json, vars(args) | {"ranks": comm.Get_size(), "mpi": MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()}, rows)
     if wrong:
@@ -108,24 +121,20 @@ def build_parser():
     p.add_argument("--cuda-aware", type=lambda s: {"1": True, "0": False, "auto": None}[s], default=None,
                    metavar="{1,0,auto}", help="override CUDA-aware MPI detection")
     p.set_defaults(func=_info)
-    p = sub.add_parser("job", help="the main job: checked allreduce sweep vs MPI_Allreduce (run under mpirun)")
-    p.add_argument("-b", "--begin", default="4K", help="smallest message (bytes; K/M/G suffixes)")
-    p.add_argument("-e", "--end", default="64M", help="largest message")
-    p.add_argument("-f", "--factor", type=int, default=4, help="size multiplication factor")
-    p.add_argument("-n", "--iters", type=int, default=10, help="timed iterations per size")
-    p.add_argument("-w", "--warmup", type=int, default=14,
-                   help="untimed iterations per size (covers the first calls of a size from 256 KiB, in which the "
-                        "library measures MPI's allreduce against the ring; below that its 2 x 17 trial calls "
-                        "finish in the first batched iteration)")
-    p.add_argument("-d", "--dtype", default="float32")
-    p.add_argument("-o", "--op", default="sum")
-    p.add_argument("--inplace", action="store_true")
+    p = sub.add_parser("job", help="the main job: checked allreduce sweep vs MPI_Allreduce (run under mpirun)",
+                       description="ddlkernels' allreduce beside MPI_Allreduce at every size, checked, in "
+                                   "nccl-tests' terms: its options (-b -e -f -i -n -w -c -o -d -g), its table "
+                                   "columns and its closing lines (# Out of bounds values, # Avg bus bandwidth).")
+    from ddlkernels._cli_bench import add_nccl_arguments
+
+    # -w 14 covers the first calls of a size from 256 KiB, in which the library measures MPI's allreduce
+    # against the ring; below that its 2 x 17 trial calls finish in the first batched iteration.
+    add_nccl_arguments(p, iters=10, warmup=14)
+    p.add_argument("--inplace", action="store_true", help="in place (default: out of place)")
     p.add_argument("--min-sample-ms", type=float, default=2.0,
                    help="time back-to-back calls, enough for about this many ms per iteration, as nccl-tests does "
                         "(the same count for both lines of a size; in place: single calls); 0: single calls "
                         "between barriers")
-    p.add_argument("--no-check", action="store_true", help="do not verify results")
-    p.add_argument("--json", help="write the rows as JSON to this path (rank 0)")
     p.set_defaults(func=_job)
     for mod in _EXTENSIONS:
         try:

@@ -68,12 +68,16 @@ __all__ = [
     "TUNED_ALGORITHMS",
     "parse_size",
     "parse_dtype",
+    "nccl_type_name",
+    "NCCL_TYPES",
     "sweep_sizes",
     "pattern",
     "expected",
     "make_impls",
     "run_sweep",
     "format_table",
+    "format_footer",
+    "write_csv",
     "dump_json",
     "plot_rows",
     "tuned_label",
@@ -120,22 +124,55 @@ def format_size(n: int) -> str:
     return str(n)
 
 
+#: nccl-tests' type names (``-d``, and the "type" column) of the dtypes ddlkernels reduces, in nccl-tests'
+#: order; numpy's names are accepted too.  ``-d float`` is float32, as in nccl-tests (numpy: float64).
+NCCL_TYPES = {"int32": "int32", "int64": "int64", "half": "float16", "float": "float32", "double": "float64",
+              "bfloat16": "bfloat16"}
+_TYPE_ALIASES = {"float16": "float16", "float32": "float32", "float64": "float64", "bf16": "bfloat16",
+                 "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+#: nccl-tests types that ddlkernels does not reduce, and why (refused, never mapped to something else).
+NCCL_REFUSED = {"int8": "8-bit integers", "uint8": "unsigned integers", "uint32": "unsigned integers",
+                "uint64": "unsigned integers", "f8e4m3": "8-bit floats", "f8e5m2": "8-bit floats",
+                "char": "8-bit integers (nccl-tests' old name of int8)",
+                "int": "an ambiguous name (nccl-tests' old int32, numpy's int64): say int32 or int64"}
+_NCCL_NAME = {v: k for k, v in NCCL_TYPES.items()}
+
+
 def parse_dtype(name) -> np.dtype:
-    """"float32", "bfloat16", ... -> a dtype ddlkernels reduces (TypeError otherwise)."""
-    if isinstance(name, str) and name.lower() in ("bfloat16", "bf16"):
+    """A type name -> a dtype ddlkernels reduces: nccl-tests' ("float" = float32, "half", "double",
+    "bfloat16", "int32", "int64") or numpy's ("float32", "float16", ...); ``TypeError`` otherwise."""
+    if not isinstance(name, str):
+        return check_dtype(np.dtype(name))
+    key = name.strip().lower()
+    canonical = NCCL_TYPES.get(key) or _TYPE_ALIASES.get(key)
+    if canonical is None:
+        supported = ", ".join(f"{k} ({v})" if k != v else k for k, v in NCCL_TYPES.items())
+        why = NCCL_REFUSED.get(key)
+        if why is not None:
+            raise TypeError(f"type {name!r}: ddlkernels does not reduce {why}; supported: {supported}")
+        raise TypeError(f"unknown type {name!r}; supported: {supported} (numpy's names work too)")
+    if canonical == "bfloat16":
         import ml_dtypes
 
         return check_dtype(np.dtype(ml_dtypes.bfloat16))
-    return check_dtype(np.dtype(name))
+    return check_dtype(np.dtype(canonical))
 
 
-def sweep_sizes(begin: int, end: int, factor: int) -> list[int]:
-    if begin < 0 or end < begin or factor < 2:
-        raise ValueError("need 0 <= begin <= end and factor >= 2")
+def nccl_type_name(dtype) -> str:
+    """The name nccl-tests prints for a dtype ("float" for float32, "half", "double", ...)."""
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    return _NCCL_NAME.get(name, name)
+
+
+def sweep_sizes(begin: int, end: int, factor: int, step: int | None = None) -> list[int]:
+    """Sizes from ``begin`` to ``end``: times ``factor`` each (``factor`` >= 2), or, as nccl-tests does
+    with ``-f 1``, plus ``step`` bytes each."""
+    if begin < 0 or end < begin or factor < 1 or (factor == 1 and (step is None or step < 1)):
+        raise ValueError("need 0 <= begin <= end, and factor >= 2, or factor 1 with a step >= 1")
     out, s = [], begin
     while s <= end:
         out.append(s)
-        s = s * factor if s else 1
+        s = s + step if factor == 1 else (s * factor if s else 1)
     return out
 
 
@@ -918,7 +955,8 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
         for nbytes in sizes:
             count = _count_for(kind, nbytes // dt.itemsize, p)
             row = {"collective": kind, "bytes": count * dt.itemsize, "count": count, "dtype": dtype_name(dt),
-                   "op": op if kind != "allgather" else "-", "ranks": p, "inplace": inplace, "impls": {}}
+                   "type": nccl_type_name(dt), "op": op if kind != "allgather" else "-", "ranks": p,
+                   "inplace": inplace, "impls": {}}
             active = []  # [impl, state, wrong, times, redone]
             _placement["pool"] = {}  # this size's buffers (the last size's go with their lines' states)
             for impl in impls:
@@ -1029,58 +1067,149 @@ def _busbw(m, stat):
     return m["busbw_GBps"] if stat == "median" else m.get("busbw_GBps_max", m["busbw_GBps"])
 
 
-def format_table(rows, impls, ratio_of=None, stat="median") -> str:
-    """nccl-tests-like text table.
+def _num(value, width) -> str:
+    """nccl-tests' getFloatStr: two decimals, fewer when they do not fit ``width``, else an exponent."""
+    for fmt in ("{:%d.2f}", "{:%d.1f}", "{:%d.0f}"):
+        text = (fmt % width).format(value)
+        if len(text) <= width:
+            return text
+    return ("{:%d.1e}" % width if width >= 7 else "{:%d.0e}" % width).format(value)
 
-    ``ratio_of``: a pair ``(a, b)`` or a list of pairs; each adds a busbw(a) /
-    busbw(b) column.  ``stat``: "median" (default) or "min" time per
-    iteration (busbw then from the fastest iteration).
+
+#: nccl-tests' row: size, count, type, redop, root, then per placement time, algbw, busbw, #wrong, with its
+#: widths (src/util.cu); "root" is -1 for the collectives here, as nccl-tests prints for them.
+_PRE = "{:>12}  {:>12}  {:>8}  {:>6}  {:>6}"
+_BODY = "  {:>7}  {:>6}  {:>6}  {:>6}"
+
+
+def format_table(rows, impls, ratio_of=None, stat="median") -> str:
+    """nccl-tests' table: one row per size and line, nccl-tests' columns first, then the line and more.
+
+        size count type redop root | time algbw busbw #wrong | line ddl/x path
+
+    The first nine columns are nccl-tests' (its names: type "float" for
+    float32, "half", "double"; redop; root -1), for the placement of the rows
+    (one table per placement: both in one row, as nccl-tests prints them,
+    would not fit 120 columns beside the line's name).  ``line``: the short
+    name of the implementation; ``ddl/x``: busbw of ``ratio_of`` (a line
+    name, or the first name of a pair or of the first pair; default: the
+    first ddlkernels line) over this row's busbw; ``path``: the algorithm
+    ddlkernels ran ("+": its tuner measured the size again during the timed
+    iterations).  ``stat``: "median" (default) or "min" time per iteration.
     """
     names = [i.name if hasattr(i, "name") else i for i in impls]
-    pairs = [] if not ratio_of else ([ratio_of] if isinstance(ratio_of[0], str) else list(ratio_of))
-    head1 = f"{'size(B)':>12} {'count':>11} {'type':>8} {'op':>5}"
-    head2 = " " * len(head1)
-    for n in names:
-        head1 += f" | {n[:31]:^31}"
-        head2 += f" | {'time(us)':>9} {'algbw':>6} {'busbw':>6} {'#wrong':>6}"
-    widths = [max(9, len(_short(a)) + len(_short(b)) + 1) for a, b in pairs]
-    for (a, b), wd in zip(pairs, widths):
-        label = f"{_short(a)}/{_short(b)}"
-        head1 += f" | {label:>{wd}}"
-        head2 += f" | {'busbw':>{wd}}"
-    has_path = any(r["impls"].get(n, {}).get("path") for r in rows for n in names)
-    if has_path:
-        head1 += " | path"
-        head2 += " |"
-    lines = [head1, head2]
+    if isinstance(ratio_of, str):
+        ref = ratio_of
+    elif ratio_of:
+        ref = ratio_of[0] if isinstance(ratio_of[0], str) else ratio_of[0][0]
+    else:
+        ref = next((n for n in names if n.startswith("ddlkernels")), None)
+    labels = {n: _short(n) for n in names}
+    lw = max([4] + [len(v) for v in labels.values()])
+    place = "in-place" if rows and all(r.get("inplace") for r in rows) else "out-of-place"
+    ratio_label = f"{_short(ref)}/x" if ref else ""
+    lines = [
+        ("# " + " " * 50 + f"{place:^33}").rstrip(),
+        "# " + "{:>10}  {:>12}  {:>8}  {:>6}  {:>6}".format("size", "count", "type", "redop", "root")
+        + _BODY.format("time", "algbw", "busbw", "#wrong") + f"  {'line':<{lw}} {ratio_label:>6} path",
+        ("# " + "{:>10}  {:>12}  {:>8}  {:>6}  {:>6}".format("(B)", "(elements)", "", "", "")
+         + _BODY.format("(us)", "(GB/s)", "(GB/s)", "")).rstrip(),
+    ]
+    remeasured = False
     for r in rows:
-        line = f"{r['bytes']:>12} {r['count']:>11} {r['dtype']:>8} {r['op']:>5}"
+        pre = _PRE.format(r["bytes"], r["count"], r.get("type") or nccl_type_name(r["dtype"]), r["op"], -1)
+        refm = r["impls"].get(ref) if ref else None
         for n in names:
             m = r["impls"].get(n)
-            if m is None or "skipped" in m:
-                line += f" | {'skipped' if m else 'n/a':^31}"
+            if m is None:
                 continue
-            w = "-" if m["wrong"] is None else str(m["wrong"])
+            if "skipped" in m:
+                lines.append(pre + _BODY.format("-", "-", "-", "-") + f"  {labels[n]:<{lw}} {'':>6} skipped")
+                continue
             t = m["time_us_median"] if stat == "median" else m["time_us_min"]
             bus = _busbw(m, stat)
             alg = bus / m["busbw_GBps"] * m["algbw_GBps"] if m["busbw_GBps"] else 0.0
-            line += f" | {t:>9.1f} {alg:>6.2f} {bus:>6.2f} {w:>6}"
-        for (a, b), wd in zip(pairs, widths):
-            ma, mb = r["impls"].get(a), r["impls"].get(b)
-            if not ma or not mb or "skipped" in ma or "skipped" in mb:
-                line += f" | {'-':>{wd}}"
-                continue
-            x, y = _busbw(ma, stat), _busbw(mb, stat)
-            line += f" | {x / y if y else float('nan'):>{wd}.2f}"
-        if has_path:
-            line += " | " + ",".join(f"{r['impls'][n]['path']}" for n in names
-                                     if r["impls"].get(n, {}).get("path"))
-        lines.append(line)
-    skipped = {(n, r["impls"][n]["skipped"]) for r in rows for n in names
-               if "skipped" in r["impls"].get(n, {})}
+            wrong = "N/A" if m["wrong"] is None else f"{m['wrong']:g}"
+            ratio = ""
+            if n != ref and refm and "skipped" not in refm:
+                ratio = _num(_busbw(refm, stat) / bus, 6) if bus else "inf"
+            path = str(m.get("path") or "").split(" (re-measured")[0]
+            if m.get("remeasured"):
+                path += "+"
+                remeasured = True
+            lines.append((pre + _BODY.format(_num(t, 7), _num(alg, 6), _num(bus, 6), wrong)
+                          + f"  {labels[n]:<{lw}} {ratio:>6} {path}").rstrip())
+    legend = ", ".join(f"{v} = {k}" for k, v in labels.items() if k != v)
+    if legend:
+        import textwrap
+
+        lines += textwrap.wrap(legend, 120, initial_indent="# lines: ", subsequent_indent="#   ")
+    if remeasured:
+        lines.append("# path+: the tuner measured the size again during the timed iterations (JSON: remeasured)")
+    skipped = {(n, r["impls"][n]["skipped"]) for r in rows for n in names if "skipped" in r["impls"].get(n, {})}
     for n, why in sorted(skipped):
         lines.append(f"# {n} skipped: {why}")
     return "\n".join(lines)
+
+
+def comment(text, width=120) -> str:
+    """``text`` as "# " lines of at most ``width`` columns (continuations indented)."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width, initial_indent="# ", subsequent_indent="#   ",
+                                    break_on_hyphens=False))
+
+
+def average_busbw(rows, name, stat="median"):
+    """Mean busbw of line ``name`` over every row it ran in (nccl-tests' "Avg bus bandwidth"), or None."""
+    vals = [_busbw(r["impls"][name], stat) for r in rows if "skipped" not in r["impls"].get(name, {"skipped": 1})]
+    return sum(vals) / len(vals) if vals else None
+
+
+def format_footer(rows, names, stat="median") -> str:
+    """nccl-tests' closing lines: out-of-bounds (wrong) values and the average bus bandwidth.
+
+    "# Avg bus bandwidth" is the first ddlkernels line's, averaged over every
+    row (sizes, types, ops and placements alike, as nccl-tests averages
+    everything it ran), so scripts that read nccl-tests' line read ours; the
+    other lines' averages follow in lines of their own wording.
+    """
+    wrong = sum((r["impls"][n].get("wrong") or 0) for r in rows for n in names if n in r["impls"])
+    checked = any(r["impls"][n].get("wrong") is not None for r in rows for n in names if n in r["impls"])
+    lines = [f"# {'Out of bounds values':<20} : {wrong} {('FAILED' if wrong else 'OK') if checked else 'N/A'}"]
+    main = next((n for n in names if n.startswith("ddlkernels")), names[0] if names else None)
+    avg = average_busbw(rows, main, stat) if main else None
+    if avg is not None:
+        lines.append(f"# {'Avg bus bandwidth':<20} : {avg:g}")
+    for n in names:
+        a = average_busbw(rows, n, stat)
+        if n != main and a is not None:
+            lines.append(f"#   {n}: average bus bandwidth {a:g} GB/s")
+    return "\n".join(lines)
+
+
+CSV_COLUMNS = ("collective", "line", "size", "count", "type", "redop", "root", "placement", "time_us", "algbw_GBps",
+               "busbw_GBps", "wrong", "path")
+
+
+def write_csv(out, rows, names, stat="median") -> None:
+    """One CSV record per row and line (columns ``CSV_COLUMNS``) to the text stream ``out``."""
+    import csv
+
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    for r in rows:
+        for n in names:
+            m = r["impls"].get(n)
+            if m is None or "skipped" in m:
+                continue
+            t = m["time_us_median"] if stat == "median" else m["time_us_min"]
+            bus = _busbw(m, stat)
+            alg = bus / m["busbw_GBps"] * m["algbw_GBps"] if m["busbw_GBps"] else 0.0
+            w.writerow([r.get("collective", "allreduce"), n, r["bytes"], r["count"],
+                        r.get("type") or nccl_type_name(r["dtype"]), r["op"], -1,
+                        "in-place" if r.get("inplace") else "out-of-place", f"{t:.3f}", f"{alg:.6g}", f"{bus:.6g}",
+                        "" if m["wrong"] is None else m["wrong"], m.get("path") or ""])
 
 
 def _short(name):

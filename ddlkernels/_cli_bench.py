@@ -43,14 +43,115 @@ def _csv(text):
     return [t.strip() for t in str(text).split(",") if t.strip()]
 
 
+def _check_count(text):
+    """nccl-tests' ``-c``: how many iterations to check; here 0 (none) or any other count (every one)."""
+    try:
+        n = int(text)
+    except ValueError:
+        from ._bench import COLLECTIVES
+
+        hint = ""
+        if any(c in COLLECTIVES or c == "all" for c in _csv(text)):
+            hint = f"; the collective is --collective {text} (-c is nccl-tests' check, as here)"
+        raise argparse.ArgumentTypeError(f"-c/--check takes a count (0: no check), got {text!r}{hint}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"-c/--check takes a count >= 0, got {n}")
+    return n
+
+
+def _ngpus(text):
+    """nccl-tests' ``-g``: GPUs per rank.  This sweep reduces host buffers: 0 only (see the help)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"-g/--ngpus takes a count, got {text!r}") from None
+    if n != 0:
+        raise argparse.ArgumentTypeError(
+            f"-g {n}: this sweep times host (numpy) buffers, so it drives no GPU; ddlkernels reduces one device's "
+            f"arrays per rank, so launch one rank per GPU (docs/gpus.md) rather than -g {n}; -g 0 (default) is "
+            f"what runs")
+    return n
+
+
+def add_nccl_arguments(p, *, begin="4K", end="64M", iters=20, warmup=14, with_collective=False,
+                       collective_default="allreduce"):
+    """nccl-tests' options (src/common.cu), shared by ``job`` and ``bench``: ``-b -e -f -i -n -w -c -o -d -g``
+    under nccl-tests' short and long names (ours too where they do not collide), and ``--csv``."""
+    g = p.add_argument_group("what to run (nccl-tests' options)")
+    if with_collective:
+        # nccl-tests has one binary per collective and uses -c for its check, so the collective has no
+        # short option here.
+        g.add_argument("--collective", default=collective_default,
+                       help="allreduce, reduce_scatter, allgather, comma list or 'all' (default %(default)s; "
+                            "nccl-tests has a binary per collective; -c is the check, as in nccl-tests)")
+    g.add_argument("-d", "--datatype", "--dtype", dest="dtype", default="float",
+                   help="nccl-tests' type names: float (float32), half (float16), double (float64), bfloat16, "
+                        "int32, int64; numpy's names too; comma list or 'all' (those six); nccl-tests' int8, "
+                        "uint8, uint32, uint64, f8e4m3, f8e5m2 are refused (not reduced here) "
+                        "(default %(default)s)")
+    g.add_argument("-o", "--op", default="sum",
+                   help="sum, prod, max, min, avg, comma list or 'all' (nccl-tests' mulsum is refused) "
+                        "(default %(default)s)")
+    g.add_argument("-c", "--check", dest="check", type=_check_count, nargs="?", const=1, default=1,
+                   help="check results: 0 = no, N > 0 = yes, every timed iteration (nccl-tests checks N "
+                        "iterations); --check alone = 1 (default 1)")
+    g.add_argument("--no-check", dest="check", action="store_const", const=0, help="same as -c 0")
+    g.add_argument("-g", "--ngpus", type=_ngpus, default=0, metavar="N",
+                   help="GPUs per rank: 0 only (this sweep times host buffers; one rank per GPU is how "
+                        "ddlkernels runs GPUs, docs/gpus.md)")
+    g = p.add_argument_group("sizes and timing (nccl-tests' options)")
+    g.add_argument("-b", "--minbytes", "--begin", dest="begin", default=begin,
+                   help="smallest buffer N in bytes (K/M/G suffixes; default %(default)s)")
+    g.add_argument("-e", "--maxbytes", "--end", dest="end", default=end, help="largest buffer (default %(default)s)")
+    g.add_argument("-f", "--stepfactor", "--factor", dest="factor", type=int, default=None,
+                   help="size multiplication factor (default 4, or 1 when -i is given); 1: add -i bytes instead")
+    g.add_argument("-i", "--stepbytes", dest="step", default=None,
+                   help="size increment in bytes when -f is 1 (default 1M, as nccl-tests)")
+    g.add_argument("-n", "--iters", type=int, default=iters, help="timed iterations per size (default %(default)s)")
+    g.add_argument("-w", "--warmup_iters", "--warmup", dest="warmup", type=int, default=warmup,
+                   help="untimed iterations per size (default %(default)s); ddlkernels' lines warm up longer while "
+                        "its size tuner still measures (ddlkernels._tuner), so timed iterations run its choice")
+    g = p.add_argument_group("output")
+    g.add_argument("--csv", metavar="PATH", default=None,
+                   help="write one CSV record per size and line to PATH (rank 0); '-': to stdout instead of "
+                        "the table")
+    g.add_argument("--json", help="write meta and rows as JSON to this path (rank 0)")
+
+
+def expand_nccl_arguments(args):
+    """``(dtypes, ops, sizes)`` of ``add_nccl_arguments``' options; ``SystemExit`` naming a bad one."""
+    from ._bench import NCCL_TYPES, parse_dtype, parse_size, sweep_sizes
+    from ._dtypes import OPS, dtype_name
+
+    names = list(NCCL_TYPES) if args.dtype == "all" else _csv(args.dtype)
+    dtypes = []
+    for n in names:
+        try:
+            dtypes.append(dtype_name(parse_dtype(n)))
+        except TypeError as exc:
+            raise SystemExit(f"-d {n}: {exc}") from None
+    ops = list(OPS) if args.op == "all" else _csv(args.op)
+    for o in ops:
+        if o == "mulsum":
+            raise SystemExit("-o mulsum: nccl-tests' premultiplied sum has no counterpart here; "
+                             f"ops: {', '.join(OPS)} or all")
+        if o not in OPS:
+            raise SystemExit(f"unknown op {o!r}; expected {', '.join(OPS)} or all")
+    factor = args.factor if args.factor is not None else (1 if args.step is not None else 4)
+    try:
+        step = parse_size(args.step) if args.step is not None else (1 << 20 if factor == 1 else None)
+        sizes = sweep_sizes(parse_size(args.begin), parse_size(args.end), factor, step)
+    except ValueError as exc:
+        raise SystemExit(f"sizes: {exc}") from None
+    if args.iters < 1 or args.warmup < 0:
+        raise SystemExit("need --iters >= 1 and --warmup >= 0")
+    return dtypes, ops, sizes
+
+
 def add_bench_arguments(p, collective_default="allreduce"):
     """The options of ``bench`` (also used by the thin scripts in bench/)."""
-    g = p.add_argument_group("what to run")
-    g.add_argument("-c", "--collective", default=collective_default,
-                   help="allreduce, reduce_scatter, allgather, comma list or 'all' (default %(default)s)")
-    g.add_argument("-d", "--dtype", default="float32",
-                   help="float32, float64, float16, bfloat16, int32, int64, comma list or 'all' (default %(default)s)")
-    g.add_argument("-o", "--op", default="sum", help="sum, avg, max, min, prod, comma list or 'all' (default %(default)s)")
+    add_nccl_arguments(p, with_collective=True, collective_default=collective_default)
+    g = p.add_argument_group("what else to run")
     g.add_argument("--place", choices=("out", "in", "both"), default="out",
                    help="out of place (default), in place, or both")
     g.add_argument("--inplace", dest="place", action="store_const", const="in", help="same as --place in")
@@ -64,14 +165,7 @@ def add_bench_arguments(p, collective_default="allreduce"):
                         "copy (allreduce, out of place: every rank copies its input into its output, the memory "
                         "traffic such an allreduce cannot avoid); "
                         "default %(default)s")
-    g = p.add_argument_group("sizes and timing")
-    g.add_argument("-b", "--begin", default="4K", help="smallest buffer N in bytes (K/M/G suffixes; default %(default)s)")
-    g.add_argument("-e", "--end", default="64M", help="largest buffer (default %(default)s)")
-    g.add_argument("-f", "--factor", type=int, default=4, help="size multiplication factor (default %(default)s)")
-    g.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default %(default)s)")
-    g.add_argument("-w", "--warmup", type=int, default=14,
-                   help="untimed iterations per size (default %(default)s); ddlkernels' lines warm up longer while "
-                        "its size tuner still measures (ddlkernels._tuner), so timed iterations run its choice")
+    g = p.add_argument_group("timing")
     g.add_argument("--no-interleave", dest="interleave", action="store_false", default=True,
                    help="run each line's iterations back to back (default: iteration i of every line in turn, "
                         "so bursts of load from other processes fall on all lines alike)")
@@ -84,16 +178,12 @@ def add_bench_arguments(p, collective_default="allreduce"):
                         "(ddlkernels._bench.PAGES; default %(default)s)")
     g.add_argument("--stat", choices=("median", "min"), default="median",
                    help="time per iteration shown in the table and plot (JSON has both)")
-    g.add_argument("--check", dest="check", action="store_true", default=True,
-                   help="verify every iteration's result (default); a wrong element exits 1")
-    g.add_argument("--no-check", dest="check", action="store_false", help="do not verify results")
     g = p.add_argument_group("ddlkernels options (Communicator keyword arguments)")
     g.add_argument("--chunk-bytes", default=None,
                    help="pipeline chunk; a comma list gives one ddlkernels line per value (e.g. 256K,1M,4M)")
     g.add_argument("--small-bytes", default=None, help="below this size ddlkernels calls MPI's Allreduce (0: never)")
     g.add_argument("--window", type=int, default=None, help="receive slots in flight per ring step")
-    g = p.add_argument_group("output")
-    g.add_argument("--json", help="write meta and rows as JSON to this path (rank 0)")
+    g = p.add_argument_group("more output")
     g.add_argument("--plot", help="write a PNG of busbw vs size, one line per implementation (rank 0)")
     g.add_argument("--progress", dest="progress", action="store_const", const=True, default="auto",
                    help="progress bar on rank 0 even when stderr is not a terminal (default: only on a terminal)")
@@ -130,35 +220,18 @@ def main(argv=None, collective="allreduce", prog=None):
 
 
 def _expand(args):
-    from ._bench import COLLECTIVES, parse_dtype, parse_size, sweep_sizes
-    from ._dtypes import OPS, SUPPORTED_DTYPES, dtype_name
+    from ._bench import COLLECTIVES, parse_size
 
     colls = list(COLLECTIVES) if args.collective == "all" else _csv(args.collective)
     for c in colls:
         if c not in COLLECTIVES:
             raise SystemExit(f"unknown collective {c!r}; expected {', '.join(COLLECTIVES)} or all")
-    names = [dtype_name(d) for d in SUPPORTED_DTYPES] if args.dtype == "all" else _csv(args.dtype)
-    dtypes = []
-    for n in names:
-        try:
-            dtypes.append(dtype_name(parse_dtype(n)))
-        except TypeError as exc:
-            raise SystemExit(f"--dtype {n}: {exc}") from None
-    ops = list(OPS) if args.op == "all" else _csv(args.op)
-    for o in ops:
-        if o not in OPS:
-            raise SystemExit(f"unknown op {o!r}; expected {', '.join(OPS)} or all")
+    dtypes, ops, sizes = expand_nccl_arguments(args)
     places = {"out": [False], "in": [True], "both": [False, True]}[args.place]
     impls = _csv(args.impls)
     for i in impls:
         if i not in _IMPLS:
             raise SystemExit(f"--impls: unknown {i!r}; expected {', '.join(_IMPLS)}")
-    try:
-        sizes = sweep_sizes(parse_size(args.begin), parse_size(args.end), args.factor)
-    except ValueError as exc:
-        raise SystemExit(f"sizes: {exc}") from None
-    if args.iters < 1 or args.warmup < 0:
-        raise SystemExit("need --iters >= 1 and --warmup >= 0")
     opts = []
     chunks = [parse_size(c) for c in _csv(args.chunk_bytes)] if args.chunk_bytes else [None]
     for ch in chunks:
@@ -239,7 +312,7 @@ def _measure(args):
     try:
         for kind, impls, dt, op, inplace in cases:
             rows += run_sweep(comm, sizes, impls, dtype=dt, op=op, iters=args.iters, warmup=args.warmup,
-                              check=args.check, inplace=inplace, kind=kind, bar=bar, interleave=args.interleave,
+                              check=bool(args.check), inplace=inplace, kind=kind, bar=bar, interleave=args.interleave,
                               min_sample_s=args.min_sample_ms / 1e3, pages=args.pages)
     finally:
         if bar is not None:
@@ -256,7 +329,7 @@ def _measure(args):
         "git": _git_commit(),
         "iters": args.iters,
         "warmup": args.warmup,
-        "check": args.check,
+        "check": bool(args.check),
         "stat_in_table": args.stat,
         "timing": "barrier, then one call; iteration time = max over ranks; min and median over iterations",
         "interleave": args.interleave,
@@ -302,39 +375,36 @@ def _batches(rows) -> str:
 
 
 def _report(args, meta, rows):
-    from ._bench import dump_json, format_table, plot_rows
+    from ._bench import comment, dump_json, format_footer, format_table, plot_rows
 
-    if not args.quiet:
+    to_stdout = args.csv == "-"
+    if not args.quiet and not to_stdout:
         st, en = meta["start"], meta["end"]
-        print(f"# ddlkernels bench: {meta['ranks']} ranks; {meta['mpi']}; {args.iters} iterations after "
-              f"{args.warmup} warmup; {meta['stat_in_table']} time of the slowest rank")
+        print(comment(f"ddlkernels bench: {meta['ranks']} ranks; {meta['mpi']}; {args.iters} iterations after "
+                      f"{args.warmup} warmup; {meta['stat_in_table']} time of the slowest rank"))
         batches = _batches(rows)
         if args.min_sample_ms > 0 and batches:
-            print(f"# an iteration = back-to-back calls lasting about {args.min_sample_ms:g} ms (out of place; "
-                  f"per size: {batches}), time per call")
+            print(comment(f"an iteration = back-to-back calls lasting about {args.min_sample_ms:g} ms (out of "
+                          f"place; per size: {batches}), time per call"))
         if any(r.get("inplace") for r in rows):
-            print("# in place: an iteration is one call (back-to-back calls would reduce the result again)")
-        print(f"# busbw: {meta['busbw']}")
-        print(f"# load average at start {st['loadavg'][0]:.2f}, at end {en['loadavg'][0]:.2f} on {st['cpus']} cpus; "
-              f"path: which algorithm ddlkernels ran (ring; shm = shared-memory window, shm-nt = the same with its "
-              f"results (allgather: its output) written to memory; cma = single copy, peers' buffers read "
-              f"with process_vm_readv; hier = window per node "
-              f"+ allreduce across nodes; mpi = MPI_Allreduce, nbc = MPI_Iallreduce; as its size tuner chose)")
+            print(comment("in place: an iteration is one call (back-to-back calls would reduce the result again)"))
+        print(comment(f"busbw: {meta['busbw']}"))
+        print(comment(f"load average at start {st['loadavg'][0]:.2f}, at end {en['loadavg'][0]:.2f} on "
+                      f"{st['cpus']} cpus"))
+        print(comment("path: which algorithm ddlkernels ran (ring; shm = shared-memory window, shm-nt = the same "
+                      "with its results (allgather: its output) written to memory; cma = single copy, peers' "
+                      "buffers read with process_vm_readv; hier = window per node + allreduce across nodes; mpi = "
+                      "MPI_Allreduce, nbc = MPI_Iallreduce; as its size tuner chose)"))
         for (kind, dt, op, inplace), grp in _groups(rows).items():
             names = _names(grp)
-            ddl = [n for n in names if n.startswith("ddlkernels")]
-            others = [n for n in names if not n.startswith("ddlkernels")]
-            pairs = [(ddl[0], o) for o in others] if ddl else []
-            shared = "ddlkernels (shared input)"
-            if shared in names and ddl[0] != shared:  # what an input in shared memory buys, and its ratios
-                pairs += [(shared, ddl[0])] + [(shared, o) for o in others]
-            if "memcpy" in names and "Sendrecv link" in names:  # the ceiling of ddl/link on this machine
-                pairs.append(("memcpy", "Sendrecv link"))
             print(f"\n## {kind}, {dt}, op {op if kind != 'allgather' else '-'}, "
                   f"{'in place' if inplace else 'out of place'}")
-            print(format_table(grp, names, ratio_of=pairs or None, stat=args.stat))
-        print(f"\n# #wrong total: {meta['wrong_total']}")
+            print(format_table(grp, names, stat=args.stat))
+        print()
+        print(format_footer(rows, _names(rows), stat=args.stat))
         sys.stdout.flush()
+    if args.csv:
+        _write_csv(args.csv, rows, _names(rows), args.stat)
     if args.json:
         dump_json(args.json, meta, rows)
     if args.plot:
@@ -347,6 +417,18 @@ def _report(args, meta, rows):
                  f"load average {meta['start']['loadavg'][0]:.1f} on {meta['start']['cpus']} cpus; "
                  f"{args.stat} of {args.iters} iterations, slowest rank")
         plot_rows(args.plot, rows, title=title, stat=args.stat)
+
+
+def _write_csv(path, rows, names, stat):
+    """``--csv PATH`` (rank 0): the rows as CSV, to stdout for ``-``."""
+    from ._bench import write_csv
+
+    if path == "-":
+        write_csv(sys.stdout, rows, names, stat)
+        sys.stdout.flush()
+        return
+    with open(path, "w", newline="") as f:
+        write_csv(f, rows, names, stat)
 
 
 # -- --launch: mpirun from here, plus one run per forced tuned algorithm -----------------
@@ -371,10 +453,13 @@ def find_mpirun(missing="no mpirun found beside this python or on PATH"):
 
 
 def _child_argv(args, *, impls=None, collective=None, label=None, json_path):
-    a = ["-c", collective or args.collective, "-d", args.dtype, "-o", args.op, "--place", args.place,
-         "--impls", impls or args.impls, "-b", str(args.begin), "-e", str(args.end), "-f", str(args.factor),
-         "-n", str(args.iters), "-w", str(args.warmup), "--stat", args.stat, "--json", json_path, "--quiet"]
-    a.append("--check" if args.check else "--no-check")
+    a = ["--collective", collective or args.collective, "-d", args.dtype, "-o", args.op, "--place", args.place,
+         "--impls", impls or args.impls, "-b", str(args.begin), "-e", str(args.end), "-n", str(args.iters),
+         "-w", str(args.warmup), "--stat", args.stat, "--json", json_path, "--quiet", "-c", str(args.check)]
+    if args.factor is not None:
+        a += ["-f", str(args.factor)]
+    if args.step is not None:
+        a += ["-i", str(args.step)]
     if not args.interleave:
         a.append("--no-interleave")
     if args.chunk_bytes:

@@ -854,7 +854,12 @@ class Communicator:
         """mpi4py's ``comm.Allreduce(sendbuf, recvbuf, op)``, ``MPI.IN_PLACE`` included.
 
         As in mpi4py, the buffers need equal element counts, not equal
-        shapes; ``recvbuf`` is overwritten and nothing is returned.
+        shapes; ``recvbuf`` is overwritten and nothing is returned.  Either
+        buffer may be an mpi4py buffer specification: ``[buf, MPI.FLOAT]``,
+        ``[buf, count, MPI.FLOAT]``, ``[buf, (count, displ), MPI.FLOAT]``,
+        ``[buf, count]``; the datatype must be the one of ``buf``'s elements
+        (MPI has none for float16 and bfloat16: pass such arrays alone).
+        ``op``: an ``MPI.Op``, a name, or a ``torch.distributed.ReduceOp``.
         ``validate`` and ``timeout`` as for ``allreduce``.
         """
         if validate is None and timeout is None and self._fast_ok and type(recvbuf) is np.ndarray:
@@ -876,9 +881,11 @@ class Communicator:
         from mpi4py import MPI
 
         op = MPI.SUM if op is None else op
+        recvbuf = _buffer_spec(recvbuf, "recvbuf")
         if sendbuf is MPI.IN_PLACE:
             self._allreduce(recvbuf, op, recvbuf, None, None, None, call)
             return
+        sendbuf = _buffer_spec(sendbuf, "sendbuf")
         if tuple(sendbuf.shape) != tuple(recvbuf.shape):
             if _size(sendbuf) != _size(recvbuf):
                 raise ValueError(f"recvbuf holds {_size(recvbuf)} elements but sendbuf holds {_size(sendbuf)}")
@@ -1253,6 +1260,63 @@ def _scale_inplace(dst, p):
         np.floor_divide(dst, dst.dtype.type(p), out=dst)
     else:
         np.multiply(dst, acc_dtype(dst.dtype).type(1.0 / p), out=dst, casting="unsafe")
+
+
+def _buffer_spec(spec, what):
+    """The array an mpi4py buffer specification names (``[buf, MPI.FLOAT]``, ``[buf, count, MPI.FLOAT]``,
+    ``[buf, (count, displ), MPI.FLOAT]``, ``[buf, count, displ, MPI.FLOAT]``, ``[buf, count]``): ``buf``
+    itself, or a flat view of its elements ``[displ, displ + count)``.  Anything else is returned as it is.
+    A datatype that is not the one of ``buf``'s elements is a ``TypeError``: MPI would reinterpret the bytes,
+    and ddlkernels reduces by the array's own dtype, so the two cannot be made to agree silently."""
+    if not isinstance(spec, (list, tuple)):
+        return spec
+    from mpi4py import MPI
+    from mpi4py.util.dtlib import to_numpy_dtype
+
+    if not 2 <= len(spec) <= 4:
+        raise TypeError(f"{what}: an mpi4py buffer specification has 2 to 4 items ([buf, MPI.FLOAT], "
+                        f"[buf, count, MPI.FLOAT], ...), got {len(spec)}")
+    buf, rest = spec[0], list(spec[1:])
+    datatype = rest.pop() if isinstance(rest[-1], (MPI.Datatype, str)) else None
+    count = displ = None
+    if len(rest) == 2:
+        count, displ = rest
+    elif len(rest) == 1:
+        count = rest[0]
+        if isinstance(count, (list, tuple)):
+            if len(count) != 2:
+                raise TypeError(f"{what}: expected (count, displ), got {count!r}")
+            count, displ = count
+    for name, v in (("count", count), ("displacement", displ)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+            raise TypeError(f"{what}: the {name} of a buffer specification must be an int >= 0, got {v!r}")
+    be = backend_for(buf)
+    dtype = be.dtype(buf)
+    if datatype is not None:
+        try:
+            named = np.dtype(datatype) if isinstance(datatype, str) else to_numpy_dtype(datatype)
+        except (TypeError, ValueError, KeyError):
+            named = None
+        if named is None or named != dtype:
+            dname = datatype if isinstance(datatype, str) else (datatype.Get_name() or repr(datatype))
+            raise TypeError(
+                f"{what}: the buffer specification names datatype {dname} "
+                f"({'no numpy type' if named is None else dtype_name(named)}) but the array holds "
+                f"{dtype_name(dtype)}; ddlkernels reduces by the array's dtype"
+                + ("; MPI has no 16-bit float datatype: pass the array alone" if dtype.itemsize == 2
+                   and dtype.kind in "fV" else "")
+            )
+    if count is None and displ is None:
+        return buf
+    try:
+        be.flat(buf)
+    except ValueError:
+        raise ValueError(f"{what}: a count or displacement needs a C-contiguous buffer") from None
+    start = int(displ or 0)
+    stop = _size(buf) if count is None else start + int(count)
+    if stop > _size(buf):
+        raise ValueError(f"{what}: elements [{start}, {stop}) asked for, but the buffer holds {_size(buf)}")
+    return buf.reshape(-1)[start:stop]  # a view: the buffer is contiguous
 
 
 def _size(x):

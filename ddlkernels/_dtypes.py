@@ -61,8 +61,12 @@ def dtype_name(dt) -> str:
     return "bfloat16" if BFLOAT16 is not None and np.dtype(dt) == BFLOAT16 else np.dtype(dt).name
 
 
+#: ``torch.distributed.ReduceOp`` members, by name, that have an op here.
+_TORCH_OPS = {"SUM": "sum", "AVG": "avg", "MAX": "max", "MIN": "min", "PRODUCT": "prod"}
+
+
 def normalize_op(op) -> str:
-    """Map ``op`` (a name, or ``MPI.SUM``/``MAX``/``MIN``/``PROD``) to one of ``OPS``."""
+    """Map ``op`` (a name, ``MPI.SUM``/``MAX``/``MIN``/``PROD`` or ``torch.distributed.ReduceOp.*``) to one of ``OPS``."""
     if isinstance(op, str):
         fast = _OP_NAMES.get(op)
         if fast is not None:
@@ -71,6 +75,8 @@ def normalize_op(op) -> str:
         if name in OPS:
             return name
         raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)} or MPI.SUM/MAX/MIN/PROD")
+    if type(op).__module__.startswith("torch"):
+        return _torch_op(op)
     from mpi4py import MPI
 
     if isinstance(op, MPI.Op):  # mpi4py ops are not hashable: compare one by one
@@ -78,6 +84,18 @@ def normalize_op(op) -> str:
             if op == mpi_op:
                 return name
     raise ValueError(f"unsupported op {op!r}; expected one of {', '.join(OPS)} or MPI.SUM/MAX/MIN/PROD")
+
+
+def _torch_op(op) -> str:
+    """``torch.distributed.ReduceOp.SUM`` (a ``RedOpType``) or a ``ReduceOp`` holding one -> its name here."""
+    kind = getattr(op, "op", op)  # a ReduceOp instance holds its RedOpType in .op
+    name = getattr(kind, "name", None)
+    if name in _TORCH_OPS:
+        return _TORCH_OPS[name]
+    raise ValueError(
+        f"unsupported op {op!r}: ddlkernels reduces with torch.distributed.ReduceOp SUM, AVG, MAX, MIN and "
+        f"PRODUCT (not the bitwise ones or PREMUL_SUM)"
+    )
 
 
 def check_dtype(dt) -> np.dtype:

@@ -63,15 +63,173 @@ def _rows():
 
 def test_table_ratios_and_json(tmp_path):
     rows = _rows()
-    text = format_table(rows, ["ddlkernels", "MPI_Allreduce", "Sendrecv link", "MPI_Allreduce[tuned ring]"],
-                        ratio_of=[("ddlkernels", "MPI_Allreduce"), ("ddlkernels", "Sendrecv link")])
+    text = format_table(rows, ["ddlkernels", "MPI_Allreduce", "Sendrecv link", "MPI_Allreduce[tuned ring]"])
     lines = text.splitlines()
-    assert "ddl/MPI" in lines[0] and "ddl/link" in lines[0]
-    assert re.search(r"\|\s+1\.00 \|\s+0\.25 \| ring$", lines[2]), lines[2]
-    assert re.search(r"\|\s+3\.00 \|\s+0\.75 \| ring$", lines[3]), lines[3]
-    assert "skipped: no MPI datatype" in text
+    assert "ddl/x" in lines[1]
+    body = [ln.split() for ln in lines[3:] if not ln.startswith("#")]
+    # Per size: ddl (no ratio, its path), MPI (ddl/MPI), link (ddl/link), the skipped tuned line.
+    assert body[0][9:] == ["ddl", "ring"] and body[1][9:] == ["MPI", "1.00"] and body[2][9:] == ["link", "0.25"]
+    assert body[3][9:] == ["MPI[ring]", "skipped"]
+    assert body[4][9:] == ["ddl", "ring"] and body[5][9:] == ["MPI", "3.00"] and body[6][9:] == ["link", "0.75"]
+    assert "# MPI_Allreduce[tuned ring] skipped: no MPI datatype" in text
     dump_json(tmp_path / "r.json", {"ranks": 2}, rows)
     assert json.loads((tmp_path / "r.json").read_text())["rows"] == rows
+
+
+# nccl-tests 2.19, src/util.cu writeResultHeader and writeBenchmarkLinePreamble/Body: the columns of one
+# placement, and src/common.cu test_typenames: the type names.
+NCCL_COLUMNS = ["size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong"]
+NCCL_TYPENAMES = ["int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double", "bfloat16",
+                  "f8e4m3", "f8e5m2"]
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "float64": 8, "bfloat16": 2, "int32": 4, "int64": 8}
+
+
+def _all_lines_rows(dtype="float32", wrong=0, inplace=False):
+    """Every line the harness has, with the longest names and paths it prints."""
+    def m(bus, path=""):
+        return {"time_us_min": 123456.7, "time_us_median": 123456.7, "algbw_GBps": bus, "busbw_GBps": bus,
+                "busbw_GBps_max": bus, "wrong": wrong, "path": path, "remeasured": 0}
+
+    names = ["ddlkernels", "ddlkernels (shared input)", "ddl ring", "MPI_Allreduce",
+             "MPI_Allreduce[tuned rabenseifner]", "Sendrecv link", "python ring", "chunked link", "memcpy"]
+    rows = []
+    for b in (0, 8, 1 << 30):
+        impls = {n: m(1.5 + k, "shm-nt (re-measured 2x)" if n.startswith("ddl") else "") for k, n in enumerate(names)}
+        impls["ddlkernels"]["remeasured"] = 2
+        rows.append({"collective": "allreduce", "bytes": b, "count": b // _ITEMSIZE[dtype], "dtype": dtype, "op": "prod",
+                     "ranks": 1024, "inplace": inplace, "impls": impls})
+    return rows, names
+
+
+@pytest.mark.parametrize("dtype,name", [("float32", "float"), ("float16", "half"), ("float64", "double"),
+                                        ("bfloat16", "bfloat16"), ("int32", "int32"), ("int64", "int64")])
+def test_table_has_nccl_tests_columns_and_types_and_fits_120_columns(dtype, name):
+    rows, names = _all_lines_rows(dtype)
+    lines = format_table(rows, names).splitlines()
+    assert lines[1].split()[1:10] == NCCL_COLUMNS
+    assert "out-of-place" in lines[0]
+    assert max(len(ln) for ln in lines) <= 120, max(lines, key=len)
+    body = [ln.split() for ln in lines[3:] if not ln.startswith("#")]
+    assert len(body) == len(rows) * len(names)
+    for f in body:
+        assert f[2] == name and name in NCCL_TYPENAMES and f[3] == "prod" and f[4] == "-1" and f[8] == "0"
+        assert int(f[1]) * _ITEMSIZE[dtype] == int(f[0])
+    assert body[0][-1] == "shm-nt+"  # re-measured: marked, explained below the table
+    assert any("path+" in ln for ln in lines)
+    lines = format_table(_all_lines_rows(dtype, wrong=None, inplace=True)[0], names).splitlines()
+    assert "in-place" in lines[0] and all(ln.split()[8] == "N/A" for ln in lines[3:] if not ln.startswith("#"))
+
+
+def test_footer_is_nccl_tests_and_scripts_that_read_it_read_ours():
+    from ddlkernels._bench import format_footer
+
+    rows = _rows()
+    names = ["ddlkernels", "MPI_Allreduce", "Sendrecv link", "MPI_Allreduce[tuned ring]"]
+    text = format_footer(rows, names)
+    assert text.splitlines()[0] == "# Out of bounds values : 0 OK"
+    # What scripts do with nccl-tests' output: the one line, its last field.
+    avg = [ln for ln in text.splitlines() if "Avg bus bandwidth" in ln]
+    assert len(avg) == 1 and avg[0].startswith("# Avg bus bandwidth    : ")
+    assert float(avg[0].split()[-1]) == pytest.approx((1.0 + 3.0) / 2)  # ddlkernels' busbw, both sizes
+    assert "#   MPI_Allreduce: average bus bandwidth 1 GB/s" in text
+    rows[0]["impls"]["MPI_Allreduce"]["wrong"] = 3
+    assert format_footer(rows, names).splitlines()[0] == "# Out of bounds values : 3 FAILED"
+
+
+def test_csv_has_one_record_per_size_and_line():
+    import csv
+    import io
+
+    from ddlkernels._bench import CSV_COLUMNS, write_csv
+
+    rows = _rows()
+    out = io.StringIO()
+    write_csv(out, rows, ["ddlkernels", "MPI_Allreduce", "Sendrecv link", "MPI_Allreduce[tuned ring]"])
+    recs = list(csv.DictReader(io.StringIO(out.getvalue())))
+    assert tuple(recs[0]) == CSV_COLUMNS
+    assert len(recs) == 2 * 3  # the skipped line has no records
+    assert recs[0]["type"] == "float" and recs[0]["root"] == "-1" and recs[0]["placement"] == "out-of-place"
+    assert recs[0]["line"] == "ddlkernels" and float(recs[0]["busbw_GBps"]) == 1.0 and recs[0]["path"] == "ring"
+
+
+@pytest.mark.parametrize("name,want", [("float", "float32"), ("half", "float16"), ("double", "float64"),
+                                       ("bfloat16", "bfloat16"), ("int32", "int32"), ("int64", "int64"),
+                                       ("float32", "float32"), ("FLOAT", "float32"), ("bf16", "bfloat16")])
+def test_type_names_are_nccl_tests_first(name, want):
+    from ddlkernels._bench import nccl_type_name, parse_dtype
+    from ddlkernels._dtypes import dtype_name
+
+    assert dtype_name(parse_dtype(name)) == want
+    assert nccl_type_name(parse_dtype(name)) in NCCL_TYPENAMES
+
+
+@pytest.mark.parametrize("name,why", [("int8", "8-bit integers"), ("uint8", "unsigned"), ("uint32", "unsigned"),
+                                      ("uint64", "unsigned"), ("f8e4m3", "8-bit floats"), ("f8e5m2", "8-bit floats"),
+                                      ("int", "ambiguous"), ("char", "8-bit"), ("complex64", "unknown type")])
+def test_types_not_reduced_here_are_refused_by_name(name, why):
+    from ddlkernels._bench import parse_dtype
+
+    with pytest.raises(TypeError, match=why):
+        parse_dtype(name)
+
+
+def test_additive_sizes_as_nccl_tests_f_1():
+    assert sweep_sizes(0, 3 << 20, 1, 1 << 20) == [0, 1 << 20, 2 << 20, 3 << 20]
+    with pytest.raises(ValueError):
+        sweep_sizes(0, 10, 1)
+
+
+def _parse(argv):
+    from ddlkernels.__main__ import build_parser
+
+    return build_parser().parse_args(argv)
+
+
+def test_job_and_bench_take_nccl_tests_options():
+    from ddlkernels._cli_bench import expand_nccl_arguments
+
+    for cmd in ("job", "bench"):
+        a = _parse([cmd, "-b", "8", "-e", "32", "-f", "2", "-n", "5", "-w", "1", "-c", "0", "-o", "avg", "-d", "half",
+                    "-g", "0", "--csv", "-"])
+        assert (a.begin, a.end, a.factor, a.iters, a.warmup, a.check, a.op, a.dtype, a.ngpus, a.csv) == \
+            ("8", "32", 2, 5, 1, 0, "avg", "half", 0, "-")
+        assert expand_nccl_arguments(a) == (["float16"], ["avg"], [8, 16, 32])
+        a = _parse([cmd, "--minbytes", "1K", "--maxbytes", "3K", "--stepbytes", "1K", "--datatype", "all",
+                    "--warmup_iters", "3", "--check", "--op", "all"])
+        dtypes, ops, sizes = expand_nccl_arguments(a)
+        assert sizes == [1024, 2048, 3072] and a.warmup == 3 and a.check == 1
+        assert expand_nccl_arguments(_parse([cmd, "-b", "0", "-e", "2M", "-f", "1"]))[2] == [0, 1 << 20, 2 << 20]
+        assert dtypes == ["int32", "int64", "float16", "float32", "float64", "bfloat16"]
+        assert ops == ["sum", "avg", "max", "min", "prod"]
+        assert _parse([cmd]).check == 1 and _parse([cmd, "--no-check"]).check == 0
+        assert expand_nccl_arguments(_parse([cmd, "-d", "float"]))[0] == ["float32"]  # not numpy's float64
+    a = _parse(["bench", "--collective", "reduce_scatter,allgather"])
+    assert a.collective == "reduce_scatter,allgather"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-c", "reduce_scatter"], "the collective is --collective reduce_scatter"),
+    (["-g", "1"], "launch one rank per GPU"),
+    (["-g", "8"], "launch one rank per GPU"),
+    (["-c", "-1"], "count >= 0"),
+])
+def test_options_that_cannot_run_are_refused_with_the_way_out(argv, message, capsys):
+    for cmd in ("job", "bench"):
+        with pytest.raises(SystemExit):
+            _parse([cmd, *argv])
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [(["-o", "mulsum"], "premultiplied sum"), (["-d", "int8"], "8-bit integers"),
+                                          (["-d", "uint64"], "unsigned"), (["-f", "0"], "factor >= 2")])
+def test_nccl_tests_values_we_do_not_reduce_are_refused(argv, message):
+    from ddlkernels._cli_bench import expand_nccl_arguments
+
+    for cmd in ("job", "bench"):
+        with pytest.raises(SystemExit, match=message):
+            expand_nccl_arguments(_parse([cmd, *argv]))
 
 
 def test_plot(tmp_path):

@@ -4,6 +4,16 @@
     mpirun -n 4 python -m mpi4py -m ddlkernels.examples.train             # 4 ranks, same global batch
     mpirun -n 4 python -m mpi4py -m ddlkernels.examples.train --overlap both   # alternate per step
     mpirun -n 4 python -m mpi4py -m ddlkernels.examples.train --overlap both --progress both
+    mpirun -n 4 python -m mpi4py -m ddlkernels.examples.train --method ddp     # DDP + ddlkernels' hook
+    mpirun -n 2 python -m mpi4py -m ddlkernels.examples.train --device cuda --method both
+
+``--method optimizer`` (default) trains with ``ddlkernels.torch.DistributedOptimizer``;
+``--method ddp`` with ``torch.nn.parallel.DistributedDataParallel`` whose buckets
+ddlkernels reduces (``register_comm_hook(HookState(comm), allreduce_hook)``; the
+gloo process group only broadcasts the start); ``both`` runs one after the
+other.  ``--device cuda`` puts each rank on the GPU of its local rank
+(``ddlkernels.torch.set_device``: one per local rank, or all on the one GPU;
+docs/gpus.md has the launch lines).
 
 What each step does, with 4 ranks and the default global batch of 32::
 
@@ -66,6 +76,10 @@ def parse_args(argv=None):
     ap.add_argument("--progress", choices=["auto", "thread", "hooks", "both"], default="auto",
                     help="who moves overlapped reductions forward: a background thread, MPI_Iallreduce polled from "
                          "the gradient hooks, or both (alternated step by step with --overlap)")
+    ap.add_argument("--method", choices=["optimizer", "ddp", "both"], default="optimizer",
+                    help="DistributedOptimizer, DistributedDataParallel with ddlkernels' comm hook, or both in turn")
+    ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                    help="where to train: cuda pins each rank to its local rank's GPU; auto = cuda if torch sees one")
     ap.add_argument("--solo-iters", type=int, default=200, help="iterations of the one-rank baseline (0: skip)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (ranks share the cores)")
     ap.add_argument("--json", help="write the results of rank 0 to this file")
@@ -95,19 +109,36 @@ def build_model(torch, hidden, seed):
 def digest(model) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
+        h.update(p.detach().cpu().numpy().tobytes())
     return h.digest()
 
 
-def solo_baseline(torch, args, comm, xtr, ytr, per_rank):
+def pick_device(torch, args, comm):
+    """``torch.device`` for ``--device`` (collective: the local rank comes from MPI)."""
+    import ddlkernels.torch as ddt
+
+    dev = ddt.set_device(comm) if args.device in ("cuda", "auto") else torch.device("cpu")
+    if args.device == "cuda" and dev.type != "cuda":
+        raise SystemExit("--device cuda: torch sees no CUDA device on this rank (torch.cuda.is_available() is False)")
+    return dev
+
+
+def _sync(torch, device):
+    """Wait for the GPU's queued work, so that host timers measure it (nothing to do on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def solo_baseline(torch, args, comm, xtr, ytr, per_rank, device=None):
     """Seconds per iteration of rank 0 alone, per-rank batch, no communication (others sleep meanwhile)."""
     from mpi4py import MPI
 
+    device = device or torch.device("cpu")
     result = None
     if comm.Get_rank() == 0 and args.solo_iters > 0:
-        model = build_model(torch, args.hidden, args.seed)
+        model = build_model(torch, args.hidden, args.seed).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-        xs, ys = torch.from_numpy(xtr), torch.from_numpy(ytr)
+        xs, ys = torch.from_numpy(xtr).to(device), torch.from_numpy(ytr).to(device)
         loss_fn = torch.nn.functional.cross_entropy
         times = []
         for it in range(args.solo_iters + 10):
@@ -116,6 +147,7 @@ def solo_baseline(torch, args, comm, xtr, ytr, per_rank):
             opt.zero_grad()
             loss_fn(model(xs[lo : lo + per_rank]), ys[lo : lo + per_rank]).backward()
             opt.step()
+            _sync(torch, device)
             times.append(time.perf_counter() - t0)
         result = float(np.mean(times[10:]))  # the first iterations warm up allocators
     req = comm.Ibarrier()
@@ -124,14 +156,16 @@ def solo_baseline(torch, args, comm, xtr, ytr, per_rank):
     return comm.bcast(result, root=0)
 
 
-def train(torch, args, comm, data, mode: str):
+def train(torch, args, comm, data, mode: str, device=None):
+    """Train with DistributedOptimizer over ``comm``; ``mode``: overlap "on", "off" or "both"."""
     import ddlkernels.torch as ddt
     from mpi4py import MPI
 
+    device = device or torch.device("cpu")
     xtr, ytr, xte, yte = data
     p, rank = comm.Get_size(), comm.Get_rank()
     per_rank = args.batch // p
-    model = build_model(torch, args.hidden, args.seed)
+    model = build_model(torch, args.hidden, args.seed).to(device)
     base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     opt = ddt.DistributedOptimizer(base, model.named_parameters(), fusion_bytes=args.fusion_bytes, comm=comm,
                                    overlap=mode != "off", progress="thread" if args.progress == "both" else args.progress)
@@ -146,13 +180,13 @@ def train(torch, args, comm, data, mode: str):
     elif mode == "both":
         configs.append(("off", None))
     ddt.broadcast_parameters(model.state_dict(), root=0, comm=comm)
-    xs, ys = torch.from_numpy(xtr), torch.from_numpy(ytr)
-    xt, yt = torch.from_numpy(xte), torch.from_numpy(yte)
+    xs, ys = torch.from_numpy(xtr).to(device), torch.from_numpy(ytr).to(device)
+    xt, yt = torch.from_numpy(xte).to(device), torch.from_numpy(yte).to(device)
     loss_fn = torch.nn.functional.cross_entropy
     iters = len(xs) // args.batch  # drop the last partial global batch, as the 1-rank run does
     rows, per_iter, checks = [], [], 0
     for epoch in range(args.epochs):
-        perm = torch.from_numpy(np.random.default_rng(args.seed * 1000 + epoch).permutation(len(xs)))
+        perm = torch.from_numpy(np.random.default_rng(args.seed * 1000 + epoch).permutation(len(xs))).to(device)
         loss_sum = 0.0
         for it in range(iters):
             idx = perm[it * args.batch + rank * per_rank : it * args.batch + (rank + 1) * per_rank]
@@ -168,6 +202,7 @@ def train(torch, args, comm, data, mode: str):
             loss = loss_fn(model(xb), yb)
             loss.backward()
             opt.step()
+            _sync(torch, device)
             t1 = time.perf_counter()
             comm_s = opt.ddl_timing["hook_s"] - h0 + opt.ddl_timing["sync_s"] - s0
             per_iter.append((t1 - t0, comm_s, [f"{o}/{q}" if q else o for o, q in configs].index(label)))
@@ -191,6 +226,8 @@ def train(torch, args, comm, data, mode: str):
     worst = np.empty_like(arr)
     comm.Allreduce(np.ascontiguousarray(arr), worst, op=MPI.MAX)
     info = {
+        "method": "optimizer",
+        "device": str(device),
         "mode": mode,
         "buckets": len(opt._ddl_buckets),
         "epochs": rows,
@@ -210,6 +247,67 @@ def train(torch, args, comm, data, mode: str):
     return info
 
 
+def train_ddp(torch, args, comm, data, device=None):
+    """Train with DistributedDataParallel whose buckets ddlkernels reduces (``allreduce_hook``) over ``comm``.
+
+    Same model, data split, optimizer and digest check as ``train``; DDP's
+    process group (gloo: it also takes CUDA tensors, and lets several ranks
+    share one GPU, which NCCL refuses) must hold the ranks of ``comm``.  Per
+    iteration only the whole step is timed: DDP's hook overlaps backward, and
+    its waiting is inside ``backward()``.
+    """
+    import ddlkernels.torch as ddt
+    from mpi4py import MPI
+
+    device = device or torch.device("cpu")
+    xtr, ytr, xte, yte = data
+    p, rank = comm.Get_size(), comm.Get_rank()
+    per_rank = args.batch // p
+    ddt.init_process_group("gloo", comm=comm)
+    model = build_model(torch, args.hidden, args.seed).to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=args.fusion_bytes / 2**20)
+    ddp.register_comm_hook(ddt.HookState(comm), ddt.allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+    xs, ys = torch.from_numpy(xtr).to(device), torch.from_numpy(ytr).to(device)
+    xt, yt = torch.from_numpy(xte).to(device), torch.from_numpy(yte).to(device)
+    loss_fn = torch.nn.functional.cross_entropy
+    iters = len(xs) // args.batch
+    rows, per_iter, checks = [], [], 0
+    for epoch in range(args.epochs):
+        perm = torch.from_numpy(np.random.default_rng(args.seed * 1000 + epoch).permutation(len(xs))).to(device)
+        loss_sum = 0.0
+        for it in range(iters):
+            idx = perm[it * args.batch + rank * per_rank : it * args.batch + (rank + 1) * per_rank]
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = loss_fn(ddp(xs[idx]), ys[idx])
+            loss.backward()
+            opt.step()
+            _sync(torch, device)
+            per_iter.append(time.perf_counter() - t0)
+            loss_sum += float(loss.detach())
+            every = comm.allgather(digest(model))
+            if any(e != every[0] for e in every):
+                bad = [r for r, e in enumerate(every) if e != every[0]]
+                raise SystemExit(f"parameters differ between ranks after epoch {epoch + 1} step {it + 1}: ranks {bad}")
+            checks += 1
+        epoch_loss = comm.allreduce(loss_sum, op=MPI.SUM) / (p * iters)
+        with torch.no_grad():
+            acc = float((model(xt).argmax(1) == yt).float().mean())
+        rows.append((epoch + 1, epoch_loss, acc))
+        if rank == 0:
+            print(f"  {epoch + 1:5d}  {epoch_loss:10.5f}  {100 * acc:8.2f} %", flush=True)
+    arr = np.array(per_iter[iters:] if args.epochs > 1 else per_iter, dtype=np.float64)
+    worst = np.empty_like(arr)
+    comm.Allreduce(arr, worst, op=MPI.MAX)
+    timing = {"ddp+hook": {"iteration_s": float(np.mean(worst)), "iteration_median_s": float(np.median(worst)),
+                           "iterations": int(len(worst))}}
+    return {"method": "ddp", "device": str(device), "mode": "ddp+hook", "epochs": rows,
+            "final_accuracy": rows[-1][2], "identical_checks": checks, "timing": timing}
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch, load_digits = _imports()
@@ -220,6 +318,7 @@ def main(argv=None):
     if args.batch % p:
         raise SystemExit(f"--batch {args.batch} is not divisible by the {p} ranks: every rank needs an equal share")
     torch.set_num_threads(args.threads)
+    device = pick_device(torch, args, comm)
     data = load_data(load_digits, args.seed)
     per_rank = args.batch // p
     nparams = sum(int(np.prod(s)) for s in [(64, args.hidden), (args.hidden,), (args.hidden, args.hidden),
@@ -228,35 +327,50 @@ def main(argv=None):
         print(f"ddlkernels.examples.train: {p} rank(s), global batch {args.batch} ({per_rank} per rank), "
               f"{args.epochs} epochs, MLP 64-{args.hidden}-{args.hidden}-10 ({nparams} parameters, "
               f"{4 * nparams} B of gradients), SGD lr {args.lr} momentum {args.momentum}, seed {args.seed}, "
-              f"fusion {args.fusion_bytes} B, progress {args.progress}; digits: {len(data[0])} train, "
-              f"{len(data[2])} held out", flush=True)
-    t1 = solo_baseline(torch, args, comm, data[0], data[1], per_rank)
-    if rank == 0:
-        print(f"\noverlap {args.overlap}:\n  epoch        loss  held-out acc", flush=True)
-    r = train(torch, args, comm, data, args.overlap)
-    if rank == 0:
-        print(f"  {r['buckets']} buckets; parameters bitwise identical on all {p} ranks after every one of the "
-              f"{r['identical_checks']} steps")
-        for name, t in r["timing"].items():
-            tn = t["iteration_s"]
-            print(f"  {name}: per iteration (mean of {t['iterations']} iterations after epoch 1, slowest "
-                  f"rank) {1e3 * tn:.3f} ms = compute {1e3 * t['compute_s']:.3f} ms + exposed communication "
-                  f"{1e3 * t['exposed_comm_s']:.3f} ms (medians {1e3 * t['iteration_median_s']:.3f} / "
-                  f"{1e3 * t['exposed_comm_median_s']:.3f} ms)")
-            if t1 is not None:
-                t["scaling_efficiency"] = t1 / tn
-                print(f"    scaling efficiency t_1/t_{p} = {100 * t1 / tn:.1f} % (t_1 = {1e3 * t1:.3f} ms: one rank "
-                      f"alone, batch {per_rank}); communication overhead t_{p} - t_1 = {1e3 * (tn - t1):.3f} ms")
-        if len(r["timing"]) > 1:
-            parts = ", ".join(f"{name} {1e3 * t['exposed_comm_s']:.3f} ms" for name, t in r["timing"].items())
-            print(f"  exposed communication per iteration, same run (overlap/progress): {parts}")
-        print(f"  final held-out accuracy: {100 * r['final_accuracy']:.2f} %", flush=True)
-        r["solo_iteration_s"] = t1
-    results = [r]
+              f"fusion {args.fusion_bytes} B, progress {args.progress}, method {args.method}, device {device}; "
+              f"digits: {len(data[0])} train, {len(data[2])} held out", flush=True)
+    t1 = solo_baseline(torch, args, comm, data[0], data[1], per_rank, device)
+    results = []
+    for method in (["optimizer", "ddp"] if args.method == "both" else [args.method]):
+        if rank == 0:
+            what = f"overlap {args.overlap}" if method == "optimizer" else "DDP + ddlkernels.torch.allreduce_hook"
+            print(f"\n{what}:\n  epoch        loss  held-out acc", flush=True)
+        if method == "optimizer":
+            r = train(torch, args, comm, data, args.overlap, device)
+        else:
+            r = train_ddp(torch, args, comm, data, device)
+        if rank == 0:
+            _report(r, p, per_rank, t1)
+        results.append(r)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"ranks": p, "args": vars(args), "runs": results}, f, indent=1)
     return 0
+
+
+def _report(r, p, per_rank, t1):
+    buckets = f"{r['buckets']} buckets; " if "buckets" in r else ""
+    print(f"  {buckets}parameters bitwise identical on all {p} ranks after every one of the "
+          f"{r['identical_checks']} steps")
+    for name, t in r["timing"].items():
+        tn = t["iteration_s"]
+        if "compute_s" in t:
+            print(f"  {name}: per iteration (mean of {t['iterations']} iterations after epoch 1, slowest "
+                  f"rank) {1e3 * tn:.3f} ms = compute {1e3 * t['compute_s']:.3f} ms + exposed communication "
+                  f"{1e3 * t['exposed_comm_s']:.3f} ms (medians {1e3 * t['iteration_median_s']:.3f} / "
+                  f"{1e3 * t['exposed_comm_median_s']:.3f} ms)")
+        else:
+            print(f"  {name}: per iteration (mean of {t['iterations']} iterations after epoch 1, slowest "
+                  f"rank) {1e3 * tn:.3f} ms (median {1e3 * t['iteration_median_s']:.3f} ms)")
+        if t1 is not None:
+            t["scaling_efficiency"] = t1 / tn
+            print(f"    scaling efficiency t_1/t_{p} = {100 * t1 / tn:.1f} % (t_1 = {1e3 * t1:.3f} ms: one rank "
+                  f"alone, batch {per_rank}); communication overhead t_{p} - t_1 = {1e3 * (tn - t1):.3f} ms")
+    if len(r["timing"]) > 1:
+        parts = ", ".join(f"{name} {1e3 * t['exposed_comm_s']:.3f} ms" for name, t in r["timing"].items())
+        print(f"  exposed communication per iteration, same run (overlap/progress): {parts}")
+    print(f"  final held-out accuracy: {100 * r['final_accuracy']:.2f} %", flush=True)
+    r["solo_iteration_s"] = t1
 
 
 if __name__ == "__main__":

@@ -514,3 +514,57 @@ def test_measured_choice_is_the_same_on_every_rank_and_always_correct():
         tiny = dc.allreduce(rank_data(3, RANK, P, np.float64), "sum")
         assert dc.last_algorithm in (("mpi", "nbc", "shm") if P > 1 else ("ring",))
         assert tiny.shape == (3,)
+
+
+@pytest.mark.parametrize("spec", ["type", "count", "count_displ", "count_displ4", "count_only", "typechar"])
+def test_Allreduce_takes_mpi4py_buffer_specifications(spec):
+    """``[buf, MPI.FLOAT]`` and its relatives reduce the elements they name, and only those."""
+    n = 2 * P + 3
+    x = rank_data(n, RANK, P, np.float32, salt=2)
+    keep = x.copy()
+    inputs = gather_inputs(x)
+    want = np.sum(np.stack(inputs).astype(np.float64), axis=0)  # exact: multiples of 1/16
+    recv = np.full(n, -1.0, np.float32)
+    lo, cnt = {"count_displ": (2, P + 1), "count_displ4": (1, n - 1)}.get(spec, (0, n if spec != "count" else P + 1))
+    send_spec, recv_spec = {
+        "type": ([x, MPI.FLOAT], [recv, MPI.FLOAT]),
+        "count": ([x, cnt, MPI.FLOAT], [recv, cnt, MPI.FLOAT]),
+        "count_displ": ([x, (cnt, lo), MPI.FLOAT], [recv, (cnt, lo), MPI.FLOAT]),
+        "count_displ4": ([x, cnt, lo, MPI.FLOAT], [recv, cnt, lo, MPI.FLOAT]),
+        "count_only": ([x, cnt], [recv, cnt]),
+        "typechar": ((x, "f"), (recv, "f")),
+    }[spec]
+    ddlkernels.Allreduce(send_spec, recv_spec, MPI.SUM)
+    assert np.array_equal(x, keep), "input modified"
+    assert np.array_equal(recv[lo:lo + cnt], want[lo:lo + cnt].astype(np.float32))
+    assert np.all(recv[:lo] == -1) and np.all(recv[lo + cnt:] == -1), "elements outside the specification written"
+    # In place, on a specification too.
+    buf = x.copy()
+    ddlkernels.Allreduce(MPI.IN_PLACE, [buf, (cnt, lo), MPI.FLOAT] if spec != "typechar" else [buf, "f"], MPI.SUM)
+    lo2, cnt2 = (0, n) if spec == "typechar" else (lo, cnt)
+    assert np.array_equal(buf[lo2:lo2 + cnt2], want[lo2:lo2 + cnt2].astype(np.float32))
+    assert np.array_equal(buf[:lo2], keep[:lo2]) and np.array_equal(buf[lo2 + cnt2:], keep[lo2 + cnt2:])
+
+
+def test_Allreduce_refuses_a_buffer_specification_that_does_not_match_before_any_message():
+    """Every one of these is found by the rank alone, so each raises on every rank without communicating
+    (a rank that went on would hang here)."""
+    x = np.arange(6, dtype=np.float32)
+    out = np.empty_like(x)
+    with pytest.raises(TypeError, match=r"names datatype MPI_DOUBLE \(float64\) but the array holds float32"):
+        ddlkernels.Allreduce([x, MPI.DOUBLE], [out, MPI.DOUBLE])
+    with pytest.raises(TypeError, match=r"recvbuf: .*MPI_INT .*holds float32"):
+        ddlkernels.Allreduce(x, [out, MPI.INT])
+    with pytest.raises(TypeError, match="no 16-bit float datatype"):
+        ddlkernels.Allreduce([np.zeros(6, np.float16), MPI.SHORT], [np.zeros(6, np.float16), MPI.SHORT])
+    with pytest.raises(ValueError, match=r"elements \[4, 10\) asked for, but the buffer holds 6"):
+        ddlkernels.Allreduce([x, (6, 4), MPI.FLOAT], out)
+    with pytest.raises(ValueError, match="recvbuf holds 3 elements but sendbuf holds 6"):
+        ddlkernels.Allreduce([x, MPI.FLOAT], [out, 3, MPI.FLOAT])
+    with pytest.raises(TypeError, match="count of a buffer specification must be an int >= 0"):
+        ddlkernels.Allreduce([x, -1, MPI.FLOAT], out)
+    with pytest.raises(TypeError, match="2 to 4 items"):
+        ddlkernels.Allreduce([x], out)
+    with pytest.raises(ValueError, match="needs a C-contiguous buffer"):
+        ddlkernels.Allreduce([x[::2], 2, MPI.FLOAT], out[:2])
+    COMM.Barrier()

@@ -218,3 +218,50 @@ def test_a_line_settling_in_warmup_runs_amid_the_other_lines_as_its_timed_sample
         assert calls == ["tuned", "plain"] + ["tuned", "plain"] * 6 + ["tuned", "plain"] * 2, calls
     else:  # each line's warmup (the rest of tuned's 7, plain's second) and its 2 timed calls
         assert calls == ["tuned", "plain"] + ["tuned"] * (6 + 2) + ["plain"] * (1 + 2), calls
+
+
+def test_job_speaks_nccl_tests(comm, capsys, tmp_path):
+    """``job -d half -o avg -c 1 --csv``: nccl-tests' type and op names in the rows, its closing lines, the CSV
+    records, every record checked and right."""
+    from ddlkernels.__main__ import main
+
+    path = str(tmp_path / "job.csv") if comm.Get_rank() == 0 else None
+    path = comm.bcast(path, root=0)
+    main(["job", "-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1", "-d", "half", "-o", "avg", "-c", "1",
+          "--min-sample-ms", "0", "--csv", path])
+    out = capsys.readouterr().out
+    if comm.Get_rank() != 0:
+        assert out == ""
+        return
+    rows = [ln.split() for ln in out.splitlines() if ln and not ln.startswith("#")]
+    assert [(r[0], r[1], r[2], r[3], r[4], r[8], r[9]) for r in rows] == [
+        (b, str(int(b) // 2), "half", "avg", "-1", "0", line) for b in ("1024", "4096") for line in ("ddl", "MPI")]
+    assert max(len(ln) for ln in out.splitlines()) <= 120
+    assert "# Out of bounds values : 0 OK" in out
+    assert float(next(ln for ln in out.splitlines() if ln.startswith("# Avg bus bandwidth    : ")).split()[-1]) > 0
+    import csv
+
+    with open(path) as f:
+        recs = list(csv.DictReader(f))
+    assert [(r["line"], r["size"], r["type"], r["redop"], r["wrong"]) for r in recs] == [
+        (line, b, "half", "avg", "0") for b in ("1024", "4096") for line in ("ddlkernels", "MPI_Allreduce")]
+
+
+def test_bench_csv_to_stdout_replaces_the_table(comm, capsys):
+    from ddlkernels import _cli_bench
+
+    rc = _cli_bench.main(["--collective", "reduce_scatter", "-d", "double", "-o", "max", "-b", "1K", "-e", "1K",
+                          "-n", "2", "-w", "1", "-c", "0", "--impls", "ddlkernels,mpi", "--no-progress",
+                          "--min-sample-ms", "0", "--csv", "-"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    if comm.Get_rank() != 0:
+        return
+    lines = out.splitlines()
+    assert lines[0].startswith("collective,line,size,count,type,redop,root,placement,")
+    assert [ln.split(",")[:6] for ln in lines[1:]] == [
+        ["reduce_scatter", "ddlkernels", str(1024 // (8 * comm.Get_size()) * 8 * comm.Get_size()),
+         str(1024 // (8 * comm.Get_size()) * comm.Get_size()), "double", "max"],
+        ["reduce_scatter", "MPI_Reduce_scatter_block", str(1024 // (8 * comm.Get_size()) * 8 * comm.Get_size()),
+         str(1024 // (8 * comm.Get_size()) * comm.Get_size()), "double", "max"]]
+    assert all(ln.split(",")[11] == "" for ln in lines[1:])  # -c 0: nothing checked, nothing counted

@@ -162,7 +162,7 @@ def test_broadcast_parameters_from_any_root():
 def test_parameter_without_gradient_is_an_error_on_every_rank_then_training_continues():
     model = mlp(seed=4, extra=True)  # "unused" never takes part in forward
     opt = ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                   fusion_bytes=400)
+                                   fusion_bytes=400, missing_grads="error")
     x, y = rank_batch(0, RANK)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(ValueError, match=r"did not receive a gradient.*rank 0: 'unused.bias' \(0 of 1\), 'unused.weight' \(0 of 1\)"):
@@ -175,7 +175,7 @@ def test_gradient_missing_on_one_rank_only_raises_everywhere_without_hang():
         pytest.skip("needs 2 or more ranks to disagree")
     model = mlp(seed=5)
     opt = ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                   fusion_bytes=400)
+                                   fusion_bytes=400, missing_grads="error")
     x, y = rank_batch(0, RANK)
     if RANK == P - 1:
         out = model[:3](x)  # skips the last two layers: their gradients never come
@@ -223,6 +223,14 @@ def test_local_bad_input():
         ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op="max")
     with pytest.raises(ValueError, match="backward_passes_per_step must be a positive int"):
         ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="missing_grads must be 'zeros' or 'error'"):
+        ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), missing_grads="skip")
+    with pytest.raises(TypeError, match="compress\\(\\) and decompress\\(\\)"):
+        ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=object())
+    with pytest.raises(ValueError, match="compression 'fp8'"):
+        ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression="fp8")
+    with pytest.raises(ValueError, match=r"progress='hooks' .* travel as \['float16'\]"):
+        ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression="fp16", progress="hooks")
     COMM.Barrier()
 
 
@@ -250,3 +258,236 @@ def test_progress_auto_hooks_for_float32_thread_for_bfloat16():
         opt.step()
         raw = np.concatenate([p.detach().view(torch.int16).numpy().reshape(-1).view(np.uint8) for p in model.parameters()])
         assert_same_on_all_ranks(COMM, raw, f"bfloat16 step {s}")
+
+
+@pytest.mark.parametrize("name,ours", [("SUM", "sum"), ("AVG", "avg"), ("MAX", "max"), ("MIN", "min"),
+                                       ("PRODUCT", "prod")])
+def test_torch_reduce_ops_are_accepted_everywhere_an_op_is(name, ours):
+    import torch.distributed as dist
+
+    import ddlkernels
+
+    kind = getattr(dist.ReduceOp, name)
+    x = torch.arange(1, 8, dtype=torch.float64) * (RANK + 1) / 4  # exact in float64 under every op here
+    want = ddlkernels.allreduce(x, ours)
+    for op in (kind, dist.ReduceOp(kind)):  # the RedOpType member and a ReduceOp holding it
+        assert torch.equal(ddlkernels.allreduce(x, op), want)
+        got = torch.empty_like(x)
+        ddlkernels.Allreduce(x, got, op)
+        assert torch.equal(got, want)
+        assert torch.equal(ddlkernels.allreduce_many_async([x], op).wait()[0], want)
+
+
+def test_bitwise_and_premul_torch_ops_are_refused_before_any_message():
+    import torch.distributed as dist
+
+    import ddlkernels
+
+    for op in (dist.ReduceOp.BAND, dist.ReduceOp.BXOR, dist.ReduceOp.PREMUL_SUM):
+        with pytest.raises(ValueError, match="ReduceOp SUM, AVG, MAX, MIN and PRODUCT"):
+            ddlkernels.allreduce(torch.ones(3), op)
+    COMM.Barrier()
+
+
+# -- Horovod parity: compression, gradients missing on some ranks, broadcasts -------------------
+
+
+def averaged_reference(model, step, batch_of=rank_batch, loss_of=None):
+    """Every rank's gradient of ``model`` (a copy, on this rank's data for each rank), averaged in float64:
+    ``{name: (mean gradient, mean |gradient|)}``; a parameter no rank has a gradient for is absent."""
+    sums, abss = {}, {}
+    for r in range(P):
+        ref = copy.deepcopy(model)
+        ref.zero_grad(set_to_none=True)
+        x, y = batch_of(step, r)
+        (loss_of(ref, x, y, r) if loss_of else torch.nn.functional.cross_entropy(ref(x), y)).backward()
+        for name, p in ref.named_parameters():
+            if p.grad is not None:
+                g = p.grad.double()
+                sums[name] = sums.get(name, 0) + g
+                abss[name] = abss.get(name, 0) + g.abs()
+    return {n: (sums[n] / P, abss[n] / P) for n in sums}
+
+
+@pytest.mark.parametrize("compression,unit,tiny", [("fp16", 2.0**-11, 2.0**-25), ("bf16", 2.0**-8, 2.0**-134)])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_compressed_gradients_are_the_average_within_the_wire_types_rounding(compression, unit, tiny, overlap):
+    """Each rank's gradient / P rounds once to 16 bits, and every partial sum of the ring once more: P
+    roundings of at most ``unit`` times the mean |gradient| each (plus one of the sum; ``tiny``: half the
+    spacing of the wire type's subnormals, the rounding's floor), and the same bits on every rank."""
+    comp = {"fp16": ddt.Compression.fp16, "bf16": ddt.Compression.bf16}[compression]
+    model = mlp(seed=11)
+    opt = ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   fusion_bytes=700, compression=comp, overlap=overlap, progress="thread")
+    from ddlkernels._dtypes import dtype_name
+
+    assert {dtype_name(b.dtype) for b in opt._ddl_buckets} == {{"fp16": "float16", "bf16": "bfloat16"}[compression]}
+    for s in range(3):
+        ref = averaged_reference(model, s)
+        opt.zero_grad()
+        x, y = rank_batch(s, RANK)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        for name, p in model.named_parameters():
+            mean, mean_abs = ref[name]
+            err = (p.grad.double() - mean).abs()
+            bound = (P + 1) * (unit * mean_abs + tiny)
+            assert torch.all(err <= bound), f"step {s} {name}: error {float((err - bound).max())} over the bound"
+        with opt.skip_synchronize():
+            opt.step()
+        assert_same_on_all_ranks(COMM, params_bytes(model), f"{compression} step {s}")
+
+
+def test_fp16_compression_divides_first_so_a_sum_past_65504_does_not_overflow():
+    """Every rank's gradient is 40000 (exact in float16); the sum over 2 or more ranks passes float16's
+    largest value 65504, the average does not."""
+    model = mlp(seed=12)
+    opt = ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   compression=ddt.Compression.fp16)
+    opt.zero_grad()
+    (40000.0 * sum(p.sum() for p in model.parameters())).backward()
+    opt.synchronize()
+    for name, p in model.named_parameters():
+        assert torch.all(torch.isfinite(p.grad)), name
+        assert torch.allclose(p.grad, torch.full_like(p.grad, 40000.0), rtol=(P + 1) * 2.0**-11, atol=0), name
+    opt.zero_grad()
+
+
+class Branchy(torch.nn.Module):
+    """``b`` takes part in forward only where asked (some ranks), ``never`` nowhere."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(13)
+        self.a, self.b, self.never = torch.nn.Linear(8, 3), torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)
+
+    def forward(self, x, use_b=False):
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def _branchy_loss(model, x, y, rank):
+    return torch.nn.functional.cross_entropy(model(x, use_b=rank % 2 == 0), y)
+
+
+@pytest.mark.parametrize("compression", [None, "fp16"])
+@pytest.mark.parametrize("progress", ["thread", "hooks"])
+def test_missing_gradients_are_averaged_as_zeros_and_none_anywhere_stays_none(compression, progress):
+    """Horovod's behaviour: ``b`` (used on even ranks only) gets the sum of the even ranks' gradients / P
+    on every rank; ``never`` (used nowhere) keeps ``grad = None``, so SGD with momentum and weight decay
+    leaves it alone, as one process would."""
+    if compression is not None and progress == "hooks":
+        pytest.skip("MPI_Iallreduce cannot add float16")
+    model = Branchy()
+    never = model.never.weight.detach().clone()
+    opt = ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1),
+                                   model.named_parameters(), fusion_bytes=64, compression=compression,
+                                   progress=progress)
+    unit, tiny = (0.0, 0.0) if compression is None else (2.0**-11, 2.0**-25)
+    for s in range(2):
+        ref = averaged_reference(model, s, loss_of=_branchy_loss)
+        assert "never.weight" not in ref and ("b.weight" in ref)
+        opt.zero_grad()
+        x, y = rank_batch(s, RANK)
+        _branchy_loss(model, x, y, RANK).backward()
+        opt.synchronize()
+        for name, p in model.named_parameters():
+            if name.startswith("never"):
+                assert p.grad is None, name
+                continue
+            mean, mean_abs = ref[name]
+            bound = (P + 1) * (unit * mean_abs + tiny) + 1e-6 * mean_abs + 1e-9  # float32 sums: 1e-6 relative
+            assert torch.all((p.grad.double() - mean).abs() <= bound), f"step {s} {name}"
+        with opt.skip_synchronize():
+            opt.step()
+        assert torch.equal(model.never.weight, never)
+        assert_same_on_all_ranks(COMM, params_bytes(model), f"step {s}")
+
+
+def test_broadcast_object_from_any_root():
+    for root in sorted({0, P - 1}):
+        mine = {"rank": RANK, "epoch": 10 * RANK, "t": torch.full((3,), float(RANK))}
+        got = ddt.broadcast_object(mine, root_rank=root)
+        assert got["rank"] == root and got["epoch"] == 10 * root and torch.equal(got["t"], torch.full((3,), float(root)))
+    with pytest.raises(ValueError, match=r"root must be a rank in \[0, "):
+        ddt.broadcast_object(1, root_rank=P)
+    COMM.Barrier()
+
+
+def _state_bytes(opt):
+    sd = opt.state_dict()
+    parts = []
+    for k in sorted(sd["state"]):
+        for name in sorted(sd["state"][k]):
+            v = sd["state"][k][name]
+            t = v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+            parts.append(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+
+
+def test_broadcast_optimizer_state_resumes_every_rank_from_the_roots_state():
+    for root in sorted({0, P - 1}):
+        model = mlp(seed=14)
+        model.register_buffer("bf", torch.zeros(2, dtype=torch.bfloat16))
+        # The root has stepped (Adam's moments and step counts exist); the others have not, and their
+        # learning rate differs.
+        base = torch.optim.Adam(model.parameters(), lr=0.01 if RANK == root else 0.5)
+        if RANK == root:
+            for s in range(2):
+                base.zero_grad()
+                x, y = rank_batch(s, RANK)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                base.step()
+        ddt.broadcast_parameters(model.state_dict(), root=root)
+        ddt.broadcast_optimizer_state(base, root_rank=root)
+        assert base.param_groups[0]["lr"] == 0.01
+        assert len(base.state_dict()["state"]) == len(list(model.parameters()))
+        assert_same_on_all_ranks(COMM, _state_bytes(base), f"optimizer state from root {root}")
+        # Training goes on from there in step, through the distributed optimizer.
+        opt = ddt.DistributedOptimizer(base, model.named_parameters(), fusion_bytes=600)
+        train(model, opt, 2)
+        assert_same_on_all_ranks(COMM, _state_bytes(opt), "optimizer state after two more steps")
+
+
+def test_broadcast_optimizer_state_refuses_different_groups_on_every_rank():
+    if P == 1:
+        pytest.skip("needs 2 or more ranks to disagree")
+    model = mlp(seed=15)
+    params = list(model.parameters())
+    groups = [{"params": params}] if RANK else [{"params": params[:2]}, {"params": params[2:]}]
+    with pytest.raises(ValueError, match="broadcast_optimizer_state: ranks passed different arguments"):
+        ddt.broadcast_optimizer_state(torch.optim.SGD(groups, lr=0.1))
+    COMM.Barrier()
+
+
+# -- torch habits -------------------------------------------------------------------------
+
+
+def test_all_reduce_is_in_place_as_torch_distributed_all_reduce():
+    import torch.distributed as dist
+
+    t = torch.arange(5, dtype=torch.float32) + 8 * RANK
+    want = sum(torch.arange(5, dtype=torch.float32) + 8 * r for r in range(P))
+    assert ddt.all_reduce(t) is None
+    assert torch.equal(t, want)
+    t = torch.arange(5, dtype=torch.int64) * (RANK + 1)
+    h = ddt.all_reduce(t, dist.ReduceOp.MAX, async_op=True)
+    h.wait()
+    assert torch.equal(t, torch.arange(5, dtype=torch.int64) * P)
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        ddt.all_reduce(np.zeros(3))
+    COMM.Barrier()
+
+
+def test_set_device_pins_the_local_ranks_gpu(monkeypatch):
+    import ddlkernels
+
+    if not torch.cuda.is_available():
+        assert ddt.set_device() == torch.device("cpu")
+    picked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for count in (1, 2, P):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda c=count: c)
+        monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+        dev = ddt.set_device()
+        want = ddlkernels.device_index(count, ddlkernels.local_rank(), ddlkernels.local_size())
+        assert dev == torch.device("cuda", want) and picked[-1] == want
