@@ -8,7 +8,7 @@ shape costs, warm ones what every later call pays.
 
 import pytest
 
-from ddlkernels._schedule import Plan, build_schedule, chunk_ranges
+from ddlkernels.ring.schedule import Plan, build_schedule, chunk_ranges
 
 COUNT = 350 * 2**20 // 4  # a 350 MB float32 gradient: the paper's ResNet-101 figure
 

@@ -26,8 +26,8 @@ import time
 
 import numpy as np
 
-from ddlkernels._cli_topo import parse_size
-from ddlkernels._schedule import Plan
+from ddlkernels.tools.topo_cli import parse_size
+from ddlkernels.ring.schedule import Plan
 from ddlkernels.planner import DEFAULT_CHUNK_BYTES, _Model, choose_plan, factorizations, lower_bound
 from ddlkernels.simulator import simulate
 from ddlkernels.topology import load

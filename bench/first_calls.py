@@ -14,7 +14,7 @@ algorithm each ran, the algorithm the tuner settled on, and whether the
 last result is right (the job exits non-zero if not).  Times are the
 slowest rank's.
 
-Behind the one-function-per-op loops of ``ddlkernels._shm_loops`` (its
+Behind the one-function-per-op loops of ``ddlkernels.kernels.shm_loops`` (its
 comment above ``small_fold_sum``): a process compiles only the ops it
 calls.
 """
@@ -76,7 +76,7 @@ def main():
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     from ddlkernels._bench import parse_size
-    from ddlkernels._cli_bench import find_mpirun
+    from ddlkernels.tools.bench_cli import find_mpirun
 
     nbytes = parse_size(args.bytes)
     if args.child:

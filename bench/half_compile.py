@@ -4,7 +4,7 @@
 
 Each process is a fresh interpreter that imports ddlkernels and runs every
 op (sum, prod, avg, max, min) of both types through all three loops of
-``ddlkernels._half`` (dst apart, dst = a, dst = b) once, on 64 elements,
+``ddlkernels.kernels.half`` (dst apart, dst = a, dst = b) once, on 64 elements,
 and prints the seconds until the kernels were ready (``available()``) and
 for the 30 calls, and how many of the compiled entry points Numba loaded
 from its cache (hits) or compiled (misses).  The first process compiles
@@ -24,7 +24,7 @@ _CHILD = r"""
 import json, time
 import numpy as np
 t0 = time.perf_counter()
-from ddlkernels import _half
+from ddlkernels.kernels import half as _half
 from ddlkernels._dtypes import BFLOAT16
 ok = _half.available()
 t1 = time.perf_counter()
@@ -36,7 +36,7 @@ for dt in (np.float16, BFLOAT16):
         assert _half.reduce(op, d, d, a, 0.5)                # dst = a
         assert _half.reduce(op, d, a, d, 0.5)                # dst = b
 t2 = time.perf_counter()
-from ddlkernels import _half_loops as k
+from ddlkernels.kernels import half_loops as k
 fns = (k.apart, k.into_a, k.into_b)
 hits = sum(sum(f.stats.cache_hits.values()) for f in fns)
 misses = sum(sum(f.stats.cache_misses.values()) for f in fns)

@@ -4,9 +4,9 @@
 
 One process, float32 sum, GB/s as STREAM counts them (reduce: read 2, write
 1 array; ``np.copyto`` copy: read 1, write 1).  Each round runs the plain loop,
-the streamed loop (``ddlkernels._host_loops.reduce[SUM](..., stream_from=0)``) and
+the streamed loop (``ddlkernels.kernels.host_loops.reduce[SUM](..., stream_from=0)``) and
 the copy once each, in that order, on their own arrays; medians over rounds.
-This is the measurement behind ``ddlkernels._host_loops.STREAM_FROM``.
+This is the measurement behind ``ddlkernels.kernels.host_loops.STREAM_FROM``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from ddlkernels._bench import parse_size
-from ddlkernels._host_loops import SUM, reduce
+from ddlkernels.kernels.host_loops import SUM, reduce
 
 
 def main():

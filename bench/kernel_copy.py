@@ -9,7 +9,7 @@ piece, from its cache, into a peer's output in memory).  This times those two
 moves against libc's ``memcpy`` doing the same, piece after piece over each
 ``--bytes`` buffer (larger than L2), in one process (a process may read and
 write its own memory so: the kernel pins and copies exactly as for a peer's),
-from compiled loops (the allreduce's own calls: ``ddlkernels._shm_loops._vm``,
+from compiled loops (the allreduce's own calls: ``ddlkernels.kernels.shm_loops._vm``,
 ``_copy``).  Four lines, interleaved round by round, each the
 median over rounds, GB/s of bytes copied:
 
@@ -43,7 +43,7 @@ from numba import njit
 
 from ddlkernels._bench import parse_size
 from ddlkernels._cma import PIECE_BYTES, PIECE_BYTES_WIDE
-from ddlkernels._shm_loops import _copy, _vm
+from ddlkernels.kernels.shm_loops import _copy, _vm
 
 
 @njit(nogil=True)

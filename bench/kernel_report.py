@@ -12,7 +12,7 @@ One row per kernel x dtype, for both implementations:
   CUDA built-ins, every thread of the grid run), over the same cases as
   tests/test_cu_host.py; max |error| against the numpy backend (0 = every
   result bit-identical; NaN payloads of sum/prod/avg excepted).
-* ddlkernels/_numba_kernels.py: ``numba.cuda.compile_ptx`` for sm_70/80/90,
+* ddlkernels/kernels/numba_cuda.py: ``numba.cuda.compile_ptx`` for sm_70/80/90,
   registers and spills from ptxas (pip CUDA 12.9), executed in the Numba
   CUDA simulator (tests/numba_sim_worker.py), same comparison.
 
@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import _compile_tools as C  # noqa: E402
 import _kernel_ref as K  # noqa: E402
 import harness as H  # noqa: E402
-from ddlkernels import _numba_kernels as N  # noqa: E402
+from ddlkernels.kernels import numba_cuda as N  # noqa: E402
 
 ARCHS = C.NVRTC_ARCHS
 

@@ -39,7 +39,7 @@ def main():
     args = ap.parse_args()
 
     import ddlkernels
-    from ddlkernels._schedule import Plan
+    from ddlkernels.ring.schedule import Plan
     from ddlkernels.calibrate import calibrate
     from ddlkernels.planner import factorizations
     from ddlkernels.simulator import simulate

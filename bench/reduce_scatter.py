@@ -11,7 +11,7 @@ import sys
 # Run from a checkout without installing: the package sits beside bench/.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ddlkernels._cli_bench import main  # noqa: E402
+from ddlkernels.tools.bench_cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(collective="reduce_scatter", prog="bench/reduce_scatter.py"))

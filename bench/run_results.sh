@@ -49,7 +49,7 @@ run allreduce_np2_float32_small "$MPIRUN" -n 2 "$PY" bench/allreduce.py "${SWEEP
   --json "$OUT/allreduce_np2_float32_small.json" --plot "$OUT/allreduce_np2_float32_small.png"
 run allreduce_np2_float32_inplace "$MPIRUN" -n 2 "$PY" bench/allreduce.py "${SWEEP[@]}" --place in --impls ddlkernels,ring,mpi,link \
   --json "$OUT/allreduce_np2_float32_inplace.json" --plot "$OUT/allreduce_np2_float32_inplace.png"
-# Half precision (the compiled float16/bfloat16 kernels of ddlkernels/_half.py).  MPI has no bfloat16
+# Half precision (the compiled float16/bfloat16 kernels of ddlkernels/kernels/half.py).  MPI has no bfloat16
 # type, so that MPI line is skipped.
 run allreduce_np2_half "$MPIRUN" -n 2 "$PY" bench/allreduce.py -b 64K -e 64M -f 4 -n "$ITERS" -w "$WARMUP" -d float16,bfloat16 \
   -o sum --no-progress --impls ddlkernels,ring,mpi,link --json "$OUT/allreduce_np2_half.json" --plot "$OUT/allreduce_np2_half.png"

@@ -101,7 +101,7 @@ def main():
                          "and MPI_Allgather instead; with --cma: the single-copy allgather beside them, 4 KiB-64 "
                          "MiB (where ddlkernels._tuner.CMA_GATHER_FROM comes from)")
     ap.add_argument("--loop", action="store_true",
-                    help="compare the compiled piece loop (ddlkernels._shm_loops.pieces_allreduce, what run takes) "
+                    help="compare the compiled piece loop (ddlkernels.kernels.shm_loops.pieces_allreduce, what run takes) "
                          "with the Python one (ShmAllreduce._pieces, what a timeout=, \"avg\" or float16 takes)")
     ap.add_argument("--stream", action="store_true",
                     help="compare the compiled piece loop writing out with non-temporal stores (\"streamed\") "

@@ -133,7 +133,7 @@ def kernel_targets(path):
                         f"{frac:.0%} ({extra['reduce_GBps_median']:.1f} vs {extra['copy_GBps_median']:.1f} GB/s)",
                         ">= 80%", frac >= 0.8))
     # float32 first (the engine's usual type), then the others the bench has (float16 and bfloat16 through
-    # ddlkernels._half, float64), each against the copy of the same size and type.
+    # ddlkernels.kernels.half, float64), each against the copy of the same size and type.
     for (kind, size, dtype), v in sorted(gb.items(), key=lambda kv: (kv[0][2] != "float32", kv[0][2], kv[0][:2])):
         copy = gb.get(("stream_copy", size, dtype))
         if kind in ("backend_reduce", "backend_reduce_inplace") and copy:

@@ -11,7 +11,7 @@ on first use of a communicator.
 
 from __future__ import annotations
 
-from ._abort import abort_on_exception
+from .safety.abort import abort_on_exception
 from ._comm import Communicator, as_communicator
 from ._wait import CollectiveTimeout
 from ._dtypes import OPS, SUPPORTED_DTYPES

@@ -125,7 +125,7 @@ def _libc(name):
     """``ssize_t name(pid, local iovec *, n, remote iovec *, n, flags)`` (``process_vm_readv`` /
     ``process_vm_writev``: Linux 3.2, glibc 2.15), the pointers as int64 addresses, or None where the C
     library lacks it: for the probe and the Python loop (the compiled loop calls the same symbols itself,
-    ``ddlkernels._shm_loops._readv`` / ``_writev``)."""
+    ``ddlkernels.kernels.shm_loops._readv`` / ``_writev``)."""
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (AttributeError, OSError):
@@ -241,7 +241,7 @@ class CmaAllreduce:
         hit = self._fns.get(key)
         if hit is not None:
             return hit
-        from . import _shm_loops
+        from .kernels import shm_loops as _shm_loops
 
         shm = self._ready()
         step = max(1, self.piece_bytes // dtype.itemsize)
@@ -268,7 +268,7 @@ class CmaAllreduce:
         one dtype, not overlapping; ``bounds`` every rank's (lo, hi) in elements, the same on every rank).
 
         Each rank reads its peers' shards straight into ``out`` with
-        ``process_vm_readv`` (``ddlkernels._shm_loops.cma_allgather``): one
+        ``process_vm_readv`` (``ddlkernels.kernels.shm_loops.cma_allgather``): one
         copy per byte and two barriers, on the window's flag lines, for any
         dtype (bytes are copied).  ``deadline`` as for ``run``.  Raises
         ``RuntimeError`` on every rank when a read failed on any.
@@ -288,7 +288,7 @@ class CmaAllreduce:
         hit = self._fns.get(key)
         if hit is not None:
             return hit
-        from . import _shm_loops
+        from .kernels import shm_loops as _shm_loops
 
         shm = self._ready()
         item = np.dtype(dtype).itemsize
@@ -310,7 +310,7 @@ class CmaAllreduce:
         """``allgather``'s steps in Python, each barrier polled against ``deadline``: the compiled loop's
         barriers, so that ranks with and without a deadline meet."""
         from ._shm import FLAG_STRIDE
-        from ._shm_loops import X_WORD
+        from .kernels.shm_loops import X_WORD
 
         shm = self._ready()
         p, me = shm.p, shm.rank
@@ -335,7 +335,7 @@ class CmaAllreduce:
     def _last_barrier(self, lines, bad, deadline, kind):
         """The Python twin of ``_shm_loops._last_barrier``: my count of failed reads and writes published, the
         last barrier, and ``RuntimeError`` on every rank when any rank counted one."""
-        from ._shm_loops import BAD_WORD
+        from .kernels.shm_loops import BAD_WORD
 
         lines[self.shm.rank, BAD_WORD] = bad
         self.shm._barrier(deadline)
@@ -360,7 +360,7 @@ class CmaAllreduce:
     def _python(self, x, out, op, deadline):
         """``run``'s steps in Python, each barrier polled against ``deadline`` (``ShmAllreduce._barrier``):
         the same barriers as the compiled loop, so that ranks with and without a deadline meet."""
-        from ._shm_loops import OUT_WORD, X_WORD
+        from .kernels.shm_loops import OUT_WORD, X_WORD
         from ._shm import FLAG_STRIDE
 
         shm = self._ready()

@@ -19,8 +19,8 @@ import numpy as np
 from . import _config
 from ._dtypes import acc_dtype, check_dtype, dtype_name, is_half, normalize_op
 from ._engine import ALIGN_PAD, Segments, execute
-from ._schedule import Plan, build_schedule, shard_bounds, validate_dims
-from ._transport import HostTransport
+from .ring.schedule import Plan, build_schedule, shard_bounds, validate_dims
+from .transport.direct import HostTransport
 from . import _hier
 from ._cma import CmaAllreduce, probe as cma_probe
 from ._shm import GATHER_STREAM_FROM, ShmAllreduce, _ufunc, one_node
@@ -254,7 +254,7 @@ class Communicator:
         """``(start, stop)``: the elements ``reduce_scatter`` leaves on ``rank`` (default: this rank).
 
         ``count`` is the element count of the whole buffer; the range is the
-        nested balanced cut of ``ddlkernels._schedule.shard_bounds`` over the
+        nested balanced cut of ``ddlkernels.ring.schedule.shard_bounds`` over the
         plan's box, so ranges of different ranks differ by at most
         ``len(dims)`` elements and, for the flat ring, rank r owns block r.
         """
@@ -344,7 +344,7 @@ class Communicator:
         t = self._transports.get(where)
         if t is None:
             if backend.device and not self.cuda_aware(backend)[0]:
-                from ._staged import StagedTransport
+                from .transport.staged import StagedTransport
 
                 t = StagedTransport(self.comm, backend, self.chunk_bytes, self.window)
             else:
@@ -356,7 +356,7 @@ class Communicator:
         """``(aware, reason)``: whether device buffers go straight to MPI."""
         if self.cuda_aware_override is not None:
             return self.cuda_aware_override, "set explicitly"
-        from ._cuda_aware import cuda_aware
+        from .transport.cuda_aware import cuda_aware
 
         return cuda_aware(self.comm)
 

@@ -43,7 +43,7 @@ import bisect
 
 import numpy as np
 
-from ._schedule import Schedule, chunk_ranges, rings
+from .ring.schedule import Schedule, chunk_ranges, rings
 
 __all__ = ["execute", "ALIGN_PAD", "Segments"]
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._schedule import split
+from .ring.schedule import split
 from ._shm import ShmAllreduce
 
 __all__ = ["HierAllreduce", "node_split", "uniform_nodes"]

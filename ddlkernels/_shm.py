@@ -37,7 +37,7 @@ took 1.07-1.42x as long, 2 MiB pieces 1.00-1.35x).
 
 For numpy's own types and ops (not "avg", float16 or bfloat16) and no
 ``timeout=``, the whole piece loop is one compiled call
-(``ddlkernels._shm_loops.pieces_allreduce``), its copies libc's memcpy, or
+(``ddlkernels.kernels.shm_loops.pieces_allreduce``), its copies libc's memcpy, or
 non-temporal stores into a large message's output (``STREAM_FROM``): Python's
 dozen numpy calls per piece were most of a call's time at 64-256 KiB.
 ``bench/shm_pieces.py --loop`` (the two loops interleaved in one run, two
@@ -65,12 +65,12 @@ copies in rank order -- p - 1 additions of the whole message instead of one
 block's, but one barrier instead of two, which is what a latency-bound call
 pays for
 (``ShmAllreduce._whole``); for numpy's own types and ops the copy, barrier
-and sum are one compiled call (``ddlkernels._shm_loops``), and so are the
+and sum are one compiled call (``ddlkernels.kernels.shm_loops``), and so are the
 small reduce_scatter and allgather below.
 
 The barriers are not ``MPI_Barrier``: every rank publishes a count of the
 barriers it has entered in its own cache line of a second, small window and
-polls the others' (``ddlkernels._shm_loops``, with release and acquire
+polls the others' (``ddlkernels.kernels.shm_loops``, with release and acquire
 atomics in place of ``MPI_Win_sync``): a barrier compiled code can call,
 which yields the core to a peer when the node has more ranks than cores.
 
@@ -122,7 +122,7 @@ _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multip
 def _ufunc(dtype, op):
     """numpy's own ufunc for ``op`` where it is the fastest kernel for ``dtype``, else None (use ``reduce``).
 
-    float16 has a numpy loop but a slow one (``ddlkernels._half``), bfloat16
+    float16 has a numpy loop but a slow one (``ddlkernels.kernels.half``), bfloat16
     none: both go through the backend's ``reduce``.
     """
     return _UFUNC.get(op) if dtype.kind in "fiu" and not is_half(dtype) else None
@@ -130,7 +130,7 @@ def _ufunc(dtype, op):
 
 def cuts(n: int, p: int) -> list[int]:
     """Where the p ranks' blocks of ``n`` elements start, and ``n``: block s is ``[cuts[s], cuts[s + 1])``, the
-    first ``n % p`` blocks one element longer (``ddlkernels._shm_loops._block`` is the same, compiled)."""
+    first ``n % p`` blocks one element longer (``ddlkernels.kernels.shm_loops._block`` is the same, compiled)."""
     q, m = divmod(n, p)
     return [s * q + min(s, m) for s in range(p + 1)]
 
@@ -138,7 +138,7 @@ def cuts(n: int, p: int) -> list[int]:
 #: in one piece that every rank reduces whole, after a single barrier
 #: (``ShmAllreduce._whole``): p - 1 additions of the whole message instead of
 #: (p - 1) / p of it, but one barrier instead of two.  With the pieces
-#: compiled too (``ddlkernels._shm_loops``) the crossover grows with p, as the
+#: compiled too (``ddlkernels.kernels.shm_loops``) the crossover grows with p, as the
 #: whole form's additions do.  ``bench/shm_pieces.py --small --sizes
 #: 4K,8K,12K,16K,24K,32K``, two runs, whole against pieces: with 2 ranks
 #: 4.32 / 2.37 us against 4.68 / 2.83 at 8 KiB, 7.06 / 3.19 against 5.85 /
@@ -153,7 +153,7 @@ WHOLE_BELOW = 64 << 10
 #: Bytes of a message handled per pair of barriers (see the module comment).
 PIECE_BYTES = 1 << 20
 #: An allreduce of at least this many bytes writes ``out`` with non-temporal
-#: stores in its compiled loop (``ddlkernels._shm_loops._stream``): they skip
+#: stores in its compiled loop (``ddlkernels.kernels.shm_loops._stream``): they skip
 #: the read of every output line that a normal store makes first, a third of
 #: a large copy's memory traffic, but a caller that reads ``out`` soon would
 #: find it in the cache without them.  ``bench/shm_pieces.py --stream``, the
@@ -189,7 +189,7 @@ GATHER_STREAM_FROM = 2 << 20
 # (``ddlkernels._tuner.SPILL_FROM``).
 _ALIGN = 64
 #: Polls before a rank waiting in a barrier yields its core between polls
-#: (``ddlkernels._shm_loops``).  ``bench/shm_pieces.py --small --spins
+#: (``ddlkernels.kernels.shm_loops``).  ``bench/shm_pieces.py --small --spins
 #: 0,30,100,300,1000,3000,10000 --sizes 4K,16K``, float32 sum at 4 KiB: with 2
 #: ranks 1.14-1.15 us from 1000 polls up, 1.41-1.44 us below; with 4 ranks on
 #: the 2 cores 8.7-9.6 us up to 1000, 11.6 at 3000 and 17.3 at 10000, where a
@@ -320,13 +320,13 @@ class ShmAllreduce:
         #: index names it to peers: (this rank's address, bytes, every rank's uint8 view, window, a weak
         #: reference to the array ``empty`` returned).
         self._regions = []
-        #: Every rank's region at its address here, a row per region (``ddlkernels._shm_loops._peer_inputs``).
+        #: Every rank's region at its address here, a row per region (``ddlkernels.kernels.shm_loops._peer_inputs``).
         self._bases = np.zeros((0, self.p), dtype=np.int64)
 
     def _allocate(self):
         from mpi4py import MPI
 
-        from . import _shm_loops  # imports Numba: only jobs that use the window pay for it
+        from .kernels import shm_loops as _shm_loops  # imports Numba: only jobs that use the window pay for it
 
         info = MPI.Info.Create()
         # Each rank's segment on its own pages, first touched by that rank.
@@ -457,7 +457,7 @@ class ShmAllreduce:
         return anywhere.astype(bool).tolist()
 
     def _barrier(self, deadline):
-        """Every rank of the window's communicator, through the flags (``ddlkernels._shm_loops``).
+        """Every rank of the window's communicator, through the flags (``ddlkernels.kernels.shm_loops``).
 
         With a deadline the rank arrives, then polls from Python until all
         have (``Deadline.wait_mpi``), so that ranks with and without a
@@ -547,7 +547,7 @@ class ShmAllreduce:
 
     def _compiled(self, dtype, n, op, spill=False):
         """``f(x, out)``: the pieces of an ``n``-element message as one compiled call
-        (``ddlkernels._shm_loops.pieces_allreduce``), for a numpy ufunc's dtype and op and no deadline (cached).
+        (``ddlkernels.kernels.shm_loops.pieces_allreduce``), for a numpy ufunc's dtype and op and no deadline (cached).
 
         Every address is looked up once.  While shared regions exist
         (``empty``) ``f`` publishes where its input lies, as the Python pieces
@@ -559,7 +559,7 @@ class ShmAllreduce:
         if fn is not None:
             return fn
         step = max(1, self.piece_bytes // dtype.itemsize)
-        # Every rank's stage and result as addresses (``ddlkernels._shm_loops._row``), valid until ``free``.
+        # Every rank's stage and result as addresses (``ddlkernels.kernels.shm_loops._row``), valid until ``free``.
         stages = self._seg_addrs
         results = stages + self._stage_bytes
         fn = self._loop_fn(self._loops.pieces_allreduce[OPCODES[op]], 2 * -(-n // step), (stages, results, self.rank),
@@ -619,7 +619,7 @@ class ShmAllreduce:
 
         The same steps on the same two alternating stages -- copy in,
         barrier, fold in rank order -- as one compiled call
-        (``ddlkernels._shm_loops.small_fold`` over all of it), every view looked up
+        (``ddlkernels.kernels.shm_loops.small_fold`` over all of it), every view looked up
         once: a latency-bound call is mostly the overhead around its work.
         """
         key = (dtype, n, op)
@@ -696,7 +696,7 @@ class ShmAllreduce:
 
     def _compiled_shards(self, kind, dtype, op, bounds, stream=False):
         """``f(x, out)``: the sub-chunk loop of ``reduce_scatter`` or ``allgather`` as one compiled call
-        (``ddlkernels._shm_loops.pieces_reduce_scatter`` / ``pieces_allgather``), every address looked up once.
+        (``ddlkernels.kernels.shm_loops.pieces_reduce_scatter`` / ``pieces_allgather``), every address looked up once.
         ``stream``: the allgather writes its output with non-temporal stores.
 
         Shared inputs (``empty``) are published and read where they lie, as in ``_compiled``.

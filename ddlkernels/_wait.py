@@ -156,7 +156,7 @@ class Deadline:
         """
         for i, req in enumerate(sends):
             if not self.poll(req):
-                from ._schedule import chunk_ranges
+                from .ring.schedule import chunk_ranges
 
                 labels = [(0, k, a, b) for k, (a, b) in enumerate(chunk_ranges(*ring[0].send, chunk))]
                 for st in ring[:-1]:

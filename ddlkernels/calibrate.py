@@ -268,7 +268,7 @@ def _chunk_overhead(comm, topo: Topology, reps: int) -> tuple[float, float, floa
     returns ``(overhead, engine time, model time)``, the same on every rank.
     """
     from ._comm import Communicator
-    from ._schedule import Plan
+    from .ring.schedule import Plan
     from .simulator import simulate
 
     p = comm.Get_size()

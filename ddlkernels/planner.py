@@ -45,7 +45,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ._schedule import Plan
+from .ring.schedule import Plan
 from .topology import Topology
 
 __all__ = ["choose_plan", "candidates", "model_time", "lower_bound", "factorizations", "DEFAULT_CHUNK_BYTES"]

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._schedule import Plan, build_schedule, chunk_ranges, rings as _rings
+from .ring.schedule import Plan, build_schedule, chunk_ranges, rings as _rings
 from .topology import Topology
 
 __all__ = ["simulate", "SimResult", "ScheduleError", "DEFAULT_CHUNK_BYTES"]

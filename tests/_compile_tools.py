@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ddlkernels._kernel_sources import kernel_dir, nvrtc_options
+from ddlkernels.kernels.sources import kernel_dir, nvrtc_options
 
 __all__ = ["nvrtc", "nvcc", "nvcc_path", "ptxas_path", "ptxas", "parse_ptxas", "ptx_entries", "vectorized",
            "numba_ptx", "NVRTC_ARCHS", "NVCC_ARCHS", "NUMBA_ARCHS", "nvrtc_supported", "nvcc_supported"]

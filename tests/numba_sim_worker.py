@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
 import _kernel_ref as K  # noqa: E402
-from ddlkernels import _numba_kernels as N  # noqa: E402
+from ddlkernels.kernels import numba_cuda as N  # noqa: E402
 
 # Small grids: the simulator runs each thread as a Python thread (~140 us each).
 # 2 x 16 = 32 threads; lengths up to 131 make the grid-stride loops wrap.

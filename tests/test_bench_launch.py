@@ -38,7 +38,7 @@ def test_launch_merges_forced_algorithms(tmp_path):
 
 
 def test_launch_refuses_under_mpirun_and_forced_algorithm_needs_launch():
-    from ddlkernels import _cli_bench
+    from ddlkernels.tools import bench_cli as _cli_bench
 
     with pytest.raises(SystemExit, match="needs --launch"):
         _cli_bench.main(["--mpi-algorithm", "ring"])

@@ -182,13 +182,13 @@ def test_additive_sizes_as_nccl_tests_f_1():
 
 
 def _parse(argv):
-    from ddlkernels.__main__ import build_parser
+    from ddlkernels.tools.cli import build_parser
 
     return build_parser().parse_args(argv)
 
 
 def test_job_and_bench_take_nccl_tests_options():
-    from ddlkernels._cli_bench import expand_nccl_arguments
+    from ddlkernels.tools.bench_cli import expand_nccl_arguments
 
     for cmd in ("job", "bench"):
         a = _parse([cmd, "-b", "8", "-e", "32", "-f", "2", "-n", "5", "-w", "1", "-c", "0", "-o", "avg", "-d", "half",
@@ -225,7 +225,7 @@ def test_options_that_cannot_run_are_refused_with_the_way_out(argv, message, cap
 @pytest.mark.parametrize("argv,message", [(["-o", "mulsum"], "premultiplied sum"), (["-d", "int8"], "8-bit integers"),
                                           (["-d", "uint64"], "unsigned"), (["-f", "0"], "factor >= 2")])
 def test_nccl_tests_values_we_do_not_reduce_are_refused(argv, message):
-    from ddlkernels._cli_bench import expand_nccl_arguments
+    from ddlkernels.tools.bench_cli import expand_nccl_arguments
 
     for cmd in ("job", "bench"):
         with pytest.raises(SystemExit, match=message):

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _compile_tools as C  # noqa: E402
 import _kernel_ref as K  # noqa: E402
 
-from ddlkernels import _numba_kernels as N  # noqa: E402
-from ddlkernels._kernel_sources import SOURCES, kernel_dir  # noqa: E402
+from ddlkernels.kernels import numba_cuda as N  # noqa: E402
+from ddlkernels.kernels.sources import SOURCES, kernel_dir  # noqa: E402
 
 REDUCE = {f"ddl_reduce_{op}_{K.SUFFIX[dt]}" for op in K.OPS for dt in K.DTYPES}
 EXPECTED = {"reduce.cu": REDUCE, "pack.cu": {"ddl_pack", "ddl_unpack"}}

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddlkernels._cuda_aware import cuda_aware, gpu_info
-from ddlkernels._kernel_sources import SOURCES, cuda_include_dirs, kernel_dir, read_source
+from ddlkernels.transport.cuda_aware import cuda_aware, gpu_info
+from ddlkernels.kernels.sources import SOURCES, cuda_include_dirs, kernel_dir, read_source
 from ddlkernels.backends._detect import has_module, is_cupy_array, is_foreign_cuda_array, is_numba_array
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,12 +164,12 @@ def test_kernel_sources_in_a_wheel(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     (whl,) = wheels.glob("ddlkernels-*.whl")
     names = zipfile.ZipFile(whl).namelist()
-    assert {"ddlkernels/kernels/reduce.cu", "ddlkernels/kernels/pack.cu"} <= set(names)
+    assert {"ddlkernels/kernels/cuda/reduce.cu", "ddlkernels/kernels/cuda/pack.cu"} <= set(names)
     site = tmp_path / "site"
     with zipfile.ZipFile(whl) as z:
         z.extractall(site)
-    code = "from ddlkernels._kernel_sources import kernel_dir, read_source; print(kernel_dir()); read_source('pack.cu')"
+    code = "from ddlkernels.kernels.sources import kernel_dir, read_source; print(kernel_dir()); read_source('pack.cu')"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=str(site)), cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
-    assert Path(res.stdout.strip()) == site / "ddlkernels" / "kernels"
+    assert Path(res.stdout.strip()) == site / "ddlkernels" / "kernels" / "cuda"

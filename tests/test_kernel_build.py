@@ -3,7 +3,7 @@ the disk cache, the headers of the right CUDA, and numba-cuda under a numpy with
 
 CuPy appends ``-ftz=true`` to every NVRTC compile it makes (after the caller's options), and on an H100
 every float32 and bfloat16 kernel then flushed subnormals (1e-40 + 0 gave 0).  The kernels are therefore
-compiled by ``ddlkernels._kernel_sources.compile_source`` with our own options; the PTX it produces must
+compiled by ``ddlkernels.kernels.sources.compile_source`` with our own options; the PTX it produces must
 contain no ``.ftz`` instruction, while the same source compiled with CuPy's appended flag does.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ddlkernels import _kernel_sources as KS
+from ddlkernels.kernels import sources as KS
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy (its NVRTC binding) is not installed")
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,7 +131,7 @@ def test_numba_cuda_compiles_under_a_numpy_without_row_stack():
     if plain.returncode == 0:
         pytest.skip("this numba-cuda compiles without numpy.row_stack: there is nothing to guard against")
     assert "row_stack" in plain.stderr, plain.stderr[-3000:]
-    ours = _run("from ddlkernels import _numba_kernels as N\n"
+    ours = _run("from ddlkernels.kernels import numba_cuda as N\n"
                 "ptx, _ = cuda.compile_ptx(N.reduce_kernel('sum', 'f32', python=True), N.kernel_signature('f32'),"
                 " cc=(8, 0))\nassert 'ddl_reduce_sum_f32' in ptx")
     assert ours.returncode == 0, ours.stderr[-3000:]

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ddlkernels import _half
+from ddlkernels.kernels import half as _half
 from ddlkernels._dtypes import BFLOAT16, SUPPORTED_DTYPES, acc_dtype, dtype_name
 from ddlkernels.backends import get_backend
 
@@ -29,7 +29,7 @@ def bits(x):
 
 @pytest.fixture(params=["compiled", "numpy"])
 def half_path(request, monkeypatch):
-    """float16/bfloat16 through ddlkernels._half's kernels, or through the numpy code used without Numba."""
+    """float16/bfloat16 through ddlkernels.kernels.half's kernels, or through the numpy code used without Numba."""
     if request.param == "numpy":
         monkeypatch.setitem(_half._STATE, "ok", False)
     else:
@@ -80,7 +80,7 @@ def test_wire_views_share_memory():
 
 def test_half_kernels_are_used_here():
     """Numba is a dependency: a machine of this project must not fall back to numpy's float16 loops silently."""
-    assert _half.available(), "ddlkernels._half could not compile its kernels (is numba installed?)"
+    assert _half.available(), "ddlkernels.kernels.half could not compile its kernels (is numba installed?)"
 
 
 HALF = [np.dtype(np.float16), BFLOAT16]
@@ -106,7 +106,7 @@ def test_half_kernels_every_bit_pattern(dtype, op):
         else:
             expect = UF[op](a, b)
     scale = 1 / 3 if op == "avg" else None
-    for form in ("apart", "into a", "into b"):  # three compiled loops (ddlkernels._half_loops)
+    for form in ("apart", "into a", "into b"):  # three compiled loops (ddlkernels.kernels.half_loops)
         x, y = a.copy(), b.copy()
         dst = {"apart": np.empty_like(a), "into a": x, "into b": y}[form]
         assert _half.reduce(op, dst, x, y, scale)
@@ -158,7 +158,7 @@ WIDE = [np.float32, np.float64, np.int32, np.int64]
 
 @pytest.fixture(params=["compiled", "numpy"])
 def wide_path(request, monkeypatch):
-    """float32/float64/int32/int64 sum and prod through ddlkernels._host_loops, or numpy's ufunc (no Numba)."""
+    """float32/float64/int32/int64 sum and prod through ddlkernels.kernels.host_loops, or numpy's ufunc (no Numba)."""
     from ddlkernels.backends import _numpy as nb
 
     if request.param == "numpy":
@@ -204,7 +204,7 @@ def test_wide_reduce_every_layout_and_alias_matches_numpy_bitwise(dtype, op, n, 
 def test_streamed_loop_writes_numpys_bits_and_nothing_around_dst(dtype, op, n):
     """``stream_from=0``: every out-of-place dst written with non-temporal stores in 16 KiB blocks (whole 64-byte
     lines; memcpy before the first line boundary and after the last), at every offset and length."""
-    from ddlkernels._host_loops import reduce as loop
+    from ddlkernels.kernels.host_loops import reduce as loop
 
     code = {"sum": 0, "prod": 1}[op]
     with np.errstate(all="ignore"):
@@ -226,7 +226,7 @@ def test_streamed_loop_writes_numpys_bits_and_nothing_around_dst(dtype, op, n):
 
 def test_backend_streams_from_the_threshold_with_the_same_bits():
     """Through ``NumpyBackend.reduce`` at ``STREAM_FROM`` bytes (where it streams) and just below it."""
-    from ddlkernels._host_loops import STREAM_FROM
+    from ddlkernels.kernels.host_loops import STREAM_FROM
 
     for n in (STREAM_FROM // 4, STREAM_FROM // 4 - 3):
         a, b = sample(n, np.float32, 1), sample(n, np.float32, 2)
@@ -239,7 +239,7 @@ def test_backend_streams_from_the_threshold_with_the_same_bits():
 def test_wide_reduce_partial_overlap_is_numpys_result(dtype, wide_path):
     """dst overlapping an operand but not the same elements: the compiled loop declines, numpy's ufunc (which
     buffers) computes it."""
-    from ddlkernels._host_loops import reduce as loop
+    from ddlkernels.kernels.host_loops import reduce as loop
 
     b = sample(1001, dtype, 7)
     for shift in (1, -1, 3):
@@ -256,7 +256,7 @@ def test_wide_reduce_partial_overlap_is_numpys_result(dtype, wide_path):
 
 
 def test_wide_loop_declines_mismatched_lengths_without_writing():
-    from ddlkernels._host_loops import reduce as loop
+    from ddlkernels.kernels.host_loops import reduce as loop
 
     a, b, d = np.ones(8, np.float32), np.ones(7, np.float32), np.zeros(8, np.float32)
     assert loop[0](d, a, b) is False and not d.any()

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from ddlkernels import topology as T
-from ddlkernels._schedule import Plan
+from ddlkernels.ring.schedule import Plan
 from ddlkernels.planner import candidates, choose_plan, factorizations, lower_bound, model_time
 from ddlkernels.simulator import simulate
 from ddlkernels.topology import Level, Topology

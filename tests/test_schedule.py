@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from ddlkernels._schedule import Plan, build_schedule, chunk_ranges, coords, shard_bounds, split, validate_dims
+from ddlkernels.ring.schedule import Plan, build_schedule, chunk_ranges, coords, shard_bounds, split, validate_dims
 
 
 def factorizations(p, max_k=3):

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from ddlkernels import topology as T
-from ddlkernels._schedule import Plan, build_schedule
+from ddlkernels.ring.schedule import Plan, build_schedule
 from ddlkernels.simulator import ScheduleError, simulate
 from ddlkernels.topology import Level, Topology
 

@@ -1,7 +1,7 @@
 """The CuPy backend: CuPy arrays, and CUDA arrays of other libraries through DLPack, zero-copy.
 
 Kernels are kernels/reduce.cu and kernels/pack.cu, compiled by NVRTC with
-our own options (``ddlkernels._kernel_sources.compile_source``: CuPy's
+our own options (``ddlkernels.kernels.sources.compile_source``: CuPy's
 ``RawModule`` would append ``-ftz=true`` and flush subnormals), loaded once
 per device, their functions looked up once.
 
@@ -24,7 +24,7 @@ import contextlib
 import numpy as np
 
 from .._dtypes import BFLOAT16
-from .._kernel_sources import compile_source
+from ..kernels.sources import compile_source
 from . import BackendUnavailable
 from ._device import DeviceBackend, pack_offsets, storage_dtype
 

@@ -15,7 +15,7 @@ that stream this thread's compute stream for the call (``using``); the
 kernels, and the transports' events, use ``compute_stream()``.
 
 Besides the ``Backend`` interface, device backends offer what the staging
-transport (``ddlkernels._staged``) and the progress thread need, in the
+transport (``ddlkernels.transport.staged``) and the progress thread need, in the
 array library's own terms:
 
 =========================  ====================================================
@@ -48,7 +48,7 @@ import threading
 import numpy as np
 
 from .._dtypes import BFLOAT16
-from .._numba_kernels import ARG_TYPES, suffix_of
+from ..kernels.numba_cuda import ARG_TYPES, suffix_of
 from . import Backend
 
 __all__ = ["DeviceBackend", "storage_dtype", "pack_offsets"]

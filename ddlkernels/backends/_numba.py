@@ -1,6 +1,6 @@
 """The Numba-CUDA backend: numba device arrays (and CUDA arrays of other libraries, zero-copy).
 
-Kernels are those of ``ddlkernels._numba_kernels``, launched on the
+Kernels are those of ``ddlkernels.kernels.numba_cuda``, launched on the
 caller's stream (``stream_of``): Numba's default stream for Numba arrays (as
 a Numba kernel launched without a stream runs), torch's current stream for
 torch tensors, or the ``stream=`` given.  The staging transport's copy stream
@@ -20,7 +20,7 @@ import contextlib
 import numpy as np
 
 from .._dtypes import BFLOAT16
-from .._numba_kernels import launch_config, pack_kernel, reduce_kernel, unpack_kernel
+from ..kernels.numba_cuda import launch_config, pack_kernel, reduce_kernel, unpack_kernel
 from . import BackendUnavailable
 from ._device import DeviceBackend, pack_offsets, storage_dtype
 

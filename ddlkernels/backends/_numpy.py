@@ -2,9 +2,9 @@
 
 Every kernel writes into caller-owned memory, so a ring step allocates
 nothing: for the sum and product of float32, float64, int32 and int64 one
-compiled loop of ``ddlkernels._host_loops`` (numpy's own runs at half speed
+compiled loop of ``ddlkernels.kernels.host_loops`` (numpy's own runs at half speed
 on operands at different offsets within a cache line), numpy's ufuncs for
-max, min and the other integers, one compiled pass of ``ddlkernels._half``
+max, min and the other integers, one compiled pass of ``ddlkernels.kernels.half``
 for float16 and bfloat16 (numpy's own loops for them run at a few percent
 of memory bandwidth).  Without Numba, numpy's ufuncs and the numpy code
 below compute the same bits.
@@ -16,30 +16,30 @@ import threading
 
 import numpy as np
 
-from .. import _half
+from ..kernels import half as _half
 from .._dtypes import BFLOAT16, acc_dtype, is_half
 from . import Backend
 
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 #: (op, dtype) -> ufunc for the sums and products whose reduction is numpy's own loop with nothing
-#: around it (not float16/bfloat16, which go through ddlkernels._half), looked up first by ``reduce``
+#: around it (not float16/bfloat16, which go through ddlkernels.kernels.half), looked up first by ``reduce``
 #: and called with ``out`` positionally: numpy parses a keyword ``out=`` for ~0.2 us per call
 #: (``python -m timeit``: 451 vs 213 ns for a 16-element add), which shows on the in-cache chunks of
 #: the ring and the window.  Not max/min: numpy 2 deprecates their positional ``out``.
 _DIRECT = {(op, np.dtype(t)): _UFUNC[op] for op in ("sum", "prod")
            for t in (np.float32, np.float64, np.int32, np.int64)}
-#: _DIRECT's ops -> index into ``ddlkernels._host_loops.reduce`` (its SUM, PROD), the compiled loop tried
+#: _DIRECT's ops -> index into ``ddlkernels.kernels.host_loops.reduce`` (its SUM, PROD), the compiled loop tried
 #: first for those pairs on 1-D arrays (numpy's loop halves its speed on operands at different offsets
 #: within a cache line).
 _COMPILED = {"sum": 0, "prod": 1}
-#: ``[reduce]`` of ``ddlkernels._host_loops`` once imported, ``[None]`` where Numba cannot be (numpy then).
+#: ``[reduce]`` of ``ddlkernels.kernels.host_loops`` once imported, ``[None]`` where Numba cannot be (numpy then).
 _LOOP: list = []
 
 
 def _host_loop():
     if not _LOOP:
         try:
-            from .._host_loops import reduce as loop
+            from ..kernels.host_loops import reduce as loop
         except Exception:  # noqa: BLE001 - no Numba here: numpy's loop computes the same bits
             loop = None
         _LOOP.append(loop)
@@ -130,7 +130,7 @@ class NumpyBackend(Backend):
                 return
         if avg_p is not None and op != "sum":
             raise ValueError("avg_p is only defined for the sum")
-        # float16/bfloat16: one compiled pass (ddlkernels._half); numpy below
+        # float16/bfloat16: one compiled pass (ddlkernels.kernels.half); numpy below
         # only where Numba is missing.
         if is_half(dst.dtype):
             if _half.reduce(op if avg_p is None else "avg", dst, a, b, None if avg_p is None else 1.0 / avg_p):

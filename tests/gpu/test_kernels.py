@@ -1,7 +1,7 @@
 """The reduce and pack kernels of both device backends on a real GPU, bit for bit against numpy.
 
 Every reduce kernel (CuPy: kernels/reduce.cu compiled by NVRTC with our own
-options; Numba: ddlkernels._numba_kernels) x dtype x op x pointer alignment
+options; Numba: ddlkernels.kernels.numba_cuda) x dtype x op x pointer alignment
 (all aligned, all at the same odd offset, three different offsets) x sizes
 from 0 to past the kernel's grid cap (where the grid-stride loops wrap),
 against ddlkernels' numpy backend (tests/_kernel_ref.py: the first elements
@@ -166,7 +166,7 @@ def test_cupy_kernels_come_from_our_nvrtc_compile():
 def test_staged_transport_loopback():
     from mpi4py import MPI
 
-    from ddlkernels._staged import StagedTransport
+    from ddlkernels.transport.staged import StagedTransport
     from ddlkernels.backends import get_backend
 
     be = get_backend("cupy")

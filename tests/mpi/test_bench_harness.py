@@ -148,7 +148,7 @@ def test_link_counts_a_missing_message(comm):
 
 
 def test_command_exits_1_on_a_wrong_result(comm, monkeypatch):
-    from ddlkernels import _cli_bench
+    from ddlkernels.tools import bench_cli as _cli_bench
 
     monkeypatch.setattr(B, "make_impls", lambda kind, *a, **k: [_broken(kind, "one")])
     args = ["-b", "1K", "-e", "1K", "-n", "2", "-w", "0", "--no-progress", "--quiet"]
@@ -223,7 +223,7 @@ def test_a_line_settling_in_warmup_runs_amid_the_other_lines_as_its_timed_sample
 def test_job_speaks_nccl_tests(comm, capsys, tmp_path):
     """``job -d half -o avg -c 1 --csv``: nccl-tests' type and op names in the rows, its closing lines, the CSV
     records, every record checked and right."""
-    from ddlkernels.__main__ import main
+    from ddlkernels.tools.cli import main
 
     path = str(tmp_path / "job.csv") if comm.Get_rank() == 0 else None
     path = comm.bcast(path, root=0)
@@ -248,7 +248,7 @@ def test_job_speaks_nccl_tests(comm, capsys, tmp_path):
 
 
 def test_bench_csv_to_stdout_replaces_the_table(comm, capsys):
-    from ddlkernels import _cli_bench
+    from ddlkernels.tools import bench_cli as _cli_bench
 
     rc = _cli_bench.main(["--collective", "reduce_scatter", "-d", "double", "-o", "max", "-b", "1K", "-e", "1K",
                           "-n", "2", "-w", "1", "-c", "0", "--impls", "ddlkernels,mpi", "--no-progress",

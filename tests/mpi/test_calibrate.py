@@ -73,7 +73,7 @@ def test_structure_of_wrong_size(world):
 
 
 def test_cli_writes_a_loadable_file(world):
-    from ddlkernels.__main__ import main
+    from ddlkernels.tools.cli import main
 
     path = world.bcast(tempfile.mktemp(suffix=".json") if world.Get_rank() == 0 else None)
     main(["calibrate", "--out", path, "--sizes", "8,64K,1M", "--reps", "2"])

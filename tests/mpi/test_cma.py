@@ -146,7 +146,7 @@ def test_a_shared_input_goes_through_no_system_call():
     """Every peer's pid replaced by one that cannot exist: a read through the kernel fails and is counted.  With
     every x shared and the allgather pulling, only its reads (p - 1 a rank) fail; with private inputs the
     reduce-scatter's fail too.  So the shared reads are plain loads, and my own block is still folded right."""
-    from ddlkernels import _shm_loops
+    from ddlkernels.kernels import shm_loops as _shm_loops
     from ddlkernels._shm import OPCODES
 
     shm = ShmAllreduce(COMM, whole_below=0)

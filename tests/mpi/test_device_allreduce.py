@@ -9,7 +9,7 @@ same operations in the same order -- and be the same on every rank.
 
 MPI here is not CUDA-aware (PyPI's Open MPI), and the Communicator is told so
 explicitly: every chunk goes device -> pinned host -> MPI -> pinned host ->
-device through ``ddlkernels._staged.StagedTransport``.
+device through ``ddlkernels.transport.staged.StagedTransport``.
 """
 
 import numpy as np
@@ -20,7 +20,7 @@ from numba import cuda
 
 import ddlkernels
 from ddlkernels._dtypes import BFLOAT16, SUPPORTED_DTYPES, dtype_name
-from ddlkernels._staged import StagedTransport
+from ddlkernels.transport.staged import StagedTransport
 from ddlkernels.backends import backend_for, get_backend
 
 SIMULATED = bool(getattr(_nb_config, "ENABLE_CUDASIM", 0))

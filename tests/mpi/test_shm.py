@@ -521,7 +521,7 @@ def _special(dtype, n, rank):
 @pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
 @pytest.mark.parametrize("form", ["whole", "pieces"])
 def test_compiled_calls_keep_numpys_bits_for_nan_zero_and_inf(dtype, op, form):
-    """The compiled small-message call and the compiled pieces (ddlkernels._shm_loops) are numpy's ufunc fold bit
+    """The compiled small-message call and the compiled pieces (ddlkernels.kernels.shm_loops) are numpy's ufunc fold bit
     for bit, signed zeros, infinities and NaNs included, in and out of place -- but for which NaN a sum or product
     of two NaNs returns, which numpy itself does not fix (it varies with the element's place in the array): there
     the result is a NaN of one of the inputs, quieted, and the same on every rank."""

@@ -24,7 +24,8 @@ import pytest
 from mpi4py import MPI
 
 import ddlkernels
-from ddlkernels import _async, _comm, _staged, _transport
+from ddlkernels import _async, _comm
+from ddlkernels.transport import direct as _transport, staged as _staged
 from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name
 from stream_emulator import emulated_device
 
@@ -297,7 +298,7 @@ def _torch_mutation():
     torch = pytest.importorskip("torch")  # noqa: F841
     import ddlkernels.torch as ddt
 
-    return ("optimizer-pack-waits-for-last-unpack", ddt._DistributedOptimizer, "_ddl_start",
+    return ("optimizer-pack-waits-for-last-unpack", ddt.optimizer._DistributedOptimizer, "_ddl_start",
             "be.wait(be.compute_stream(), self._ddl_unpacked[k])", 0, ["torch"])
 
 

@@ -8,7 +8,7 @@ bfloat16 path at 13 %.  Gradients are often exchanged in these types, so
 this is where a host allreduce of them spent its time.
 
 Each kernel is one loop that Numba compiles for the host CPU, and that LLVM
-vectorises (``ddlkernels._half_loops``, cached on disk)::
+vectorises (``ddlkernels.kernels.half_loops``, cached on disk)::
 
     dst[i] = narrow(widen(a[i]) + widen(b[i]))          sum
     dst[i] = narrow(widen(a[i]) * widen(b[i]))          prod
@@ -42,7 +42,7 @@ import threading
 
 import numpy as np
 
-from ._dtypes import BFLOAT16
+from .._dtypes import BFLOAT16
 
 __all__ = ["reduce", "available"]
 
@@ -52,7 +52,7 @@ _LOOPS: list = []  # [(apart, into_a, into_b)] once defined
 _STATE = {"ok": None}  # None: not tried yet; then True/False
 
 
-#: The codes ``ddlkernels._half_loops`` takes for an op and a type.
+#: The codes ``ddlkernels.kernels.half_loops`` takes for an op and a type.
 _OPS = {"sum": 0, "prod": 1, "avg": 2, "max": 3, "min": 4}
 _KINDS = {"f16": 0, "bf16": 1}
 
@@ -76,11 +76,11 @@ def _try_compile() -> bool:
 
 
 def _loops():
-    """``(apart, into_a, into_b)`` of ``ddlkernels._half_loops``."""
+    """``(apart, into_a, into_b)`` of ``ddlkernels.kernels.half_loops``."""
     if not _LOOPS:
         with _LOCK:
             if not _LOOPS:
-                from . import _half_loops as k  # imports (and may compile) here, not at import of _half
+                from . import half_loops as k  # imports (and may compile) here, not at import of this module
 
                 _LOOPS.append((k.apart, k.into_a, k.into_b))
     return _LOOPS[0]

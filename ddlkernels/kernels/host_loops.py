@@ -86,7 +86,7 @@ def _mul(u, v):
     return u * v
 
 
-# ddlkernels._shm_loops._stream_memcpy without its fence (one fence per call here, not per block), copied
+# ddlkernels.kernels.shm_loops._stream_memcpy without its fence (one fence per call here, not per block), copied
 # rather than imported for the reason in the module comment.
 @intrinsic
 def _stream_lines(typingctx, dst, src):
@@ -202,7 +202,7 @@ def _checked(d, a, b, combine, stream_from):
     return _reduce(d, a, b, combine, n * d.itemsize >= stream_from)
 
 
-# One compiled function per op, as the shared-memory loops (``ddlkernels._shm_loops``, the comment above
+# One compiled function per op, as the shared-memory loops (``ddlkernels.kernels.shm_loops``, the comment above
 # ``small_fold_sum``): a process compiles only the ops it calls.  The ring's first call in
 # ``bench/first_calls.py`` (empty Numba cache) took 2.0-2.2 s with 2 ranks and 4.2-4.7 s with 4 while one
 # function held both ops, 1.37 s and 2.88 s after.

@@ -54,7 +54,7 @@ CUDA simulator they are synchronous, which exercises the same code paths.
 
 from __future__ import annotations
 
-from ._transport import Transport
+from .direct import Transport
 
 __all__ = ["StagedTransport"]
 

@@ -53,7 +53,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic, overload
 from numba.np.arrayobj import make_array
 
-from ._shm import FLAG_STRIDE as STRIDE
+from .._shm import FLAG_STRIDE as STRIDE
 
 
 def _element_pointer(context, builder, arrty, arr, idx):

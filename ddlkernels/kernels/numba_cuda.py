@@ -86,7 +86,7 @@ def suffix_of(dtype) -> str:
     for suf, st in _STORAGE.items():
         if dt == np.dtype(st):
             return suf
-    from ._dtypes import BFLOAT16
+    from .._dtypes import BFLOAT16
 
     if BFLOAT16 is not None and dt == BFLOAT16:
         return "bf16"

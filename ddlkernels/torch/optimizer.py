@@ -1,13 +1,4 @@
-"""PyTorch data parallelism in Horovod's shape: gradient reduction overlapped with backward.
-
-    import ddlkernels.torch as ddt
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt = ddt.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-    ddt.broadcast_parameters(model.state_dict(), root=0)      # same start on every rank
-    for x, y in loader:                                        # each rank its own shard
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()                        # buckets reduce while this runs
-        opt.step()                                             # waits, then updates
+"""``DistributedOptimizer``: gradient reduction overlapped with backward, in Horovod's shape.
 
 Worked example of one step, a 3-layer MLP, fusion buckets in reverse layer
 order (backward produces the last layer's gradients first)::
@@ -24,57 +15,26 @@ collectives in the same order whatever order the hooks fire in.  The layout
 (names, dtypes, shapes, settings) is compared across ranks once, when the
 optimizer is built.  ``overlap=False`` reduces the same buckets with the same
 algorithm after backward instead (the progress thread's communicator takes
-the settings of ``comm``), so with a fixed ``small_bytes`` (see
-``ddlkernels._tuner``) the parameters are bitwise equal either way.  A
-one-rank job reduces nothing: the average over one rank is the gradient.
-
-DistributedDataParallel instead (docs/gpus.md)::
-
-    ddt.init_process_group("gloo")                   # rank and size from MPI
-    model = torch.nn.parallel.DistributedDataParallel(model.to(ddt.set_device()))
-    model.register_comm_hook(ddt.HookState(), ddt.allreduce_hook)   # buckets reduced by ddlkernels
-
-``ddt.all_reduce(t)`` reduces in place, as ``torch.distributed.all_reduce``;
-``broadcast_object`` and ``broadcast_optimizer_state`` resume a job as
-Horovod's do.
-
-Needs the optional extra: ``pip install ddlkernels[torch]`` (torch >= 2.1).
+the settings of ``comm``), so with a fixed ``small_bytes`` the parameters
+are bitwise equal either way.  A one-rank job reduces nothing: the average
+over one rank is the gradient.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
 
 import numpy as np
+import torch
 
-try:
-    import torch
-except ImportError as _exc:  # pragma: no cover - exercised by tests with torch hidden
-    raise ImportError(
-        "ddlkernels.torch needs PyTorch, which is not installed: pip install ddlkernels[torch]"
-    ) from _exc
+from .._comm import as_communicator
+from .._dtypes import check_dtype, dtype_name, normalize_op
+from .._fusion import FUSION_BYTES, check_same_on_all_ranks, pack_into, plan_buckets, unpack_from
+from ..backends import backend_for
+from .compression import _compressor, _wire_dtype
 
-from ._comm import as_communicator
-from ._dtypes import check_dtype, dtype_name, normalize_op
-from ._fusion import FUSION_BYTES, check_same_on_all_ranks, pack_into, plan_buckets, unpack_from
-from .backends import backend_for
-
-__all__ = [
-    "DistributedOptimizer",
-    "Compression",
-    "broadcast_parameters",
-    "broadcast_object",
-    "broadcast_optimizer_state",
-    "all_reduce",
-    "init_process_group",
-    "set_device",
-    "HookState",
-    "allreduce_hook",
-    "fp16_compress_hook",
-    "bfloat16_compress_hook",
-]
+__all__ = ["DistributedOptimizer", "OPTIMIZER_FUSION_BYTES"]
 
 #: Default bucket size of DistributedOptimizer: small enough that the first
 #: buckets start early in backward, large enough to amortise a collective
@@ -149,7 +109,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # -- construction ------------------------------------------------------------
     def _ddl_setup(self, named_parameters, fusion_bytes, op, bpps, comm, overlap, progress, compression,
                    missing_grads):
-        from ._async import PROGRESS_MODES, progress_engine
+        from .._async import PROGRESS_MODES, progress_engine
 
         opname = normalize_op(op)
         if opname not in ("avg", "sum"):
@@ -252,7 +212,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Collective the first time a mode is used (its engine duplicates the
         communicator).  Raises ``RuntimeError`` while reductions are in flight.
         """
-        from ._async import progress_engine
+        from .._async import progress_engine
 
         if any(w is not None for w in self._ddl_works):
             raise RuntimeError("ddl_set_progress() called while gradient reductions are in flight")
@@ -448,447 +408,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def backend_input_dtype(t) -> np.dtype:
     """The numpy dtype of a torch tensor's elements (bfloat16 as ml_dtypes' bfloat16)."""
-    from ._dtypes import BFLOAT16
+    from .._dtypes import BFLOAT16
 
     if t.dtype == torch.bfloat16:
         return BFLOAT16
     return np.dtype(torch.empty((), dtype=t.dtype).numpy().dtype)
-
-
-def broadcast_parameters(params, root: int = 0, *, comm=None, root_rank=None) -> None:
-    """Overwrite ``params`` on every rank with the root's values, in place (collective).
-
-    ``params``: a ``state_dict()`` (taken in sorted name order, as Horovod
-    does), ``model.named_parameters()``, or a list of tensors.  ``root_rank``
-    is Horovod's name for ``root``.  Raises ``ValueError`` on every rank when
-    the ranks pass different names, dtypes or shapes.
-    """
-    if root_rank is not None:
-        root = root_rank
-    if isinstance(params, Mapping):
-        items = sorted(params.items())
-    else:
-        items = [t if isinstance(t, tuple) else (f"tensor.{i}", t) for i, t in enumerate(params)]
-    c = as_communicator(comm)
-    if not isinstance(root, (int, np.integer)) or not 0 <= root < c.size:
-        raise ValueError(f"root must be a rank in [0, {c.size}), got {root!r}")
-    for name, t in items:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"broadcast_parameters: {name!r} is a {type(t).__name__}, not a torch.Tensor")
-    signature = ["broadcast_parameters", int(root), ()] + [(f"{n} {str(t.dtype)}", tuple(t.shape)) for n, t in items]
-    check_same_on_all_ranks(c.comm, signature, "broadcast_parameters")
-    with torch.no_grad():
-        for _, t in items:
-            host = t.detach()
-            on_host = host.device.type == "cpu" and host.is_contiguous()
-            if not on_host:
-                host = host.to("cpu").contiguous()
-            if host.numel() == 0:
-                continue
-            # Bytes on the wire: MPI has no float16/bfloat16 type, and a
-            # broadcast only moves bits.
-            raw = host.reshape(-1).view(torch.uint8).numpy()
-            c.comm.Bcast(raw, root=root)
-            if not on_host:
-                t.copy_(host)
-
-
-# -- torch habits: the in-place spelling -------------------------------------------------
-
-
-def all_reduce(tensor, op="sum", *, comm=None, async_op: bool = False):
-    """Reduce ``tensor`` over every rank *in place*, as ``torch.distributed.all_reduce(tensor)`` does.
-
-    ``ddlkernels.allreduce(t)`` returns a new tensor and leaves ``t`` alone;
-    this is ``ddlkernels.allreduce(t, op, out=t)``.  ``op``: a name or a
-    ``torch.distributed.ReduceOp``.  ``async_op=True`` returns a handle whose
-    ``wait()`` finishes the reduction (``ddlkernels.allreduce_async``, the
-    progress thread); otherwise ``None``, as torch returns.
-    """
-    from ._async import allreduce_async
-
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"all_reduce: expected a torch.Tensor, got {type(tensor).__name__}")
-    if async_op:
-        return allreduce_async(tensor, op, comm=comm, out=tensor)
-    as_communicator(comm).allreduce(tensor, op, out=tensor)
-    return None
-
-
-# -- Horovod parity: compression, broadcast_object, broadcast_optimizer_state ------------------
-
-
-class _NoneCompressor:
-    """No compression: the gradient travels in its own dtype."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class _CastCompressor:
-    """Floating gradients travel as ``dtype`` and come back in their own; others are left alone."""
-
-    dtype = None
-
-    @classmethod
-    def compress(cls, tensor):
-        if tensor.dtype.is_floating_point and tensor.dtype != cls.dtype:
-            return tensor.to(cls.dtype), tensor.dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor if ctx is None else tensor.to(ctx)
-
-
-class _FP16Compressor(_CastCompressor):
-    """float16 on the wire (Horovod's ``Compression.fp16``): half the bytes, 11 significant bits, range 65504."""
-
-    dtype = torch.float16
-
-
-class _BF16Compressor(_CastCompressor):
-    """bfloat16 on the wire: half the bytes, float32's range, 8 significant bits."""
-
-    dtype = torch.bfloat16
-
-
-class Compression:
-    """Gradient compression for ``DistributedOptimizer(compression=...)``, in Horovod's shape.
-
-    ``Compression.none`` (default), ``Compression.fp16``, ``Compression.bf16``.
-    A compressor has ``compress(tensor) -> (wire_tensor, ctx)`` and
-    ``decompress(wire_tensor, ctx) -> tensor``; any such object is accepted.
-    """
-
-    none = _NoneCompressor
-    fp16 = _FP16Compressor
-    bf16 = _BF16Compressor
-
-
-def _compressor(compression):
-    """None for no compression, else the compressor (checked for Horovod's two methods)."""
-    if compression is None or compression is _NoneCompressor:
-        return None
-    if isinstance(compression, str):
-        named = {"none": None, "fp16": _FP16Compressor, "float16": _FP16Compressor, "bf16": _BF16Compressor,
-                 "bfloat16": _BF16Compressor}
-        if compression not in named:
-            raise ValueError(f"compression {compression!r}: expected one of {', '.join(named)} or a compressor")
-        return named[compression]
-    if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
-        raise TypeError(f"compression must be Compression.none/fp16/bf16 or have compress() and decompress(), "
-                        f"got {compression!r}")
-    return compression
-
-
-def _wire_dtype(compressor, p):
-    """The dtype ``compressor`` sends a gradient of ``p`` in (it is asked with an empty tensor)."""
-    out, _ = compressor.compress(torch.zeros(0, dtype=p.dtype, device=p.device))
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"compression: compress() must return (tensor, ctx), got {type(out).__name__}")
-    return out.dtype
-
-
-def broadcast_object(obj, root_rank: int = 0, *, comm=None):
-    """Return the root's ``obj`` on every rank (pickled; collective), as Horovod's ``broadcast_object``.
-
-    For tensors, move them to the CPU first: a pickled CUDA tensor is
-    unpickled on the same device number as on the root.
-    """
-    c = as_communicator(comm)
-    _check_root(root_rank, c.size)
-    return c.comm.bcast(obj if c.rank == root_rank else None, root=root_rank)
-
-
-def _check_root(root, size):
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < size:
-        raise ValueError(f"root must be a rank in [0, {size}), got {root!r}")
-
-
-class _Slot:
-    """Where a tensor was in a state dict sent without its data (which follows as raw bytes)."""
-
-    __slots__ = ("index", "dtype", "shape")
-
-    def __init__(self, index, dtype, shape):
-        self.index, self.dtype, self.shape = index, dtype, shape
-
-
-def _take_tensors(obj, found):
-    if isinstance(obj, torch.Tensor):
-        found.append(obj)
-        return _Slot(len(found) - 1, obj.dtype, tuple(obj.shape))
-    if isinstance(obj, dict):
-        return {k: _take_tensors(v, found) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_take_tensors(v, found) for v in obj)
-    return obj
-
-
-def _put_tensors(obj, tensors):
-    if isinstance(obj, _Slot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _put_tensors(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_put_tensors(v, tensors) for v in obj)
-    return obj
-
-
-def broadcast_optimizer_state(optimizer, root_rank: int = 0, *, comm=None) -> None:
-    """Load the root's optimizer state (``state_dict()``) into ``optimizer`` on every other rank (collective).
-
-    What resuming a job needs, as Horovod's ``broadcast_optimizer_state``:
-    the per-parameter state (momentum buffers, Adam's moments, step counts)
-    and the hyperparameters of every parameter group (learning rate, ...),
-    whether or not the other ranks' optimizers have stepped yet.  The
-    structure is pickled once; the tensors follow as raw bytes (bfloat16
-    included) and land on their parameters' devices through
-    ``load_state_dict``.  Raises ``ValueError`` on every rank when the ranks'
-    optimizers hold different parameter groups.
-    """
-    c = as_communicator(comm)
-    _check_root(root_rank, c.size)
-    groups = [len(g["params"]) for g in optimizer.param_groups]
-    check_same_on_all_ranks(c.comm, ["broadcast_optimizer_state", int(root_rank), ()] + groups,
-                            "broadcast_optimizer_state")
-    if c.size == 1:
-        return
-    found: list = []
-    if c.rank == root_rank:
-        meta = _take_tensors(optimizer.state_dict(), found)
-    else:
-        meta = None
-    meta, count = c.comm.bcast((meta, len(found)), root=root_rank)
-    if c.rank != root_rank:
-        specs: dict = {}
-
-        def collect(o):
-            if isinstance(o, _Slot):
-                specs[o.index] = o
-            elif isinstance(o, dict):
-                for v in o.values():
-                    collect(v)
-            elif isinstance(o, (list, tuple)):
-                for v in o:
-                    collect(v)
-
-        collect(meta)
-        found = [torch.empty(specs[i].shape, dtype=specs[i].dtype) for i in range(count)]
-    for i, t in enumerate(found):
-        host = t.detach()
-        if host.device.type != "cpu" or not host.is_contiguous():
-            host = host.to("cpu").contiguous()
-        if host.numel():
-            c.comm.Bcast(host.reshape(-1).view(torch.uint8).numpy(), root=root_rank)
-    if c.rank != root_rank:
-        optimizer.load_state_dict(_put_tensors(meta, found))
-
-
-# -- jobs under mpirun: torch.distributed from MPI, one GPU per local rank -----------------
-
-
-def init_process_group(backend: str = "gloo", *, comm=None, master_addr=None, timeout=None) -> None:
-    """Initialise ``torch.distributed`` with the ranks of ``comm`` (default COMM_WORLD): rank and world size
-    from MPI, the rendezvous through a ``TCPStore`` whose port the root picks and MPI broadcasts.
-
-    What ``DistributedDataParallel`` needs under ``mpirun`` (no ``MASTER_ADDR`` /
-    ``MASTER_PORT`` to set).  ``master_addr``: the address the other ranks
-    reach rank 0 at (default 127.0.0.1 when every rank is on one node, else
-    rank 0's host name).  ``timeout``: a ``datetime.timedelta`` for torch.
-    Collective.  Does nothing when ``torch.distributed`` is already
-    initialised with this rank and size; raises ``RuntimeError`` when it is
-    initialised otherwise.
-    """
-    import datetime
-    import socket
-
-    import torch.distributed as dist
-
-    c = as_communicator(comm)
-    mpi = c.comm
-    rank, size = c.rank, c.size
-    if dist.is_initialized():
-        if dist.get_rank() != rank or dist.get_world_size() != size:
-            raise RuntimeError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
-                               f"{dist.get_world_size()}, but this is rank {rank} of {size} of comm")
-        return
-    hosts = mpi.allgather(socket.gethostname())
-    addr = master_addr or ("127.0.0.1" if len(set(hosts)) == 1 else hosts[0])
-    wait = timeout or datetime.timedelta(minutes=5)
-    store, port, error = None, None, None
-    if rank == 0:
-        try:
-            # Port 0: the system picks a free one, so no port is guessed and none can be taken meanwhile.
-            store = dist.TCPStore(addr, 0, size, is_master=True, timeout=wait, wait_for_workers=False)
-            port = store.port
-        except Exception as exc:  # every rank must learn it, or they would wait in bcast forever
-            error = f"{type(exc).__name__}: {exc}"
-    port, error = mpi.bcast((port, error), root=0)
-    if error is not None:
-        raise RuntimeError(f"init_process_group: rank 0 could not open a TCPStore on {addr}: {error}")
-    if rank != 0:
-        store = dist.TCPStore(addr, port, size, is_master=False, timeout=wait)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=wait)
-
-
-def set_device(comm=None) -> "torch.device":
-    """Pin this rank to its GPU (``ddlkernels.local_device``: one per local rank, or the one GPU shared) and
-    return it; ``torch.device("cpu")`` where torch sees no CUDA device.
-
-    Collective over ``comm`` the first time (the local rank comes from MPI),
-    so every rank calls it, with or without a GPU.
-    """
-    from ._local import local_device, local_rank
-
-    local_rank(comm)  # collective on first use: every rank takes part, GPU or not
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
-        return torch.device("cpu")
-    index = local_device(torch.cuda.device_count(), comm)
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
-# -- DistributedDataParallel communication hooks -------------------------------------------
-
-
-class HookState:
-    """The state of ddlkernels' DDP hooks: the communicator and its progress thread.
-
-        model = torch.nn.parallel.DistributedDataParallel(model)
-        model.register_comm_hook(ddlkernels.torch.HookState(), ddlkernels.torch.allreduce_hook)
-
-    ``comm``: mpi4py ``Intracomm`` or ``ddlkernels.Communicator`` (default
-    COMM_WORLD); its ranks must be the process group's, in the same order
-    (``init_process_group`` makes them so).  Creating one is collective (the
-    progress thread duplicates the communicator); passing ``None`` as the
-    hook's state instead creates the default one at the first bucket.
-    """
-
-    def __init__(self, comm=None):
-        from ._async import progress_engine
-
-        self.comm = as_communicator(comm)
-        self.size = self.comm.size
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.size:
-            raise ValueError(f"the DDP hook's communicator has {self.size} ranks but torch.distributed's world "
-                             f"has {dist.get_world_size()}; pass the communicator of the process group's ranks")
-        # The ring runs on the progress thread: DDP waits on the returned future from C++, which
-        # cannot poll MPI_Iallreduce requests (progress="hooks").
-        self.engine = progress_engine(self.comm, "thread")
-
-
-_DEFAULT_HOOK_STATE = None
-
-
-def _hook_state(state) -> HookState:
-    global _DEFAULT_HOOK_STATE
-    if isinstance(state, HookState):
-        return state
-    if state is None:
-        if _DEFAULT_HOOK_STATE is None or _DEFAULT_HOOK_STATE.engine.closed:
-            _DEFAULT_HOOK_STATE = HookState()
-        return _DEFAULT_HOOK_STATE
-    from mpi4py import MPI
-
-    from ._comm import Communicator
-
-    if isinstance(state, (MPI.Intracomm, Communicator)):
-        c = as_communicator(state)
-        cached = getattr(c, "_ddl_hook_state", None)
-        if cached is None or cached.engine.closed:
-            cached = c._ddl_hook_state = HookState(c)
-        return cached
-    raise TypeError(f"the state of ddlkernels' DDP hooks is None, an mpi4py Intracomm, a ddlkernels.Communicator "
-                    f"or a ddlkernels.torch.HookState, got {type(state).__name__} (torch's own hooks take a "
-                    f"process group there; this hook reduces over MPI)")
-
-
-def _bucket_hook(state, bucket, wire=None):
-    """Reduce a DDP bucket's flat gradient on the progress thread; a future of the averaged tensor.
-
-    CPU: the reduction runs in the bucket's memory; the future is completed
-    from the progress thread when it is done, so backward goes on meanwhile.
-    CUDA: an event recorded on the current stream at the call marks the
-    bucket's values as produced; the progress thread waits for it before
-    reducing, then for the reduction's kernels (its current stream); the
-    future is a CUDA-aware ``torch.futures.Future(devices=[...])``, whose
-    ``set_result`` records an event on the progress thread's current stream
-    (where the decompressing copy ran), and DDP's wait makes its own stream
-    wait for that event.
-    """
-    st = _hook_state(state)
-    buf = bucket.buffer()
-    dev = buf.device
-    cuda = dev.type == "cuda"
-    fut = torch.futures.Future(devices=[dev]) if cuda else torch.futures.Future()
-    if st.size == 1:  # the average over one rank is the gradient itself
-        fut.set_result(buf)
-        return fut
-    if wire is not None and buf.dtype.is_floating_point and buf.dtype != wire:
-        # As torch's fp16_compress_hook: divided first (one rounding, in the gradient's own dtype), so the
-        # 16-bit sum overflows only where the average would; the result comes back into the bucket.
-        buf.div_(st.size)
-        send, op = buf.to(wire), "sum"
-    else:
-        send, op = buf, "avg"
-    ready = None
-    if cuda:
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(dev))
-
-    def run(c):
-        try:
-            if ready is not None:
-                ready.synchronize()
-            c.allreduce(send, op, out=send)  # on this thread's current torch stream of dev (Backend.stream_of)
-            if cuda:
-                torch.cuda.current_stream(dev).synchronize()
-            if send is not buf:
-                buf.copy_(send)
-                if cuda:  # send's memory must outlive the copy queued on this thread's stream
-                    send.record_stream(torch.cuda.current_stream(dev))
-            fut.set_result(buf)
-        except BaseException as exc:
-            fut.set_exception(exc)
-            raise
-
-    st.engine.submit(run)
-    return fut
-
-
-def allreduce_hook(state, bucket):
-    """DDP communication hook: average the bucket over the ranks with ddlkernels (the ring, on the progress thread).
-
-        model.register_comm_hook(None, ddlkernels.torch.allreduce_hook)   # COMM_WORLD
-
-    ``state``: None (COMM_WORLD), an mpi4py ``Intracomm``, a
-    ``ddlkernels.Communicator`` or a ``HookState``.  Returns a
-    ``torch.futures.Future`` of the averaged flat gradient, completed from
-    the progress thread, so buckets reduce while backward goes on.  DDP
-    starts its buckets in the same order on every rank, which is what
-    ddlkernels' collectives need.
-    """
-    return _bucket_hook(state, bucket)
-
-
-def fp16_compress_hook(state, bucket):
-    """``allreduce_hook`` with the bucket sent as float16 (divided by the rank count first, as torch's hook)."""
-    return _bucket_hook(state, bucket, torch.float16)
-
-
-def bfloat16_compress_hook(state, bucket):
-    """``allreduce_hook`` with the bucket sent as bfloat16 (divided by the rank count first, as torch's hook).
-
-    Not called ``bf16_compress_hook``: DDP refuses a hook of that name
-    unless NCCL >= 2.10 is present, whatever the hook does.
-    """
-    return _bucket_hook(state, bucket, torch.bfloat16)

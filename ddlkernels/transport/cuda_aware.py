@@ -15,7 +15,7 @@ in this order and stopping at the first definite answer:
    crashes or corrupts; staging through host memory is always correct.
 
 Every MPI wheel on PyPI is built without CUDA, so on such an installation the
-answer is "not aware" and device allreduce uses ``ddlkernels._staged``.
+answer is "not aware" and device allreduce uses ``ddlkernels.transport.staged``.
 
 ``gpu_info()`` collects what ``python -m ddlkernels info`` reports about the
 GPU path.
@@ -103,7 +103,7 @@ def cuda_aware(comm=None, override=None) -> tuple[bool, str]:
 
 def _devices():
     """(present: bool, how it was found: str)."""
-    from .backends._detect import has_module
+    from ..backends._detect import has_module
 
     notes = []
     if has_module("cupy"):
@@ -137,7 +137,7 @@ def gpu_info(comm=None, override=None) -> dict:
     ``device_note``, ``cuda_aware`` (bool), ``cuda_aware_reason``,
     ``transport`` ("cuda-aware" or "staged"), ``transport_note``.
     """
-    from .backends import available_backends
+    from ..backends import available_backends
 
     backends = {k: v for k, v in available_backends().items() if k != "numpy"}
     present, note = _devices()
@@ -145,7 +145,7 @@ def gpu_info(comm=None, override=None) -> dict:
     if aware:
         transport, tnote = "cuda-aware", "device buffers go straight to MPI after a stream synchronize"
     else:
-        transport, tnote = "staged", "each chunk goes D2H to pinned host memory, through MPI, H2D (ddlkernels._staged)"
+        transport, tnote = "staged", "each chunk goes D2H to pinned host memory, through MPI, H2D (ddlkernels.transport.staged)"
     return {
         "backends": backends,
         "device": present,

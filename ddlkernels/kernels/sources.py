@@ -1,10 +1,10 @@
 """Where the CUDA C sources of kernels/ are, and how they are compiled at run time.
 
 setup.py installs the top-level ``kernels/`` directory of the checkout as the
-package ``ddlkernels.kernels``, so in a wheel the .cu files sit next to the
-Python modules; in a source checkout (``PYTHONPATH=.``) that package does not
+package ``ddlkernels.kernels.cuda``, so in a wheel the .cu files sit beside
+this module; in a source checkout (``PYTHONPATH=.``) that folder does not
 exist and the files are read from ``<checkout>/kernels``.  ``kernel_dir()``
-tries the installed package first, then the checkout.
+tries the installed folder first, then the checkout.
 
 ``compile_source`` compiles a file with NVRTC itself rather than through
 CuPy's ``RawModule``: CuPy appends ``-ftz=true`` to every NVRTC compile,
@@ -39,20 +39,14 @@ SOURCES = ("reduce.cu", "pack.cu")
 
 def kernel_dir() -> Path:
     """Directory holding reduce.cu and pack.cu (installed package, else checkout)."""
-    try:
-        spec = importlib.util.find_spec("ddlkernels.kernels")
-    except ImportError:
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            if (Path(loc) / SOURCES[0]).is_file():
-                return Path(loc)
-    checkout = Path(__file__).resolve().parent.parent / "kernels"
-    if (checkout / SOURCES[0]).is_file():
-        return checkout
+    here = Path(__file__).resolve().parent
+    installed, checkout = here / "cuda", here.parent.parent / "kernels"
+    for d in (installed, checkout):
+        if (d / SOURCES[0]).is_file():
+            return d
     raise FileNotFoundError(
         "ddlkernels' CUDA sources (reduce.cu, pack.cu) were not found in the installed package "
-        f"ddlkernels.kernels nor in {checkout}; reinstall ddlkernels"
+        f"ddlkernels.kernels.cuda ({installed}) nor in {checkout}; reinstall ddlkernels"
     )
 
 
@@ -143,7 +137,7 @@ def compile_source(name: str, device_arch: int, *, nvrtc=None, cache_dir=None) -
     options = nvrtc_options(target, major=major)
     source = read_source(name)
     if cache_dir is None:
-        from ._config import defaults
+        from .._config import defaults
 
         cache_dir = defaults().cache_dir
     key = hashlib.sha256("\0".join([name, source, f"nvrtc {major}.{minor}", *options]).encode()).hexdigest()

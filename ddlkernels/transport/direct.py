@@ -10,7 +10,7 @@ the source slice may be overwritten.
   memory when MPI is CUDA-aware.  For host buffers its requests are mpi4py's
   own, so the host path pays nothing for the abstraction.
 * Device buffers without a CUDA-aware MPI use the staging transport
-  (``ddlkernels._staged``), which copies each chunk through pinned host
+  (``ddlkernels.transport.staged``), which copies each chunk through pinned host
   memory and overlaps those copies with the MPI transfers.
 """
 

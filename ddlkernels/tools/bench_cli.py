@@ -48,7 +48,7 @@ def _check_count(text):
     try:
         n = int(text)
     except ValueError:
-        from ._bench import COLLECTIVES
+        from .._bench import COLLECTIVES
 
         hint = ""
         if any(c in COLLECTIVES or c == "all" for c in _csv(text)):
@@ -120,8 +120,8 @@ def add_nccl_arguments(p, *, begin="4K", end="64M", iters=20, warmup=14, with_co
 
 def expand_nccl_arguments(args):
     """``(dtypes, ops, sizes)`` of ``add_nccl_arguments``' options; ``SystemExit`` naming a bad one."""
-    from ._bench import NCCL_TYPES, parse_dtype, parse_size, sweep_sizes
-    from ._dtypes import OPS, dtype_name
+    from .._bench import NCCL_TYPES, parse_dtype, parse_size, sweep_sizes
+    from .._dtypes import OPS, dtype_name
 
     names = list(NCCL_TYPES) if args.dtype == "all" else _csv(args.dtype)
     dtypes = []
@@ -220,7 +220,7 @@ def main(argv=None, collective="allreduce", prog=None):
 
 
 def _expand(args):
-    from ._bench import COLLECTIVES, parse_size
+    from .._bench import COLLECTIVES, parse_size
 
     colls = list(COLLECTIVES) if args.collective == "all" else _csv(args.collective)
     for c in colls:
@@ -293,7 +293,7 @@ def _measure(args):
 
     import ddlkernels
 
-    from ._bench import _DDL, _progress_bar, make_impls, run_sweep
+    from .._bench import _DDL, _progress_bar, make_impls, run_sweep
 
     colls, dtypes, ops, places, which, sizes, opts = _expand(args)
     comm = MPI.COMM_WORLD
@@ -369,13 +369,13 @@ def _batches(rows) -> str:
     for r in rows:
         if not r.get("inplace"):
             seen.setdefault(r["bytes"], r.get("batch", 1))
-    from ._bench import format_size
+    from .._bench import format_size
 
     return " ".join(f"{format_size(b)}x{n}" for b, n in seen.items())
 
 
 def _report(args, meta, rows):
-    from ._bench import comment, dump_json, format_footer, format_table, plot_rows
+    from .._bench import comment, dump_json, format_footer, format_table, plot_rows
 
     to_stdout = args.csv == "-"
     if not args.quiet and not to_stdout:
@@ -421,7 +421,7 @@ def _report(args, meta, rows):
 
 def _write_csv(path, rows, names, stat):
     """``--csv PATH`` (rank 0): the rows as CSV, to stdout for ``-``."""
-    from ._bench import write_csv
+    from .._bench import write_csv
 
     if path == "-":
         write_csv(sys.stdout, rows, names, stat)
@@ -478,7 +478,7 @@ def _child_argv(args, *, impls=None, collective=None, label=None, json_path):
 
 
 def _launch(args):
-    from ._bench import _TUNED_PARAM, COLLECTIVES, TUNED_ALGORITHMS
+    from .._bench import _TUNED_PARAM, COLLECTIVES, TUNED_ALGORITHMS
 
     if _under_mpirun():
         raise SystemExit("--launch starts mpirun itself: run it without mpirun")

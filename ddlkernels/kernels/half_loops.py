@@ -1,6 +1,6 @@
-"""The compiled loops of ``ddlkernels._half``, at module level so that Numba's on-disk cache finds them.
+"""The compiled loops of ``ddlkernels.kernels.half``, at module level so that Numba's on-disk cache finds them.
 
-Imported only by ``ddlkernels._half`` (which says what they compute and
+Imported only by ``ddlkernels.kernels.half`` (which says what they compute and
 why), on the first half-precision reduction: importing this module imports
 Numba.  ``apart(dst, a, b, scale, op, kind)``, ``into_a(dst, b, scale, op,
 kind)`` and ``into_b(dst, a, scale, op, kind)`` take uint16 views and the
