@@ -3,7 +3,7 @@
 # Hydra's mpirun), with ddlkernels installed editable from this checkout.  mpi4py's wheel picks the
 # MPI library at run time, so nothing is compiled.  Idempotent.
 #   bash bench/setup_mpich.sh [VENV]          (default /tmp/venv-mpich)
-#   VENV/bin/mpirun -n 2 VENV/bin/python bench/allreduce.py -b 4K -e 64M -f 2 --json m.json --plot m.png
+#   VENV/bin/mpirun -n 2 VENV/bin/python bench/sweeps/allreduce.py -b 4K -e 64M -f 2 --json m.json --plot m.png
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-/tmp/venv-mpich}

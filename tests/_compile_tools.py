@@ -5,7 +5,7 @@
 * Numba kernels: ``numba.cuda.compile_ptx``, then ``ptxas -v`` from the pip
   CUDA 12.9 toolchain (``nvidia-cuda-nvcc-cu12``) for registers and spills.
 
-Shared by tests/test_compile.py and bench/kernel_report.py.
+Shared by tests/test_compile.py and bench/kernels/kernel_report.py.
 """
 
 from __future__ import annotations

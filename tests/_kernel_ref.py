@@ -1,4 +1,4 @@
-"""Shared by the kernel tests and bench/kernel_report.py: inputs, reference, comparison.
+"""Shared by the kernel tests and bench/kernels/kernel_report.py: inputs, reference, comparison.
 
 The reference is ddlkernels' numpy backend itself (``NumpyBackend.reduce``):
 the contract of every backend is "the same bits as the numpy backend for the

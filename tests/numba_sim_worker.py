@@ -5,7 +5,7 @@ before numba is first imported, and the rest of a test session must keep the
 real (compile-only) numba-cuda.  Prints one JSON object: for each kernel name
 ``{"ok": bool, "max_err": float, "cases": int, "detail": str}``.
 
-Used by tests/test_numba_sim.py and bench/kernel_report.py.
+Used by tests/test_numba_sim.py and bench/kernels/kernel_report.py.
 """
 
 from __future__ import annotations

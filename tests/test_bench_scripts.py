@@ -25,34 +25,34 @@ def run(*args):
 
 
 def test_shm_pieces_compares_every_setting_with_mpi():
-    out = run("bench/shm_pieces.py", "--sizes", "64K,200K", "--pieces", "16K,64K", "--rounds", "2")
+    out = run("bench/studies/shm_pieces.py", "--sizes", "64K,200K", "--pieces", "16K,64K", "--rounds", "2")
     lines = [ln for ln in out.splitlines() if not ln.startswith("#")]
     assert [ln.split()[0] for ln in lines] == ["64K", "200K"]
     assert all("MPI_Allreduce" in ln and "piece 16K" in ln and "piece 64K" in ln for ln in lines)
-    out = run("bench/shm_pieces.py", "--small", "--sizes", "4K", "--rounds", "2")
+    out = run("bench/studies/shm_pieces.py", "--small", "--sizes", "4K", "--rounds", "2")
     assert "whole" in out and "pieces" in out
-    out = run("bench/shm_pieces.py", "--small", "--spins", "0,100", "--sizes", "4K", "--rounds", "2")
+    out = run("bench/studies/shm_pieces.py", "--small", "--spins", "0,100", "--sizes", "4K", "--rounds", "2")
     assert "spin 0 " in out and "spin 100 " in out
     # The shard lines check their results once (a wrong one exits non-zero, failing run()).
-    out = run("bench/shm_pieces.py", "--small", "--shards", "--sizes", "4K,1000", "--rounds", "2")
+    out = run("bench/studies/shm_pieces.py", "--small", "--shards", "--sizes", "4K,1000", "--rounds", "2")
     rows = [ln for ln in out.splitlines() if not ln.startswith("#")]
     assert len(rows) == 2 and all(f" {k} " in ln for ln in rows for k in
                                   ("MPI_Reduce_scatter_block", "reduce_scatter", "MPI_Allgather", "allgather"))
     # Non-temporal stores or not: both lines' results are checked against MPI's.
-    out = run("bench/shm_pieces.py", "--stream", "--sizes", "64K", "--rounds", "2")
+    out = run("bench/studies/shm_pieces.py", "--stream", "--sizes", "64K", "--rounds", "2")
     assert " cached " in out and " streamed " in out and "cached/streamed" in out
-    out = run("bench/shm_pieces.py", "--stream", "--shards", "--sizes", "64K", "--rounds", "2")
+    out = run("bench/studies/shm_pieces.py", "--stream", "--shards", "--sizes", "64K", "--rounds", "2")
     assert " allgather cached " in out and " allgather streamed " in out and "allgather cached/streamed" in out
-    out = run("bench/shm_pieces.py", "--spill", "--sizes", "64K", "--rounds", "2")
+    out = run("bench/studies/shm_pieces.py", "--spill", "--sizes", "64K", "--rounds", "2")
     assert " kept " in out and " spilled " in out and "kept/spilled" in out
     # The single copy by piece size beside the window, on placed buffers (each line's result checked).
-    out = run("bench/shm_pieces.py", "--cma", "--pages", "huge", "--sizes", "64K,3M", "--pieces", "4K,1M",
+    out = run("bench/studies/shm_pieces.py", "--cma", "--pages", "huge", "--sizes", "64K,3M", "--pieces", "4K,1M",
               "--rounds", "2")
     assert " cma 4K " in out and " cma 1M " in out and "shm/cma 1M" in out
 
 
 def test_shm_costs_prints_every_line_and_checks_the_allreduce():
-    out = run("bench/shm_costs.py", "--sizes", "1M,3M", "--rounds", "2")  # 3 MiB: a last piece that is short
+    out = run("bench/studies/shm_costs.py", "--sizes", "1M,3M", "--rounds", "2")  # 3 MiB: a last piece that is short
     rows = [ln for ln in out.splitlines() if not ln.startswith("#")]
     assert [ln.split()[0] for ln in rows] == ["1M", "3M"]
     for ln in rows:
@@ -61,7 +61,7 @@ def test_shm_costs_prints_every_line_and_checks_the_allreduce():
 
 
 def test_tuner_watch_prints_rounds_and_checks_every_result():
-    out = run("bench/tuner_watch.py", "--bytes", "1M", "--seconds", "1", "--calls", "4")
+    out = run("bench/studies/tuner_watch.py", "--bytes", "1M", "--seconds", "1", "--calls", "4")
     rows = [ln.split() for ln in out.splitlines() if not ln.startswith("#")]
     assert rows and all(len(r) == 6 and float(r[2]) > 0 and float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
     assert "#wrong 0" in out.splitlines()[-1]
@@ -69,7 +69,7 @@ def test_tuner_watch_prints_rounds_and_checks_every_result():
 
 
 def test_tuner_trials_prints_both_orders_for_every_rank():
-    out = run("bench/tuner_trials.py", "--sizes", "4K")
+    out = run("bench/studies/tuner_trials.py", "--sizes", "4K")
     rows = [ln.split() for ln in out.splitlines() if not ln.startswith("#")]
     assert [r[1] for r in rows] == ["turns", "blocks"]
     for r in rows:  # "mpi:" t0 t1 "nbc:" t0 t1 "shm:" t0 t1
@@ -79,7 +79,7 @@ def test_tuner_trials_prints_both_orders_for_every_rank():
 
 def test_fastpath_overhead_runs_the_fast_path():
     """It settles the tuner by hand (internal state) and asserts the fast path ran."""
-    proc = subprocess.run([sys.executable, "bench/fastpath_overhead.py", "--calls", "200"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "bench/studies/fastpath_overhead.py", "--calls", "200"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("us per call") == 7
@@ -90,7 +90,7 @@ def test_fastpath_overhead_runs_the_fast_path():
 def test_host_stream_compares_both_loops_and_checks_their_bits():
     """It calls the compiled loop with its threshold argument (internal) and exits non-zero if the two loops'
     results differ."""
-    proc = subprocess.run([sys.executable, "bench/host_stream.py", "--sizes", "4K,100K", "--rounds", "2"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "bench/kernels/host_stream.py", "--sizes", "4K,100K", "--rounds", "2"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.split("|")[0].strip() in ("4K", "100K")]
@@ -99,7 +99,7 @@ def test_host_stream_compares_both_loops_and_checks_their_bits():
 
 def test_kernel_copy_times_both_directions_and_checks_the_bytes():
     """Pieces that divide the buffer and one that does not; it exits non-zero if a copied byte differs."""
-    proc = subprocess.run([sys.executable, "bench/kernel_copy.py", "--bytes", "64K,100K", "--pieces", "4K,7K",
+    proc = subprocess.run([sys.executable, "bench/kernels/kernel_copy.py", "--bytes", "64K,100K", "--pieces", "4K,7K",
                            "--rounds", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if not line.startswith(("#", "buffer"))]
@@ -111,7 +111,7 @@ def test_first_calls_runs_a_cold_then_a_warm_job_and_checks_the_result():
     """It launches mpirun itself (twice, on one new Numba cache) and exits non-zero on a wrong result."""
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe", MPIEXEC_TIMEOUT="240")
-    proc = subprocess.run([sys.executable, "bench/first_calls.py", "--bytes", "4K", "--calls", "5"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "bench/studies/first_calls.py", "--bytes", "4K", "--calls", "5"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     jobs = [ln for ln in proc.stdout.splitlines() if ln.startswith("job ")]
@@ -121,19 +121,19 @@ def test_first_calls_runs_a_cold_then_a_warm_job_and_checks_the_result():
 
 def test_profile_engine_runs_cma_alone_and_the_tuned_path():
     """``--cma`` runs the single-copy allreduce whatever the tuner would pick; the script checks the last result."""
-    out = run("bench/profile_engine.py", "64K", "--cma", "-w", "1", "-n", "3")
+    out = run("bench/studies/profile_engine.py", "64K", "--cma", "-w", "1", "-n", "3")
     assert "path cma (forced)" in out, out
-    out = run("bench/profile_engine.py", "4K", "--small-bytes", "tuned", "-w", "1", "-n", "3")
+    out = run("bench/studies/profile_engine.py", "4K", "--small-bytes", "tuned", "-w", "1", "-n", "3")
     assert "2 ranks, 4K:" in out and "(forced)" not in out, out
 
 
 def test_header_says_how_an_iteration_is_timed_per_placement():
     """Out of place: batches of calls per size; in place: one call, never an empty batch list."""
-    both = run("bench/allreduce.py", "-b", "4K", "-e", "8K", "-n", "2", "-w", "1", "--place", "both",
+    both = run("bench/sweeps/allreduce.py", "-b", "4K", "-e", "8K", "-n", "2", "-w", "1", "--place", "both",
                "--no-progress", "--impls", "ddlkernels,mpi")
     assert "(out of place; per size: 4Kx" in both
     assert "# in place: an iteration is one call" in both
-    inplace = run("bench/allreduce.py", "-b", "4K", "-e", "8K", "-n", "2", "-w", "1", "--place", "in",
+    inplace = run("bench/sweeps/allreduce.py", "-b", "4K", "-e", "8K", "-n", "2", "-w", "1", "--place", "in",
                   "--no-progress", "--impls", "ddlkernels,mpi")
     assert "back-to-back calls lasting" not in inplace
     assert "# in place: an iteration is one call" in inplace

@@ -143,7 +143,7 @@ def test_half_kernels_load_from_numba_cache_in_the_next_process(tmp_path):
     import os
 
     pytest.importorskip("numba")
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "half_compile.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "kernels", "half_compile.py")
     spec = importlib.util.spec_from_file_location("half_compile", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

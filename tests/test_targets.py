@@ -1,4 +1,4 @@
-"""bench/targets.py reads a sweep's JSON into the issue's targets: each ratio, its placement, and the verdict."""
+"""bench/sweeps/targets.py reads a sweep's JSON into the issue's targets: each ratio, its placement, and the verdict."""
 
 import importlib.util
 import json
@@ -9,7 +9,7 @@ MiB = 1 << 20
 
 
 def _targets():
-    spec = importlib.util.spec_from_file_location("targets", os.path.join(ROOT, "bench", "targets.py"))
+    spec = importlib.util.spec_from_file_location("targets", os.path.join(ROOT, "bench", "sweeps", "targets.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -10,7 +10,7 @@ Why a module of its own: Numba's on-disk cache (``cache=True``) finds a
 function again in the next process only if it is defined at module level.
 Built per op in a closure, as they were at first, they compiled in every
 process: about 3 s for all of them on the 2-core machine, now 0.4 s (most
-of it importing Numba) once cached (``bench/half_compile.py``).
+of it importing Numba) once cached (``bench/kernels/half_compile.py``).
 """
 
 import numpy as np

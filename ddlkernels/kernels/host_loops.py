@@ -44,7 +44,7 @@ SUM, PROD = 0, 1
 #: a sum moves four arrays' bytes for the three it counts, where libc's copy (``rep movsb``) moves two for two,
 #: so a plain loop tops out at 3/4 of the copy's bandwidth.  Streaming skips that read, but a caller that
 #: reads ``dst`` soon no longer finds it in the cache, so only from sizes far past the 2 MiB L2.  float32 sum,
-#: GB/s as STREAM counts them, plain loop / streamed / ``np.copyto`` copy in turn (``python bench/host_stream.py``,
+#: GB/s as STREAM counts them, plain loop / streamed / ``np.copyto`` copy in turn (``python bench/kernels/host_stream.py``,
 #: the Intel VM of bench/results, two runs): 4 MiB 29.3 / 27.4 / 28.2 and 28.9 / 27.2 / 28.9, 16 MiB 27.8 /
 #: 27.3 / 28.2 and 27.0 / 27.0 / 28.3, 32 MiB 21.2 / 26.5 / 22.5 and 21.5 / 25.8 / 20.6, 64 MiB 18.5 / 22.3 /
 #: 18.0 and 18.2 / 21.4 / 17.4, 128 MiB 16.9 / 18.1 / 14.7 and 16.5 / 17.8 / 14.4: streaming 3-6 % slower at
@@ -204,7 +204,7 @@ def _checked(d, a, b, combine, stream_from):
 
 # One compiled function per op, as the shared-memory loops (``ddlkernels.kernels.shm_loops``, the comment above
 # ``small_fold_sum``): a process compiles only the ops it calls.  The ring's first call in
-# ``bench/first_calls.py`` (empty Numba cache) took 2.0-2.2 s with 2 ranks and 4.2-4.7 s with 4 while one
+# ``bench/studies/first_calls.py`` (empty Numba cache) took 2.0-2.2 s with 2 ranks and 4.2-4.7 s with 4 while one
 # function held both ops, 1.37 s and 2.88 s after.
 @njit(cache=True, nogil=True)
 def reduce_sum(d, a, b, stream_from=STREAM_FROM):

@@ -7,7 +7,7 @@ barrier and an addition of a few KiB.  Done as numpy calls around
 ``MPI_Barrier`` (with ``MPI_Win_sync`` on each side to order the stores),
 each of the five steps cost a few hundred nanoseconds of call overhead, and
 the whole was no faster than MPI's own allreduce at 4 KiB with 2 ranks.
-``bench/shm_pieces.py --small`` (float32 sum, the "whole" line against
+``bench/studies/shm_pieces.py --small`` (float32 sum, the "whole" line against
 MPI_Allreduce in the same run), the commit before and this one, minutes
 apart: 2 ranks 2.7 vs 2.6 us before, 1.78 vs 2.58 us now; 4 ranks (on 2
 cores) 25.2 vs 43.4 us before, 9.4 vs 26.6 us now.  reduce_scatter and
@@ -186,7 +186,7 @@ def _stage_and_meet(x, stage, me, flags, epoch, spin):
 # pieces_reduce_scatter, cma_allreduce): a tuple indexed by ``ddlkernels._shm.OPCODES``
 # (sum, prod, max, min), each member with its combine fixed.  A process compiles only the ops it calls, once
 # per dtype, where one function with the op as an argument compiled all four folds for every dtype before its
-# first call.  ``python bench/first_calls.py`` (a job's first 60 float32 sum allreduces of 16 MiB, on an empty
+# first call.  ``python bench/studies/first_calls.py`` (a job's first 60 float32 sum allreduces of 16 MiB, on an empty
 # Numba cache; the tuner's trials compile the window's and cma's loops): 30.2 s before, 8.0 s after with 2
 # ranks; 67.2 s and 17.7 s with 4 (on 2 cores).  A job whose cache is warm: 0.6-0.7 s either way.
 @njit(cache=True, nogil=True)
@@ -391,7 +391,7 @@ def _combine_into(res, a, b, combine):
 # An accumulator (res = res op b) gets loops of its own.  LLVM vectorizes a loop over arrays it cannot prove
 # disjoint only behind a run-time overlap check, which res == a fails: _combine_into(r, r, b) ran scalar.  A
 # loop that reads and writes res through one array has nothing to check.  It was the cma allreduce in place
-# (its fold into x's own block): ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --inplace --pages
+# (its fold into x's own block): ``mpirun -n 2 python -m mpi4py bench/studies/shm_pieces.py --cma --inplace --pages
 # huge --pieces 512K --sizes 256K,1M,4M,16M``, before / after, alternated twice: 19.7-24.5 / 15.6-16.7 us at
 # 256 KiB, 58.6-58.8 / 35.1-38.4 at 1 MiB, 240-243 / 145-157 at 4 MiB, 1657-1706 / 1506-1581 at 16 MiB.
 # (With 3 ranks, where the window and cma fold into an accumulator, no change beyond the noise.)

@@ -1,7 +1,7 @@
 """``python -m ddlkernels bench``: the nccl-tests-style sweep of bench/, on the command line.
 
     mpirun -n 2 python -m ddlkernels bench -b 4K -e 64M -f 4 --json r.json --plot r.png
-    mpirun -n 4 python bench/allreduce.py -d float32,float16 -o sum,avg --place both
+    mpirun -n 4 python bench/sweeps/allreduce.py -d float32,float16 -o sum,avg --place both
     python -m ddlkernels bench --launch 2 --mpi-algorithm ring,rabenseifner --json r.json
 
 Every selected collective (allreduce, reduce_scatter, allgather) runs, at

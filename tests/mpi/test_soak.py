@@ -1,4 +1,4 @@
-"""Short soak (bench/soak.py runs the long one): many back-to-back allreduces, all exact, memory flat.
+"""Short soak (bench/reliability/soak.py runs the long one): many back-to-back allreduces, all exact, memory flat.
 
 600 calls of mixed sizes (up to 20,000 elements), dtypes, ops, chunk sizes,
 dims and in place / out of place, every result compared exactly with its

@@ -1,0 +1,83 @@
+"""Python cost per call of ddlkernels' small-message fast path, with MPI taken out of the measurement.
+
+    python bench/studies/fastpath_overhead.py [--bytes 4K] [--calls 100000]
+
+One process.  The Communicator's MPI communicator is replaced by a stand-in
+whose ``Allreduce``/``Iallreduce`` return at once, and the size tuner's
+decision for this size is set to MPI's allreduce, so what is timed is exactly
+the Python that ``Communicator.allreduce(x, "sum", out=y)`` and
+``Communicator.Allreduce(x, y, MPI.SUM)`` run around the MPI call, and
+likewise ``reduce_scatter`` and ``allgather`` (of x split 4 ways) settled on
+``MPI_Reduce_scatter_block`` / ``MPI_Allgather``.  The same stand-in called
+directly is the floor.  Fastest of 5 repeats, per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import timeit
+
+import numpy as np
+from mpi4py import MPI
+
+import ddlkernels
+from ddlkernels._bench import parse_size
+from ddlkernels._tuner import candidates
+
+
+class _NoMPI:
+    """Stands in for the communicator: every call returns at once."""
+
+    def Allreduce(self, sendbuf, recvbuf, op):
+        pass
+
+    def Iallreduce(self, sendbuf, recvbuf, op):
+        return self
+
+    def Wait(self):
+        pass
+
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op):
+        pass
+
+    def Allgather(self, sendbuf, recvbuf):
+        pass
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bytes", default="4K")
+    ap.add_argument("--calls", type=int, default=100_000)
+    args = ap.parse_args()
+    dc = ddlkernels.Communicator(MPI.COMM_WORLD)
+    x = np.ones(parse_size(args.bytes) // 4, np.float32)
+    y = np.empty_like(x)
+    # As on a multi-rank communicator whose tuner settled this size on MPI_Allreduce.
+    dc.comm, dc.size, dc._fast_ok = _NoMPI(), 4, True
+    dc._tuner.settle(x.nbytes, candidates(x.nbytes, shm=dc._shm_mode is not None), "mpi")
+    # reduce_scatter and allgather of the same buffer, settled on MPI's own calls the same way.
+    c = x.size // dc.size
+    dc._shard_cache.clear()
+    dc._shard_cache[x.size, None] = [(r * c, (r + 1) * c) for r in range(dc.size)]  # 4 equal shards
+    shard = np.empty(c, np.float32)
+    for kind in ("reduce_scatter", "allgather"):
+        dc._shard_tuners[kind].settle(x.nbytes, dc._shard_choices(x.nbytes, False, None, mpi=True)[1], "mpi")
+    stand_in = _NoMPI()
+    cases = {
+        "Communicator.allreduce(x, 'sum', out=y)": lambda: dc.allreduce(x, "sum", out=y),
+        "Communicator.Allreduce(x, y, MPI.SUM)": lambda: dc.Allreduce(x, y, MPI.SUM),
+        "stand-in Allreduce called directly": lambda: stand_in.Allreduce(x, y, MPI.SUM),
+        "Communicator.reduce_scatter(x, out=s)": lambda: dc.reduce_scatter(x, out=shard),
+        "stand-in Reduce_scatter_block directly": lambda: stand_in.Reduce_scatter_block(x, shard, MPI.SUM),
+        "Communicator.allgather(s, count=n, out=y)": lambda: dc.allgather(shard, count=x.size, out=y),
+        "stand-in Allgather directly": lambda: stand_in.Allgather(shard, y),
+    }
+    for name, fn in cases.items():
+        fn()
+        assert name.startswith("stand-in") or dc.last_algorithm == "mpi", f"{name}: the fast path did not run"
+        best = min(timeit.repeat(fn, number=args.calls, repeat=5)) / args.calls
+        print(f"{name:42s} {best * 1e6:7.3f} us per call")
+
+
+if __name__ == "__main__":
+    main()
