@@ -13,8 +13,8 @@ whose Communicator it creates lazily on the first such call.  The sizes
 cross the tuner's buckets, so both threads create shared-memory windows,
 run trials and settle at the same time.  Every value is a multiple of 1/16
 unique per rank, element and iteration, so every sum is exact and checked
-exactly.  An iteration is 2 collectives in "train" and 2 or 4 in "eval";
-``--iters 250`` makes 1,125 collectives per rank.
+exactly.  An iteration is 2 collectives in "train" and 3, or 4 every fourth
+iteration, in "eval"; ``--iters 250`` makes 1,313 collectives per rank.
 
 ``--launch`` runs the job ``--runs`` times per rank count and prints one
 line per run: exit status, seconds, collectives per rank, wrong results
