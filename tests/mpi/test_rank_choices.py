@@ -75,8 +75,9 @@ def test_placement_contiguity_and_shared_inputs_differ_across_ranks(n):
 @pytest.mark.parametrize("n", [5, 9000])
 def test_a_timeout_on_some_ranks_only(n):
     """Every third call one rank passes ``timeout=``, the others do not: they must make the same MPI calls
-    (a blocking and a nonblocking collective never match).  reduce_scatter and allgather (with and without
-    ``count``) at a fixed small_bytes take MPI's own calls; the argument check runs on some calls too."""
+    (a blocking and a nonblocking collective never match).  reduce_scatter and allgather through the tuner, and
+    (with and without ``count``) at a fixed small_bytes through MPI's own calls; the argument check runs on some
+    calls too."""
     mpi = ddlkernels.Communicator(COMM, small_bytes=1 << 30)
     tuned = ddlkernels.Communicator(COMM)
     for k in range(calls_to_settle(tuned, n)):
@@ -85,6 +86,10 @@ def test_a_timeout_on_some_ranks_only(n):
         want = sum(rank_data(n, r, P, np.float64, salt=k) for r in range(P))
         assert np.array_equal(tuned.allreduce(x, timeout=t), want), (k, tuned.last_algorithm)
         assert np.array_equal(tuned.allreduce(x, timeout=t, validate=k % 2 == 0), want)
+        lo, hi = tuned.shard_range(n)  # the window's compiled loops (no deadline) meet its Python loops (deadline)
+        shard = tuned.reduce_scatter(x, timeout=t)
+        assert np.array_equal(shard, want[lo:hi]), (k, tuned.last_algorithm)
+        assert np.array_equal(tuned.allgather(shard, count=n, timeout=t), want), (k, tuned.last_algorithm)
         lo, hi = mpi.shard_range(n)
         shard = mpi.reduce_scatter(x, timeout=t)
         assert np.array_equal(shard, want[lo:hi]) and mpi.last_algorithm == "mpi"
