@@ -103,6 +103,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import select
 import sys
 import threading
 import time
@@ -257,23 +258,40 @@ def _quiet_window(fn):
     except OSError:  # no descriptor 2 at all
         return fn()
     r, w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    os.set_blocking(r, False)
     os.dup2(w, 2)
     os.close(w)
-    forward = threading.Thread(target=_forward, args=(r, saved), name="ddlkernels-stderr", daemon=True)
+    forward = threading.Thread(target=_forward, args=(r, saved, stop_r), name="ddlkernels-stderr", daemon=True)
     forward.start()
     try:
         return fn()
     finally:
-        os.dup2(saved, 2)  # closes the pipe's write end: the thread reads to its end, then closes r and saved
-        # Not for ever: a child process started meanwhile holds the write end open (as its stderr).
-        forward.join(1.0)
+        os.dup2(saved, 2)
+        # Told to stop, not left to see the pipe's end: a child process started meanwhile keeps a write end.
+        os.write(stop_w, b"x")
+        forward.join()
+        for fd in (r, stop_r, stop_w, saved):
+            os.close(fd)
 
 
-def _forward(r, fd):
-    """Copy the pipe ``r`` to ``fd`` line by line until its end, without ``_NOISE`` (``_quiet_window``)."""
-    rest, noise = b"", False
-    while True:
-        data = os.read(r, 65536)
+def _forward(r, fd, stop):
+    """Copy the pipe ``r`` (non-blocking) to ``fd`` line by line, without ``_NOISE``, until ``stop`` is readable
+    and ``r`` drained (``_quiet_window``)."""
+    rest, noise, done = b"", False, False
+    while not done:
+        ready = select.select([r, stop], [], [])[0]
+        done = stop in ready
+        data = b""
+        while True:  # everything there is now (all of it once told to stop)
+            try:
+                chunk = os.read(r, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                done = True
+                break
+            data += chunk
         *lines, rest = (rest + data).split(b"\n")
         keep = []
         for line in lines:
@@ -284,15 +302,11 @@ def _forward(r, fd):
             else:
                 noise = False
                 keep.append(line + b"\n")
-        if not data and rest:  # an unfinished last line, as it was written
+        if done and rest:  # an unfinished last line, as it was written
             keep.append(rest)
         out = b"".join(keep)
         while out:
             out = out[os.write(fd, out):]
-        if not data:
-            os.close(r)
-            os.close(fd)
-            return
 
 
 #: Held by the one thread of this process that is creating an MPI window (``_gated``).

@@ -41,5 +41,7 @@ def test_stderr_is_passed_through_during_a_window_creation_and_only_the_noise_is
         os.dup2(saved, 2)
         os.close(saved)
         os.close(r)
-    assert during == b"another thread's line\n \n", during  # its blank line kept: only the noise's own dropped
-    assert after == b"after\n", after
+    # (Other threads of this process may write too: passed through as well.)
+    assert b"another thread's line\n \n" in during, during  # its blank line kept: only the noise's own dropped
+    assert b"OSC UCX" not in during + after, during + after
+    assert b"after\n" in after, after
