@@ -60,7 +60,7 @@ def allreduce(x, op="sum", *, comm=None, out=None, dims=None, chunk_bytes=None, 
     arrays): the stream the call is ordered on; default the caller's current
     stream for the array's library.
     """
-    return as_communicator(comm).allreduce(
+    return as_communicator(comm, timeout).allreduce(
         x, op, out=out, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate, timeout=timeout,
         stream=stream
     )
@@ -68,13 +68,13 @@ def allreduce(x, op="sum", *, comm=None, out=None, dims=None, chunk_bytes=None, 
 
 def Allreduce(sendbuf, recvbuf, op=None, comm=None, *, validate=None, timeout=None):
     """Drop-in for ``comm.Allreduce(sendbuf, recvbuf, op)``; ``MPI.IN_PLACE`` accepted."""
-    as_communicator(comm).Allreduce(sendbuf, recvbuf, op, validate=validate, timeout=timeout)
+    as_communicator(comm, timeout).Allreduce(sendbuf, recvbuf, op, validate=validate, timeout=timeout)
 
 
 def reduce_scatter(x, op="sum", *, out=None, comm=None, dims=None, chunk_bytes=None, backend=None, validate=None,
                    timeout=None, stream=None):
     """Reduce ``x`` over every rank and return this rank's shard: elements ``shard_range(x.size)`` (into ``out``)."""
-    return as_communicator(comm).reduce_scatter(
+    return as_communicator(comm, timeout).reduce_scatter(
         x, op, out=out, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate, timeout=timeout,
         stream=stream
     )
@@ -88,7 +88,7 @@ def allgather(shard, *, count=None, out=None, comm=None, dims=None, chunk_bytes=
     (then no shard lengths are exchanged); ``out``: where to gather (see
     ``Communicator.allgather``).
     """
-    return as_communicator(comm).allgather(
+    return as_communicator(comm, timeout).allgather(
         shard, count=count, out=out, dims=dims, chunk_bytes=chunk_bytes, backend=backend, validate=validate,
         timeout=timeout, stream=stream
     )

@@ -41,6 +41,16 @@ the same order (each engine runs them first in, first out).  A rank that never
 starts its part leaves the others' ``wait()`` blocked, as any collective would;
 a ``Communicator`` with ``timeout=`` turns that into ``CollectiveTimeout``
 raised by ``wait()`` (the progress thread's communicator inherits it).
+
+Threads: a Communicator's engine is created by the first start on it, in the
+calling thread, as a collective on that Communicator's own duplicate (never
+on the user's communicator: two threads creating engines of two
+Communicators at once must not pair one rank's with another's), under the
+Communicator's ``timeout``.  Starts on one engine come from one thread at a
+time (two at once raise ``RuntimeError``: their order could differ across
+ranks).  Blocking calls on the Communicator itself may run meanwhile, on
+the same thread or another: the engine's collectives are on its own
+duplicate.
 """
 
 from __future__ import annotations
@@ -155,16 +165,22 @@ class ThreadEngine:
             )
         if isinstance(comm, Communicator):
             # The duplicate takes the caller's settings, so both make the same
-            # algorithm choices (a fixed small_bytes pins MPI vs ring).
-            self.comm = Communicator(comm.mpi_comm, chunk_bytes=chunk_bytes or comm.chunk_bytes,
+            # algorithm choices (a fixed small_bytes pins MPI vs ring).  It duplicates
+            # the Communicator's own communicator, whose collectives come from one
+            # thread, not the user's.
+            from ._wait import Deadline
+
+            setup = None if comm.timeout is None else Deadline("allreduce_async", comm.rank, comm.timeout)
+            self.comm = Communicator(comm.comm, chunk_bytes=chunk_bytes or comm.chunk_bytes,
                                      small_bytes=comm.small_bytes, window=comm.window,
                                      cuda_aware=comm.cuda_aware_override, validate=comm.validate,
-                                     timeout=comm.timeout, shm=comm.shm)
+                                     timeout=comm.timeout, shm=comm.shm, _deadline=setup)
         else:
             self.comm = Communicator(comm, chunk_bytes=chunk_bytes)
         self.size = self.comm.size
         self.pool = _Pool()
         self._streams: dict = {}  # (backend name, device) -> the progress thread's stream there
+        self.starting = threading.Lock()  # held while a thread starts a reduction (``_start``)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ddlkernels-progress", daemon=True)
         self._thread.start()
@@ -256,10 +272,16 @@ class HooksEngine:
     kind = "hooks"
 
     def __init__(self, comm=None, *, chunk_bytes=None):
-        base = comm.mpi_comm if isinstance(comm, Communicator) else comm
-        self.mpi = base.Dup()
+        from ._comm import duplicate
+        from ._wait import Deadline
+
+        # As for ThreadEngine: the Communicator's own communicator, under its timeout.
+        base = comm.comm if isinstance(comm, Communicator) else comm
+        timeout = comm.timeout if isinstance(comm, Communicator) else None
+        self.mpi = duplicate(base, None if timeout is None else Deadline("allreduce_async", base.Get_rank(), timeout))
         self.size = self.mpi.Get_size()
         self.pool = _Pool()
+        self.starting = threading.Lock()
         self._inflight: list = []
         self.closed = False
 
@@ -306,6 +328,7 @@ class HooksEngine:
 
 
 _ENGINES: "weakref.WeakKeyDictionary[Communicator, dict]" = weakref.WeakKeyDictionary()
+_ENGINES_LOCK = threading.Lock()  # around _ENGINES only, never held while waiting on other ranks
 
 
 def progress_engine(comm=None, progress: str = "thread"):
@@ -316,17 +339,23 @@ def progress_engine(comm=None, progress: str = "thread"):
     if progress not in PROGRESS_MODES:
         raise ValueError(f"progress must be one of {', '.join(PROGRESS_MODES)}, got {progress!r}")
     c = as_communicator(comm)
-    engines = _ENGINES.setdefault(c, {})
-    eng = engines.get(progress)
+    with _ENGINES_LOCK:
+        eng = _ENGINES.setdefault(c, {}).get(progress)
     if eng is None or eng.closed:
-        eng = (ThreadEngine if progress == "thread" else HooksEngine)(c)
-        engines[progress] = eng
+        # Collective on c's own communicator: c to this thread meanwhile (RuntimeError if another is in it).
+        with c._exclusive("allreduce_async"):
+            c._usable()
+            eng = (ThreadEngine if progress == "thread" else HooksEngine)(c)
+        with _ENGINES_LOCK:
+            _ENGINES[c][progress] = eng
     return eng
 
 
 @atexit.register
 def _close_engines():  # before mpi4py finalizes MPI (its atexit hook was registered first)
-    for engines in list(_ENGINES.values()):
+    with _ENGINES_LOCK:
+        every = list(_ENGINES.values())
+    for engines in every:
         for eng in engines.values():
             eng.close()
 
@@ -422,6 +451,18 @@ def _start(job: FusionJob, comm, progress, single, stream=None) -> Handle:
     normalize_op(job.opname)
     caller = _on_caller_stream(job, stream)  # checks stream= before anything starts
     eng = progress_engine(comm, progress)
+    if not eng.starting.acquire(blocking=False):
+        raise RuntimeError(
+            f"ddlkernels.{job.what}: another thread is starting a reduction on the same Communicator; starts "
+            "must come in the same order on every rank, so from one thread at a time (docs/reliability.md, "
+            "\"Threads\")")
+    try:
+        return _start_on(eng, job, single, caller)
+    finally:
+        eng.starting.release()
+
+
+def _start_on(eng, job: FusionJob, single, caller) -> Handle:
     h = Handle(eng, job, single)
     sig = job.signature()
     if eng.kind == "hooks":

@@ -408,7 +408,7 @@ def _ddl_run(st):
 
 
 def _ddl_settling(st):
-    return st["dc"].tuning(st["x"], st["op"], inplace=st["inplace"])
+    return st["dc"].tuning(st["x"], st["op"])
 
 
 def _mpi_ar_run(st):

@@ -72,7 +72,7 @@ import numpy as np
 
 from ._shm import OPCODES, _ufunc, cuts
 
-__all__ = ["CmaAllreduce", "PIECE_BYTES", "PIECE_BYTES_WIDE", "piece_for", "probe"]
+__all__ = ["CmaAllreduce", "PIECE_BYTES", "PIECE_BYTES_WIDE", "piece_for", "probe", "probe_pids"]
 
 #: Bytes of my block folded per read of a peer's input with 2 ranks: what a rank reads and folds stays in its L2.
 #: ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge --pieces 256K,512K,1M --sizes
@@ -163,7 +163,13 @@ def write_from(pid: int, src: np.ndarray, dst_addr: int) -> bool:
 
 def probe(comm) -> bool:
     """Whether every rank of ``comm`` can read and write every other's memory with ``process_vm_readv`` and
-    ``process_vm_writev`` (collective).
+    ``process_vm_writev`` (collective; ``probe_pids``)."""
+    return probe_pids(comm) is not None
+
+
+def probe_pids(comm):
+    """Every rank's process id (an int64 array, by rank) when every rank of ``comm`` can read and write every
+    other's memory with ``process_vm_readv`` and ``process_vm_writev``, else None (collective).
 
     Each rank publishes its process id, the address of a few words only it
     could have written and of an inbox; it reads every peer's words and
@@ -194,7 +200,9 @@ def probe(comm) -> bool:
         ok = all(inbox[s] == 0x6464_6C6B_0000 + s for s in range(p) if s != me)
     # Nobody's words may go away (the arrays above) before every peer has read and written them: this is also
     # that barrier.
-    return bool(comm.allreduce(int(ok), op=MPI.MIN))
+    if not comm.allreduce(int(ok), op=MPI.MIN):
+        return None
+    return np.array([v[0] for v in peers], dtype=np.int64)
 
 
 class CmaAllreduce:
@@ -203,14 +211,17 @@ class CmaAllreduce:
     ``shm``: the window whose flags and barrier epochs it shares (it uses
     no other part of it), so that its calls and the window's interleave on
     one count of barriers.  The caller has checked ``probe`` on its
-    communicator.
+    communicator.  ``pids``: every rank's process id, as ``probe_pids``
+    returned them; None gathers them here (collective then).
     """
 
-    def __init__(self, shm, piece_bytes: int | None = None, push_from: int = PUSH_FROM):
+    def __init__(self, shm, piece_bytes: int | None = None, push_from: int = PUSH_FROM, pids=None):
         self.shm = shm
         self.piece_bytes = piece_for(shm.p) if piece_bytes is None else int(piece_bytes)
         self.push_from = int(push_from)
-        self._pids = None
+        # Gathered now, not at the first call: a call makes no collective of its own beyond its barriers.
+        self._pids = (np.array(shm.comm.allgather(os.getpid()), dtype=np.int64) if pids is None
+                      else np.asarray(pids, dtype=np.int64))
         self._fns = {}  # (dtype, n, op) -> f(x, out); ("allgather", dtype, n, bounds) -> f(shard, out)
         self._scratch = {}  # dtype -> (tmp, acc)
 
@@ -312,7 +323,7 @@ class CmaAllreduce:
         from ._shm import FLAG_STRIDE
         from .kernels.shm_loops import X_WORD
 
-        shm = self._ready()
+        shm = self._ready(deadline)
         p, me = shm.p, shm.rank
         lines = shm._flags.reshape(p, FLAG_STRIDE)
         lines[me, X_WORD] = shard.ctypes.data
@@ -342,12 +353,10 @@ class CmaAllreduce:
         if lines[:, BAD_WORD].sum():
             raise RuntimeError(READ_FAILED.format(kind))
 
-    def _ready(self):
+    def _ready(self, deadline=None):
         shm = self.shm
         if not shm.allocated:
-            shm._allocate()  # collective: every rank's first call
-        if self._pids is None:
-            self._pids = np.array(shm.comm.allgather(os.getpid()), dtype=np.int64)
+            shm._allocate(deadline)  # collective: every rank's first call (under its deadline)
         return shm
 
     def _buffers(self, dtype, step):
@@ -363,7 +372,7 @@ class CmaAllreduce:
         from .kernels.shm_loops import OUT_WORD, X_WORD
         from ._shm import FLAG_STRIDE
 
-        shm = self._ready()
+        shm = self._ready(deadline)
         p, me, ufunc = shm.p, shm.rank, _ufunc(x.dtype, op)
         step = max(1, self.piece_bytes // x.dtype.itemsize)
         tmp, acc = self._buffers(x.dtype, step)

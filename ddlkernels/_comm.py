@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import threading
+from contextlib import contextmanager
 from time import perf_counter
 
 import numpy as np
@@ -22,11 +24,11 @@ from ._engine import ALIGN_PAD, Segments, execute
 from .ring.schedule import Plan, build_schedule, shard_bounds, validate_dims
 from .transport.direct import HostTransport
 from . import _hier
-from ._cma import CmaAllreduce, probe as cma_probe
+from ._cma import CmaAllreduce, probe_pids as cma_probe
 from ._shm import GATHER_STREAM_FROM, ShmAllreduce, _ufunc, one_node
 from ._tuner import CMA_GATHER_FROM, SizeTuner, candidates
-from ._validate import Call
-from ._wait import Deadline, _check_timeout
+from ._validate import Call, report_local_failure
+from ._wait import BlockingRunner, CollectiveTimeout, Deadline, _check_timeout, abandon, complete
 from .backends import backend_for
 
 __all__ = ["Communicator", "as_communicator"]
@@ -80,13 +82,24 @@ class Communicator:
                  call; default ``DDLKERNELS_VALIDATE``, else off).
     timeout      seconds a collective may take before it raises
                  ``ddlkernels.CollectiveTimeout`` naming the peer it waited
-                 on (default: wait forever).  See docs/reliability.md.
+                 on (default: wait forever); creating the Communicator waits
+                 for every rank under it too.  It need not agree across
+                 ranks.  See docs/reliability.md.
 
-    Creating a Communicator is collective over ``comm``.
+    Creating a Communicator is collective over ``comm``.  Every rank must pass
+    the same ``chunk_bytes``, ``small_bytes`` and ``shm`` (they choose the
+    algorithm; ``validate`` checks them).
+
+    Threads: a Communicator runs one collective at a time.  A call made while
+    another thread is inside a collective on it raises ``RuntimeError`` at
+    once, before any communication (two collectives on one communicator at
+    once cannot be matched across ranks).  Use one Communicator per thread;
+    each is a duplicate with its own windows and buffers, and the library
+    keeps their setup from colliding (docs/reliability.md, "Threads").
     """
 
     def __init__(self, comm=None, *, chunk_bytes=None, small_bytes=None, window=None, cuda_aware=None,
-                 validate=None, timeout=None, topology=None, rack_map=None, shm=None):
+                 validate=None, timeout=None, topology=None, rack_map=None, shm=None, _deadline=None):
         from mpi4py import MPI
 
         if comm is None:
@@ -108,8 +121,16 @@ class Communicator:
         self.timeout = _check_timeout(timeout)
         # Set when a collective timed out: its messages are still in flight.
         self._broken = None
+        #: Held by the thread inside a collective on this Communicator (``_exclusive``); reentrant for the
+        #: collectives that call others (allreduce_many).
+        self._busy = threading.RLock()
+        self._runner = None  # BlockingRunner: MPI's blocking calls under a deadline (``_blocking``)
         self.mpi_comm = comm
-        self.comm = comm.Dup()
+        if _deadline is None and self.timeout is not None:
+            _deadline = Deadline("Communicator creation", comm.Get_rank(), self.timeout)
+        # Nonblocking, so that a rank that never comes is a timeout; once it completes every rank is here,
+        # and the rest of the setup's collectives (on the duplicate) complete.
+        self.comm = duplicate(comm, _deadline)
         self.size = self.comm.Get_size()
         self.rank = self.comm.Get_rank()
         from .topology import detect
@@ -124,28 +145,32 @@ class Communicator:
         if shm not in (None, True, False):
             raise ValueError(f"shm must be None, True or False, got {shm!r}")
         self.shm = shm
-        # One more collective at creation: do all ranks share memory?
+        # One more collective at creation: do all ranks share memory?  (The collectives made here depend on
+        # nothing a rank chose alone, so that ranks that differ in shm= still finish creating; validate names it.)
         on_one_node = self.size > 1 and one_node(self.comm)
-        if shm is True and self.size > 1 and not on_one_node:  # the same on every rank
-            self.comm.Free()
-            raise ValueError("shm=True: the ranks of this communicator do not all share one node")
         #: None: no shared-memory allreduce; else whether it is forced (True) or a tuner candidate (False)
         self._shm_mode = None if (shm is False or not on_one_node) else bool(shm)
         self._shm = None  # ShmAllreduce, created on first use
         # The single-copy allreduce, beside the window among the tuner's candidates, where every pair of ranks may
         # read each other's memory (one more collective, only on one node).
-        self._cma_ok = self._shm_mode is False and cma_probe(self.comm)
+        self._cma_pids = cma_probe(self.comm) if on_one_node else None
+        self._cma_ok = self._shm_mode is False and self._cma_pids is not None
         self._cma = None  # CmaAllreduce, created on first use
         # Several nodes of equal size (one more collective, only then): the
         # hierarchical allreduce is a tuner candidate (ddlkernels._hier).
         self._hier_node = None
-        if shm is not False and self.size > 1 and not on_one_node:
+        if self.size > 1 and not on_one_node:
             node = _hier.node_split(self.comm)
-            if _hier.uniform_nodes(self.comm, node):
+            if _hier.uniform_nodes(self.comm, node) and shm is not False:
                 self._hier_node = node
             else:
                 node.Free()
         self._hier_ok = self._hier_node is not None
+        if shm is True and self.size > 1 and not on_one_node:  # after the collectives: a rank may differ in shm=
+            if self._hier_node is not None:
+                self._hier_node.Free()
+            self.comm.Free()
+            raise ValueError("shm=True: the ranks of this communicator do not all share one node")
         self._hier = None  # HierAllreduce, created on first use
         # The small-message fast path applies when no per-communicator check
         # (validation, timeout) has to run around the call.
@@ -170,7 +195,25 @@ class Communicator:
 
     # -- lifetime ------------------------------------------------------------
     def free(self) -> None:
-        """Release the duplicated communicator and every cached buffer (collective)."""
+        """Release the duplicated communicator and every cached buffer (collective).
+
+        After a timeout it releases nothing: the abandoned collective may still
+        complete into these buffers and windows (a late rank), and freeing them
+        collectively would not match across ranks.  They are kept until the
+        process ends (``ddlkernels._wait.abandon``).
+        """
+        with self._exclusive("free"):
+            self._free()
+
+    def _free(self):
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+        if self._broken is not None:
+            abandon(self.comm, self._buffers, self._transports, self._shm, self._cma, self._hier, self._hier_node)
+            self._transports, self._buffers = {}, {}
+            self._shm = self._cma = self._hier = self._hier_node = self.comm = None
+            return
         for t in self._transports.values():
             t.close()
         self._transports.clear()
@@ -191,6 +234,24 @@ class Communicator:
         if self.comm is not None:
             self.comm.Free()
             self.comm = None
+
+    @contextmanager
+    def _exclusive(self, what):
+        """The body runs with this Communicator to itself; ``RuntimeError`` if another thread is in a collective
+        on it (the fast paths inline the same test)."""
+        if not self._busy.acquire(blocking=False):
+            raise _in_use(what)
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _blocking(self, deadline, what, fn, *args):
+        """``fn(*args)``, a blocking MPI collective, waited for until ``deadline`` (``BlockingRunner``): a
+        rank with a deadline makes the same call as its peers without one."""
+        if self._runner is None:
+            self._runner = BlockingRunner()
+        self._runner.call(deadline, what, fn, *args)
 
     def __enter__(self):
         return self
@@ -331,13 +392,14 @@ class Communicator:
             raise ValueError(f"empty: negative dimension in shape {shape}")
         from ._fusion import check_same_on_all_ranks
 
-        # Its signature layout: (call, op, settings, then one (dtype, shape) per array).
-        check_same_on_all_ranks(self.comm, ("empty", "-", (), (dt.str, shape)),
-                                "empty: every rank must ask for the same shape and dtype")
-        count = int(np.prod(shape, dtype=np.int64))
-        if self._shm_mode is None:
-            return np.empty(shape, dt)
-        return self._shm_collectives().empty(count * dt.itemsize).view(dt).reshape(shape)
+        with self._exclusive("empty"):
+            # Its signature layout: (call, op, settings, then one (dtype, shape) per array).
+            check_same_on_all_ranks(self.comm, ("empty", "-", (), (dt.str, shape)),
+                                    "empty: every rank must ask for the same shape and dtype")
+            count = int(np.prod(shape, dtype=np.int64))
+            if self._shm_mode is None:
+                return np.empty(shape, dt)
+            return self._shm_collectives().empty(count * dt.itemsize).view(dt).reshape(shape)
 
     def _transport(self, backend):
         where = _where(backend)
@@ -383,15 +445,30 @@ class Communicator:
             return np.ascontiguousarray(backend_input_numpy(x)).reshape(-1), True
 
     # -- collectives ---------------------------------------------------------
-    def _call(self, kind, validate, timeout):
-        """The ``Call`` (validation and deadline) of one collective, or None when it needs neither."""
+    def _break(self, reason):
+        """Mark this Communicator unusable after a timeout, and keep everything it owns (``free``)."""
+        self._broken = reason
+        self._fast_ok = False  # the fast paths do not look at _broken
+        abandon(self)  # its buffers, windows and requests may still be used by MPI and by late peers
+
+    def _usable(self):
+        """``RuntimeError`` if an earlier collective timed out (its messages are still in flight)."""
         if self._broken is not None:
             raise RuntimeError(
                 "this Communicator is unusable: an earlier collective timed out with messages still in flight "
                 f"({self._broken}); create a new Communicator or abort the job"
             )
+
+    def _call(self, kind, validate, timeout):
+        """The ``Call`` (validation and deadline) of one collective, or None when it needs neither."""
+        self._usable()
         v = self.validate if validate is None else bool(validate)
-        t = self.timeout if timeout is None else _check_timeout(timeout)
+        try:
+            t = self.timeout if timeout is None else _check_timeout(timeout)
+        except ValueError as exc:
+            if v:  # the other ranks are in the argument check: they raise too, instead of waiting
+                report_local_failure(self.comm, kind=kind, error=exc)
+            raise
         if not v and t is None:
             return None
         return Call(self, kind, v, None if t is None else Deadline(kind, self.rank, t))
@@ -417,15 +494,20 @@ class Communicator:
         there before it, and work queued there after it sees the result.
         Returns ``out``, or a new array of ``x``'s type, shape and device.
         """
-        if type(x) is np.ndarray and self._plain_call(dims, chunk_bytes, backend, validate, timeout):
-            done = self._small_fast(x, op, out)
-            if done is not None:
-                return done
-        call = self._call("allreduce", validate, timeout)
-        if call is None:
-            return self._allreduce(x, op, out, dims, chunk_bytes, backend, None, stream)
-        with call:
-            return self._allreduce(x, op, out, dims, chunk_bytes, backend, call, stream)
+        if not self._busy.acquire(False):  # _exclusive, inlined: this path exists for microseconds
+            raise _in_use("allreduce")
+        try:
+            if type(x) is np.ndarray and self._plain_call(dims, chunk_bytes, backend, validate, timeout):
+                done = self._small_fast(x, op, out)
+                if done is not None:
+                    return done
+            call = self._call("allreduce", validate, timeout)
+            if call is None:
+                return self._allreduce(x, op, out, dims, chunk_bytes, backend, None, stream)
+            with call:
+                return self._allreduce(x, op, out, dims, chunk_bytes, backend, call, stream)
+        finally:
+            self._busy.release()
 
     def _plain_call(self, dims, chunk_bytes, backend, validate, timeout):
         """No per-call option that the fast paths leave to the full path, and no per-communicator check."""
@@ -444,12 +526,11 @@ class Communicator:
         (or a size still being measured) falls through to the full path.
         """
         dt = x.dtype
-        inplace = out is x  # measured and settled apart (ddlkernels._tuner.SizeTuner)
-        hit = self._fast.get((op, dt, x.nbytes, inplace)) if op.__class__ is str else None
+        hit = self._fast.get((op, dt, x.nbytes)) if op.__class__ is str else None
         if not hit:
             if hit is False:  # settled on the ring (or shared memory for "avg"): the full path
                 return None
-            hit = self._fast_entry(op, dt, x.nbytes, inplace)
+            hit = self._fast_entry(op, dt, x.nbytes)
             if not hit:
                 return None
         xflags = x.flags
@@ -457,7 +538,7 @@ class Communicator:
             return None
         if out is None:
             dst = np.empty_like(x)
-        elif inplace:
+        elif out is x:
             if not xflags.writeable:
                 return None  # the full path raises
             dst = x
@@ -476,14 +557,19 @@ class Communicator:
                 how(x if x.ndim == 1 else x.reshape(-1), dst if dst.ndim == 1 else dst.reshape(-1))
         elif algo == "cma":
             how(x if x.ndim == 1 else x.reshape(-1), dst if dst.ndim == 1 else dst.reshape(-1))
-        elif algo == "mpi":
-            self.comm.Allreduce(_MPI_OPS["IN_PLACE"] if dst is x else x, dst, how)
         else:
-            self.comm.Iallreduce(_MPI_OPS["IN_PLACE"] if dst is x else x, dst, how).Wait()
+            # MPI_IN_PLACE on every rank, whichever placement each chose: MPI requires it of all ranks or none.
+            # (The copy MPI makes itself out of place; ``[...] =`` is numpy's cheapest call for it.)
+            if dst is not x:
+                dst[...] = x
+            if algo == "mpi":
+                self.comm.Allreduce(_MPI_OPS["IN_PLACE"], dst, how)
+            else:
+                self.comm.Iallreduce(_MPI_OPS["IN_PLACE"], dst, how).Wait()
         if avg:
             _scale_inplace(dst, self.size)
         self.last_algorithm = algo
-        if watch is not None and self._tuner.observe(self.comm, x.nbytes, watch, perf_counter() - t0, inplace):
+        if watch is not None and self._tuner.observe(self.comm, x.nbytes, watch, perf_counter() - t0):
             self._fast.clear()  # measured again: every rank reopened the size at once
         elif recount is not None:  # counted here or in _allreduce_flat, once per call, on every rank alike
             # SizeTuner.tick inlined: this path exists for the microseconds of small calls.
@@ -492,7 +578,7 @@ class Communicator:
                 self._fast.clear()
         return dst
 
-    def _fast_entry(self, op, dt, nbytes, inplace):
+    def _fast_entry(self, op, dt, nbytes):
         """``(algorithm, how, avg?, watch, recount)`` of the fast path for this op, dtype and size; False
         (settled on the full path) or None (not settled, or not a fast-path case).  Settled answers are cached.
         ``watch``: the tuner's candidates when the size is watched (its calls go to ``SizeTuner.observe``),
@@ -504,12 +590,12 @@ class Communicator:
         if self.small_bytes is None:
             cands = candidates(nbytes, shm=self._shm_mode is not None, hier=self._hier_ok,
                                cma=self._cma_for(dt, "sum" if entry[1] else op))
-            algo = self._tuner.decided(nbytes, cands, inplace)
+            algo = self._tuner.decided(nbytes, cands)
             if algo is None:  # still measured
                 return None
-            if self._tuner.watched(nbytes, cands, inplace):
+            if self._tuner.watched(nbytes, cands):
                 watch = cands
-            recount = self._tuner.recount(nbytes, cands, inplace)
+            recount = self._tuner.recount(nbytes, cands)
         elif nbytes < self.small_bytes:
             algo = "mpi"
         else:
@@ -530,7 +616,7 @@ class Communicator:
                    recount)
         else:
             hit = False
-        self._fast[op, dt, nbytes, inplace] = hit
+        self._fast[op, dt, nbytes] = hit
         return hit
 
     def _allreduce(self, x, op, out, dims, chunk_bytes, backend, call, stream=None):
@@ -621,13 +707,11 @@ class Communicator:
             return "mpi", None
         return "ring", None
 
-    def tuning(self, x, op="sum", *, collective="allreduce", inplace=False) -> bool:
+    def tuning(self, x, op="sum", *, collective="allreduce") -> bool:
         """Whether ``allreduce(x, op)`` on this communicator is still one of the tuner's timed trials.
 
-        ``inplace``: ask about ``allreduce(x, op, out=x)`` instead (measured
-        apart from out-of-place calls).
-
-        The same on every rank.  Benchmarks call until it is False, so that
+        The same on every rank (in place or not: calls of both placements are
+        measured together, since ranks may differ in it).  Benchmarks call until it is False, so that
         timed iterations run the settled algorithm (``ddlkernels._tuner``).
         From ``WATCH_FROM`` bytes a settled size becomes a trial again if its
         calls slow down past what its trials allow (``SizeTuner.observe``).
@@ -645,7 +729,7 @@ class Communicator:
             return cands is not None and self._shard_tuners[collective].decided(nbytes, cands) is None
         redop = "sum" if opname == "avg" else opname
         _, cands = self._choices(nbytes, be.device, dtype, redop, None, opname == "avg")
-        return cands is not None and self._tuner.decided(nbytes, cands, inplace) is None
+        return cands is not None and self._tuner.decided(nbytes, cands) is None
 
     def _shard_choices(self, nbytes, device, dims, mpi=False, kind="reduce_scatter"):
         """reduce_scatter / allgather (``kind``): ``(algorithm, None)`` when fixed, ``(None, candidates)`` when
@@ -696,8 +780,9 @@ class Communicator:
         """``MPI_Allgatherv`` (on bytes, so any dtype) computes this allgather: rank-ordered shards, int counts."""
         return self.size > 1 and nbytes < 2**31 and self._rank_ordered(count)
 
-    def _shard_path(self, kind, nbytes, device, dims, run, mpi=False):
-        """Choose (and time, while measuring) the algorithm of one reduce_scatter / allgather; ``run(algo)``."""
+    def _shard_path(self, kind, nbytes, device, dims, run, mpi=False, deadline=None):
+        """Choose (and time, while measuring) the algorithm of one reduce_scatter / allgather; ``run(algo)``.
+        ``deadline``: the call's, for the tuner's agreements."""
         algo, cands = self._shard_choices(nbytes, device, dims, mpi, kind)
         if cands is None:
             return run(algo)
@@ -711,13 +796,13 @@ class Communicator:
                 return result
             t0 = perf_counter()  # a watched size (ddlkernels._tuner.WATCH_FROM): every call counted
             result = run(algo)
-            if tuner.observe(self.comm, nbytes, cands, perf_counter() - t0):
+            if tuner.observe(self.comm, nbytes, cands, perf_counter() - t0, deadline=deadline):
                 # Reopened on every rank at this call: no fast path may serve the old choice.
                 (self._rs_fast_cache if kind == "reduce_scatter" else self._ag_fast_cache).clear()
             return result
         t0 = perf_counter()
         result = run(algo)
-        tuner.record(self.comm, nbytes, cands, algo, perf_counter() - t0)
+        tuner.record(self.comm, nbytes, cands, algo, perf_counter() - t0, deadline=deadline)
         return result
 
     def _shm_collectives(self):
@@ -732,7 +817,7 @@ class Communicator:
 
     def _cma_collectives(self):
         if self._cma is None:
-            self._cma = CmaAllreduce(self._shm_collectives())
+            self._cma = CmaAllreduce(self._shm_collectives(), pids=self._cma_pids)
         return self._cma
 
     def _allreduce_flat(self, src, dst, opname, be, dtype, chunk, dims, call=None):
@@ -742,41 +827,50 @@ class Communicator:
         redop = "sum" if avg else opname
         trial = False
         algo, cands = self._choices(nbytes, be.device, dtype, redop, dims, avg)
-        inplace = src is dst
+        deadline = None if call is None else call.deadline
         if cands is not None:
-            algo, trial = self._tuner.choose(nbytes, cands, inplace)
+            algo, trial = self._tuner.choose(nbytes, cands)
         if trial:
             t0 = perf_counter()
             self._allreduce_path(algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
-            self._tuner.record(self.comm, nbytes, cands, algo, perf_counter() - t0, inplace)
-        elif cands is not None and self._tuner.watched(nbytes, cands, inplace):
+            self._tuner.record(self.comm, nbytes, cands, algo, perf_counter() - t0, deadline=deadline)
+        elif cands is not None and self._tuner.watched(nbytes, cands):
             # Every call of a watched size is counted, here or in _small_fast, on every rank alike.
             t0 = perf_counter()
             self._allreduce_path(algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
-            if self._tuner.observe(self.comm, nbytes, cands, perf_counter() - t0, inplace):
+            if self._tuner.observe(self.comm, nbytes, cands, perf_counter() - t0, deadline=deadline):
                 self._fast.clear()
         else:
             self._allreduce_path(algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call)
-            if cands is not None and self._tuner.count(nbytes, cands, inplace):
+            if cands is not None and self._tuner.count(nbytes, cands):
                 self._fast.clear()  # measured again from the next call, on every rank
 
     def _allreduce_path(self, algo, src, dst, opname, redop, avg, be, dtype, chunk, dims, count, call):
         """Run ``algo``: "mpi" (MPI_Allreduce), "nbc" (MPI_Iallreduce + Wait), "shm" / "shm-nt" (shared window,
-        result blocks written normally / with non-temporal stores), "cma" (single copy), "hier" or "ring"."""
+        result blocks written normally / with non-temporal stores), "cma" (single copy), "hier" or "ring".
+
+        What a call needs is allocated before the argument check (``call.agree``): a rank that fails there
+        fails locally, which ``validate`` announces to the others."""
+        deadline = None if call is None else call.deadline
+        slots = self._slots(be, dtype, chunk) if algo == "ring" else None
         if call is not None:
             call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=None if algo != "ring" else chunk,
                        path=algo)
         if algo == "shm" or algo == "shm-nt":
             self.last_algorithm = algo
             self._shm_collectives().run(src, dst, redop, be.reduce, avg_p=self.size if avg else None,
-                                        deadline=None if call is None else call.deadline, spill=algo == "shm-nt")
+                                        deadline=deadline, spill=algo == "shm-nt")
             return
         if algo == "cma":
             self.last_algorithm = algo
             if src.__class__ is Segments:  # peers read one buffer: pack first, then reduce in place
                 src.copy_to(dst, 0, count)
                 src = dst
-            self._cma_collectives().run(src, dst, redop, deadline=None if call is None else call.deadline)
+            try:
+                self._cma_collectives().run(src, dst, redop, deadline=deadline)
+            except CollectiveTimeout:
+                abandon(src, dst)  # a late peer still reads x and writes out where they lie, in this process
+                raise
             if avg:
                 _scale_inplace(dst, self.size)
             return
@@ -786,29 +880,33 @@ class Communicator:
                 src.copy_to(dst, 0, count)
                 src = dst
             if self._hier is None:  # collective: every rank chose "hier" for this same call
-                self._hier = _hier.HierAllreduce(self.comm, self._hier_node, timeout=self.timeout)
-            self._hier.run(src, dst, redop, be.reduce, avg_p=self.size if avg else None,
-                           deadline=None if call is None else call.deadline)
+                # Every rank is here (a nonblocking barrier under the call's deadline) before the blocking
+                # collectives that set it up.
+                complete(self.comm.Ibarrier(), deadline, "the hierarchical allreduce's setup (MPI_Ibarrier)")
+                self._hier = _hier.HierAllreduce(self.comm, self._hier_node)
+            self._hier.run(src, dst, redop, be.reduce, avg_p=self.size if avg else None, deadline=deadline)
             return
         if algo != "ring":
             self.last_algorithm = algo
             if src.__class__ is Segments:  # MPI needs one buffer: pack, then reduce in place
                 src.copy_to(dst, 0, count)
-                src = dst
-            mpi_op = _mpi_op(redop)
-            send = _mpi_op("IN_PLACE") if src is dst else src
-            if call is not None and call.deadline is not None:
-                call.mpi_allreduce(self.comm, src, dst, mpi_op, src is dst)  # Iallreduce, polled
-            elif algo == "mpi":
-                self.comm.Allreduce(send, dst, mpi_op)
+            elif src is not dst:
+                be.copy(dst, src)
+            # MPI_IN_PLACE on every rank, whichever placement each chose: MPI requires it of all ranks or none.
+            # The same call with or without a deadline: blocking and nonblocking collectives never match.
+            mpi_op, in_place = _mpi_op(redop), _mpi_op("IN_PLACE")
+            if algo == "nbc":
+                complete(self.comm.Iallreduce(in_place, dst, mpi_op), deadline, "MPI_Iallreduce")
+            elif deadline is None:
+                self.comm.Allreduce(in_place, dst, mpi_op)
             else:
-                self.comm.Iallreduce(send, dst, mpi_op).Wait()
+                self._blocking(deadline, "MPI_Allreduce", self.comm.Allreduce, in_place, dst, mpi_op)
             if avg:
                 _scale_inplace(dst, self.size)
             return
         self.last_algorithm = "ring"
         plan = self.plan(count * dtype.itemsize, dims)
-        self._run_ring(self._schedule(count, plan, "ar"), src, dst, opname, be, dtype, chunk, call)
+        self._run_ring(self._schedule(count, plan, "ar"), src, dst, opname, be, dtype, chunk, call, slots)
 
     def _allreduce_segments(self, segments, out, op="sum", *, dims=None, chunk_bytes=None):
         """Reduce the virtual buffer ``segments`` (``ddlkernels._engine.Segments``) into the host array ``out``.
@@ -826,16 +924,18 @@ class Communicator:
                 f"_allreduce_segments: out must be a contiguous {dtype_name(segments.dtype)}[{segments.count}], "
                 f"got {dtype_name(dtype)}{list(out.shape)}"
             )
-        call = self._call("allreduce", None, None)
-        if call is None:
-            self._allreduce_flat(segments, out, opname, be, dtype, chunk, dims)
-        else:
-            with call:
-                self._allreduce_flat(segments, out, opname, be, dtype, chunk, dims, call)
+        with self._exclusive("allreduce_many"):
+            call = self._call("allreduce", None, None)
+            if call is None:
+                self._allreduce_flat(segments, out, opname, be, dtype, chunk, dims)
+            else:
+                with call:
+                    self._allreduce_flat(segments, out, opname, be, dtype, chunk, dims, call)
         return out
 
-    def _run_ring(self, sched, src, out, opname, be, dtype, chunk, call):
-        """Execute ``sched`` with this communicator's transport and slots; "avg" is the sum with a fused scale."""
+    def _run_ring(self, sched, src, out, opname, be, dtype, chunk, call, slots):
+        """Execute ``sched`` with this communicator's transport and ``slots``; "avg" is the sum with a fused
+        scale."""
         avg = opname == "avg"
         execute(
             sched,
@@ -845,7 +945,7 @@ class Communicator:
             backend=be,
             transport=self._transport(be),
             chunk=chunk,
-            slots=self._slots(be, dtype, chunk),
+            slots=slots,
             avg_p=self.size if avg else None,
             deadline=None if call is None else call.deadline,
         )
@@ -862,20 +962,25 @@ class Communicator:
         ``op``: an ``MPI.Op``, a name, or a ``torch.distributed.ReduceOp``.
         ``validate`` and ``timeout`` as for ``allreduce``.
         """
-        if validate is None and timeout is None and self._fast_ok and type(recvbuf) is np.ndarray:
-            # The small-message fast path of ``allreduce``, for numpy buffers of one shape.
-            name = "sum" if op is None or op is _MPI_OPS["sum"] else normalize_op(op)
-            if sendbuf is _MPI_OPS["IN_PLACE"]:
-                if self._small_fast(recvbuf, name, recvbuf) is not None:
-                    return None
-            elif type(sendbuf) is np.ndarray and sendbuf.shape == recvbuf.shape:
-                if self._small_fast(sendbuf, name, recvbuf) is not None:
-                    return None
-        call = self._call("allreduce", validate, timeout)
-        if call is None:
-            return self._Allreduce(sendbuf, recvbuf, op, None)
-        with call:
-            return self._Allreduce(sendbuf, recvbuf, op, call)
+        if not self._busy.acquire(False):
+            raise _in_use("Allreduce")
+        try:
+            if validate is None and timeout is None and self._fast_ok and type(recvbuf) is np.ndarray:
+                # The small-message fast path of ``allreduce``, for numpy buffers of one shape.
+                name = "sum" if op is None or op is _MPI_OPS["sum"] else normalize_op(op)
+                if sendbuf is _MPI_OPS["IN_PLACE"]:
+                    if self._small_fast(recvbuf, name, recvbuf) is not None:
+                        return None
+                elif type(sendbuf) is np.ndarray and sendbuf.shape == recvbuf.shape:
+                    if self._small_fast(sendbuf, name, recvbuf) is not None:
+                        return None
+            call = self._call("allreduce", validate, timeout)
+            if call is None:
+                return self._Allreduce(sendbuf, recvbuf, op, None)
+            with call:
+                return self._Allreduce(sendbuf, recvbuf, op, call)
+        finally:
+            self._busy.release()
 
     def _Allreduce(self, sendbuf, recvbuf, op, call):
         from mpi4py import MPI
@@ -909,15 +1014,20 @@ class Communicator:
         the shard into (a loop of calls then allocates nothing).
         ``validate``, ``timeout`` and ``stream`` as for ``allreduce``.
         """
-        if type(x) is np.ndarray and self._plain_call(dims, chunk_bytes, backend, validate, timeout):
-            done = self._rs_fast(x, op, out)
-            if done is not None:
-                return done
-        call = self._call("reduce_scatter", validate, timeout)
-        if call is None:
-            return self._reduce_scatter(x, op, out, dims, chunk_bytes, backend, None, stream)
-        with call:
-            return self._reduce_scatter(x, op, out, dims, chunk_bytes, backend, call, stream)
+        if not self._busy.acquire(False):
+            raise _in_use("reduce_scatter")
+        try:
+            if type(x) is np.ndarray and self._plain_call(dims, chunk_bytes, backend, validate, timeout):
+                done = self._rs_fast(x, op, out)
+                if done is not None:
+                    return done
+            call = self._call("reduce_scatter", validate, timeout)
+            if call is None:
+                return self._reduce_scatter(x, op, out, dims, chunk_bytes, backend, None, stream)
+            with call:
+                return self._reduce_scatter(x, op, out, dims, chunk_bytes, backend, call, stream)
+        finally:
+            self._busy.release()
 
     def _shard_fast_algo(self, kind, nbytes, cands):
         """What a shard fast path may run for this settled size: ``(algorithm, watch)``, or ``(None, None)``
@@ -1031,41 +1141,43 @@ class Communicator:
         deadline = None if call is None else call.deadline
 
         def run(algo):
+            # Everything allocated first: a rank that fails here fails locally (announced by validate).
+            bounds = self._all_shards(count, dims)
+            lo, hi = bounds[self.rank]
+            shard = be.empty(hi - lo, dtype) if out is None else out
+            if algo == "ring":
+                work, slots = self._scratch(be, dtype, count), self._slots(be, dtype, chunk)
             if call is not None:
                 call.agree(count=count, dtype=dtype, op=opname, dims=dims, chunk=chunk, path=algo)
             self.last_algorithm = algo
-            if algo in ("shm", "mpi"):
-                bounds = self._all_shards(count, dims)
-                lo, hi = bounds[self.rank]
-                shard = be.empty(hi - lo, dtype) if out is None else out
-                if algo == "shm":
-                    self._shm_collectives().reduce_scatter(src, shard, bounds, redop, be.reduce,
-                                                           avg_p=self.size if avg else None, deadline=deadline)
-                    return shard
+            if algo == "shm":
+                self._shm_collectives().reduce_scatter(src, shard, bounds, redop, be.reduce,
+                                                       avg_p=self.size if avg else None, deadline=deadline)
+                return shard
+            if algo == "mpi":
                 counts = [b - a for a, b in bounds]
                 mop = _mpi_op(redop)
+                # The same blocking call with or without a deadline (``_blocking``): a nonblocking one would
+                # not match the peers'.
                 if len(set(counts)) == 1:  # equal shards: the block variant, which Open MPI runs differently
-                    if deadline is None:
-                        self.comm.Reduce_scatter_block(src, shard, mop)
-                    else:
-                        deadline.wait_mpi(self.comm.Ireduce_scatter_block(src, shard, mop), "MPI_Ireduce_scatter_block")
-                elif deadline is None:
-                    self.comm.Reduce_scatter(src, shard, counts, mop)
+                    what, fn, args = "MPI_Reduce_scatter_block", self.comm.Reduce_scatter_block, (src, shard, mop)
                 else:
-                    deadline.wait_mpi(self.comm.Ireduce_scatter(src, shard, counts, mop), "MPI_Ireduce_scatter")
+                    what, fn, args = "MPI_Reduce_scatter", self.comm.Reduce_scatter, (src, shard, counts, mop)
+                if deadline is None:
+                    fn(*args)
+                else:
+                    self._blocking(deadline, what, fn, *args)
                 if avg:
                     _scale_inplace(shard, self.size)
                 return shard
             sched = self._schedule(count, plan, "rs")
-            work = self._scratch(be, dtype, count)
-            self._run_ring(sched, src, work, opname, be, dtype, chunk, call)
-            lo, hi = sched.shard
-            shard = be.empty(hi - lo, dtype) if out is None else out
-            be.copy(shard, work[lo:hi])
+            self._run_ring(sched, src, work, opname, be, dtype, chunk, call, slots)
+            a, b = sched.shard
+            be.copy(shard, work[a:b])
             return shard
 
         mpi = not be.device and dims is None and self._rs_mpi_ok(dtype, redop, count)
-        return self._shard_path("reduce_scatter", count * dtype.itemsize, be.device, dims, run, mpi)
+        return self._shard_path("reduce_scatter", count * dtype.itemsize, be.device, dims, run, mpi, deadline)
 
     def allgather(self, shard, *, count=None, out=None, dims=None, chunk_bytes=None, backend=None, validate=None,
                   timeout=None, stream=None):
@@ -1083,18 +1195,23 @@ class Communicator:
         None.  ``validate`` (dtype, dims, chunk and ``count``),
         ``timeout`` and ``stream`` as for ``allreduce``.
         """
-        if count is None and out is not None:
-            count = out.size if out.__class__ is np.ndarray else _size(out)
-        if count is not None and type(shard) is np.ndarray and self._plain_call(dims, chunk_bytes, backend, validate,
-                                                                                  timeout):
-            done = self._ag_fast(shard, count, out)
-            if done is not None:
-                return done
-        call = self._call("allgather", validate, timeout)
-        if call is None:
-            return self._allgather(shard, count, out, dims, chunk_bytes, backend, None, stream)
-        with call:
-            return self._allgather(shard, count, out, dims, chunk_bytes, backend, call, stream)
+        if not self._busy.acquire(False):
+            raise _in_use("allgather")
+        try:
+            if count is None and out is not None:
+                count = out.size if out.__class__ is np.ndarray else _size(out)
+            if count is not None and type(shard) is np.ndarray and self._plain_call(dims, chunk_bytes, backend,
+                                                                                      validate, timeout):
+                done = self._ag_fast(shard, count, out)
+                if done is not None:
+                    return done
+            call = self._call("allgather", validate, timeout)
+            if call is None:
+                return self._allgather(shard, count, out, dims, chunk_bytes, backend, None, stream)
+            with call:
+                return self._allgather(shard, count, out, dims, chunk_bytes, backend, call, stream)
+        finally:
+            self._busy.release()
 
     def _ag_fast(self, shard, count, out):
         """An allgather with ``count`` given, settled on MPI or shared memory: straight to it, or None."""
@@ -1126,7 +1243,7 @@ class Communicator:
                 fn = self._shm.shard_fn("allgather", dtype, count, None, bounds, stream)
                 hit = (algo, bounds, fn, stream, watch)
             elif algo == "cma":
-                if self._cma is None or self._cma._pids is None or not self._shm.allocated or count == 0:
+                if self._cma is None or not self._shm.allocated or count == 0:
                     return None  # the full path sets it up (collectively); ask again after it
                 hit = (algo, bounds, self._cma.gather_fn(dtype, count, bounds), None, watch)
             elif algo == "mpi":
@@ -1171,13 +1288,14 @@ class Communicator:
 
     def _allgather_on(self, be, shard, dtype, chunk, count, out, dims, call):
         src, _ = self._flat_input(be, shard)
+        deadline = None if call is None else call.deadline
         if count is None:
             lengths = np.empty(self.size, dtype=np.int64)
-            if call is None:
-                self.comm.Allgather(np.array([src.shape[0]], dtype=np.int64), lengths)
-            else:
+            if call is not None:
                 call.agree(count=None, dtype=dtype, op=None, dims=dims, chunk=chunk, path="ring")
-                call.mpi_allgather(self.comm, np.array([src.shape[0]], dtype=np.int64), lengths)
+            # Nonblocking with or without a deadline, so that ranks with and without one meet in it.
+            complete(self.comm.Iallgather(np.array([src.shape[0]], dtype=np.int64), lengths), deadline,
+                     "the exchange of shard lengths (MPI_Iallgather)")
             count = int(lengths.sum())
             expect = self._all_shards(count, dims)
             bad = [r for r in range(self.size) if expect[r][1] - expect[r][0] != lengths[r]]
@@ -1198,16 +1316,20 @@ class Communicator:
                                  f"{count} elements gives it {hi - lo}")
             if out is not None:
                 _check_shard_out(be, out, shard, dtype, count, "allgather")
-            if call is not None:
-                call.agree(count=count, dtype=dtype, op=None, dims=dims, chunk=chunk, path="ring")
+        # Allocated before the argument check where count is known: a rank that fails here fails locally.
+        dst = be.empty(count, dtype) if out is None else out
+        if call is not None and not call.agreed:
+            call.agree(count=count, dtype=dtype, op=None, dims=dims, chunk=chunk, path="ring")
         plan = self._shard_plan(dims)
-        deadline = None if call is None else call.deadline
 
         def run(algo):
             self.last_algorithm = algo
-            dst = be.empty(count, dtype) if out is None else out
             if algo == "cma":
-                self._cma_collectives().allgather(src, dst, expect, deadline=deadline)
+                try:
+                    self._cma_collectives().allgather(src, dst, expect, deadline=deadline)
+                except CollectiveTimeout:
+                    abandon(src, dst)  # a late peer still reads my shard where it lies, in this process
+                    raise
                 return dst
             if algo == "shm" or algo == "shm-nt":
                 stream = self._gather_stream(algo)
@@ -1218,15 +1340,14 @@ class Communicator:
                 sizes = [(b - a) * item for a, b in expect]
                 send = src.view(np.uint8)
                 if len(set(sizes)) == 1:  # equal shards: MPI_Allgather, which Open MPI runs faster than Allgatherv
-                    recv, name, blocking, nonblocking = dst.view(np.uint8), "MPI_Iallgather", \
-                        self.comm.Allgather, self.comm.Iallgather
+                    recv, name, blocking = dst.view(np.uint8), "MPI_Allgather", self.comm.Allgather
                 else:
                     recv = [dst.view(np.uint8), sizes, [a * item for a, _ in expect], _MPI_OPS["BYTE"]]
-                    name, blocking, nonblocking = "MPI_Iallgatherv", self.comm.Allgatherv, self.comm.Iallgatherv
+                    name, blocking = "MPI_Allgatherv", self.comm.Allgatherv
                 if deadline is None:
                     blocking(send, recv)
-                else:
-                    deadline.wait_mpi(nonblocking(send, recv), name)
+                else:  # the same blocking call as the peers without a deadline make (``_blocking``)
+                    self._blocking(deadline, name, blocking, send, recv)
                 return dst
             sched = self._schedule(count, plan, "ag")
             lo, hi = sched.shard
@@ -1237,7 +1358,7 @@ class Communicator:
 
         nbytes = count * dtype.itemsize
         mpi = not be.device and dims is None and self._ag_mpi_ok(count, nbytes)
-        return self._shard_path("allgather", nbytes, be.device, dims, run, mpi)
+        return self._shard_path("allgather", nbytes, be.device, dims, run, mpi, deadline)
 
 
 def _where(backend):
@@ -1404,25 +1525,58 @@ def _nonneg(name, v):
     return int(v)
 
 
+def _in_use(what):
+    return RuntimeError(
+        f"ddlkernels: {what} called while another thread is inside a collective on the same Communicator; "
+        "collectives on one communicator cannot overlap (the ranks could not match them): use one Communicator per "
+        "thread, or ddlkernels.allreduce_async for work that overlaps (docs/reliability.md, \"Threads\")"
+    )
+
+
+def duplicate(comm, deadline=None):
+    """A duplicate of the mpi4py intracommunicator ``comm`` (collective), waited for under ``deadline``.
+
+    ``MPI_Comm_idup`` on every rank, with or without a deadline, so that ranks with and without one meet
+    in it; once it completes every rank is in the same creation.  After a timeout the duplicate is
+    abandoned, never freed: it completes if the missing rank arrives.
+    """
+    dup, req = comm.Idup()
+    try:
+        complete(req, deadline, "MPI_Comm_idup (a duplicate of the communicator)")
+    except CollectiveTimeout:
+        abandon(dup)
+        raise
+    return dup
+
+
 _KEYVAL = None
 _DEFAULT = None
+#: Guards _KEYVAL and _CREATING; held for no wait on other ranks.
+_GLOBAL = threading.Lock()
+#: MPI handle of an mpi4py communicator -> the lock held while its cached Communicator is created (one at a time
+#: per communicator, never across communicators: that could wait on another rank's other thread).
+_CREATING: dict = {}
 
 
-def as_communicator(comm=None) -> Communicator:
+def as_communicator(comm=None, timeout=None) -> Communicator:
     """The ``Communicator`` for ``comm`` (an mpi4py comm, a Communicator, or None = COMM_WORLD).
 
     For an mpi4py communicator it is created on first use and cached on the
     communicator itself (MPI attribute caching), so repeated calls reuse its
-    plans and buffers, and it is freed when the communicator is.
+    plans and buffers, and it is freed when the communicator is.  ``timeout``:
+    the calling collective's; creating the Communicator (collective) waits for
+    the other ranks under a deadline of that length (``CollectiveTimeout``),
+    and the Communicator made has no timeout of its own.
     """
     global _KEYVAL, _DEFAULT
     if comm is None:
         # The lazily created default: the one piece of global state.
-        if _DEFAULT is not None and _DEFAULT.comm is not None:
-            return _DEFAULT
+        default = _DEFAULT
+        if default is not None and default.comm is not None:
+            return default
         from mpi4py import MPI
 
-        _DEFAULT = as_communicator(MPI.COMM_WORLD)
+        _DEFAULT = as_communicator(MPI.COMM_WORLD, timeout)
         return _DEFAULT
     if isinstance(comm, Communicator):
         return comm
@@ -1431,9 +1585,23 @@ def as_communicator(comm=None) -> Communicator:
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py Intracomm or a ddlkernels.Communicator, got {comm!r}")
     if _KEYVAL is None:
-        _KEYVAL = MPI.Comm.Create_keyval(delete_fn=lambda c, k, v: v.free())
+        with _GLOBAL:
+            if _KEYVAL is None:
+                _KEYVAL = MPI.Comm.Create_keyval(delete_fn=lambda c, k, v: v.free())
     cached = comm.Get_attr(_KEYVAL)
     if cached is None:
-        cached = Communicator(comm)
-        comm.Set_attr(_KEYVAL, cached)
+        # Two threads making the first call on one communicator: one creates, the other waits for it (its
+        # creation's MPI_Comm_idup is the same collective on every rank, whichever thread makes it).
+        with _GLOBAL:
+            lock = _CREATING.setdefault(comm.py2f(), threading.Lock())
+        with lock:
+            cached = comm.Get_attr(_KEYVAL)
+            if cached is None:
+                try:
+                    t = _check_timeout(timeout)
+                except ValueError:  # raised by the call itself, which validate=True announces to the others
+                    t = None
+                deadline = None if t is None else Deadline("Communicator creation", comm.Get_rank(), t)
+                cached = Communicator(comm, _deadline=deadline)
+                comm.Set_attr(_KEYVAL, cached)
     return cached

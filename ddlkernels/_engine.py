@@ -212,8 +212,30 @@ def execute(sched: Schedule, src, out, op: str, *, backend, transport, chunk: in
     this rank's shard.  ``deadline`` (a ``ddlkernels._wait.Deadline``, set
     when the call has a ``timeout=``) replaces every ``Wait()`` by polling.
     """
+    if deadline is not None:
+        transport = _Kept(transport, deadline.pending)
     with np.errstate(all="ignore"):  # NaN/Inf/overflow propagate as in numpy, silently as in MPI
         _execute(sched, src, out, op, backend, transport, chunk, slots, avg_p, deadline)
+
+
+class _Kept:
+    """``transport`` whose requests are also listed in ``pending`` (a ``Deadline``'s): if the call times out,
+    every send and receive it left in flight, and so its buffers, stays alive (``ddlkernels._wait.abandon``)."""
+
+    __slots__ = ("isend", "irecv")
+
+    def __init__(self, transport, pending):
+        def isend(buf, peer, tag, _isend=transport.isend, _keep=pending.append):
+            req = _isend(buf, peer, tag)
+            _keep(req)
+            return req
+
+        def irecv(buf, peer, tag, _irecv=transport.irecv, _keep=pending.append):
+            req = _irecv(buf, peer, tag)
+            _keep(req)
+            return req
+
+        self.isend, self.irecv = isend, irecv
 
 
 def _execute(sched, src, out, op, backend, transport, chunk, slots, avg_p, deadline):

@@ -393,28 +393,38 @@ def unpack_from(be, bucket: Bucket, buf, outs) -> None:
 def check_same_on_all_ranks(comm, signature, what: str) -> None:
     """Raise ``ValueError`` on every rank unless every rank passed an equal ``signature`` (collective).
 
-    One 16-byte ``MPI_Allreduce`` of a digest; on a mismatch the signatures
+    One 16-byte ``MPI_Iallreduce`` of a digest; on a mismatch the signatures
     themselves are gathered so the error can say which rank passed what.
-    ``comm`` is an mpi4py communicator, or a ``Communicator`` (then the
-    digest goes through its ``allreduce``, so its ``timeout`` applies).
+    ``comm`` is an mpi4py communicator, or a ``Communicator`` (then on its
+    own communicator, waited for under its ``timeout``: a timeout leaves it
+    unusable, as any collective's).  Nonblocking on every rank, with or
+    without a deadline: the ranks meet in it either way.
     """
     from mpi4py import MPI
 
     from ._comm import Communicator
+    from ._wait import CollectiveTimeout, Deadline, complete
 
     mpi = comm.comm if isinstance(comm, Communicator) else comm
     if mpi.Get_size() == 1:
         return
+    deadline = None
+    if isinstance(comm, Communicator):
+        comm._usable()
+        if comm.timeout is not None:
+            deadline = Deadline(what, comm.rank, comm.timeout)
     digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
     h = int.from_bytes(digest, "little", signed=True) >> 1  # -h must not overflow
     both = np.array([h, -h], dtype=np.int64)
-    if isinstance(comm, Communicator):
-        comm.allreduce(both, "min", out=both)
-    else:
-        mpi.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)
+    try:
+        complete(mpi.Iallreduce(MPI.IN_PLACE, both, op=MPI.MIN), deadline, "the argument check (MPI_Iallreduce)")
+    except CollectiveTimeout as exc:
+        if isinstance(comm, Communicator):
+            comm._break(str(exc))
+        raise
     if both[0] == h and -both[1] == h:
         return
-    sigs = mpi.allgather(signature)
+    sigs = mpi.allgather(signature)  # every rank is here: it passed the digest's reduction
     raise ValueError(f"{what}: ranks passed different arguments: {_describe_difference(sigs)}")
 
 
@@ -467,21 +477,23 @@ def allreduce_many(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None,
     if job.backend is None:  # no tensors: only the agreement
         if stream is not None:
             raise ValueError("stream= orders device work; this call has no arrays")
-        check_same_on_all_ranks(c.comm, job.signature(), "allreduce_many")
+        with c._exclusive("allreduce_many"):
+            check_same_on_all_ranks(c, job.signature(), "allreduce_many")  # through c: under its timeout
         return job.outs
     scope = c._device_call(job.backend, job.tensors[0], stream)  # checks stream= before any communication
-    check_same_on_all_ranks(c.comm, job.signature(), "allreduce_many")
-    need: dict = {}  # largest packed bucket per dtype: the reusable buffer is sized once
-    for b in job.buckets:
-        if not b.direct and b.home is None:
-            need[b.dtype] = max(need.get(b.dtype, 0), b.count)
-    # Device: the packs, reductions and unpacks on the caller's stream, after the last call of this
-    # Communicator, whose fusion buffers these are (Communicator._device_call).
-    with scope:
-        bufs = {dt: c.reusable_buffer("fusion", job.backend, dt, n) for dt, n in need.items()}
+    with c._exclusive("allreduce_many"):  # its collectives in a row, no other thread's between them
+        check_same_on_all_ranks(c, job.signature(), "allreduce_many")  # through c: under its timeout
+        need: dict = {}  # largest packed bucket per dtype: the reusable buffer is sized once
         for b in job.buckets:
-            buf = None if b.direct or b.home is not None else bufs[b.dtype][: b.count]
-            job.reduce_bucket(c, b, buf, chunk_bytes)
+            if not b.direct and b.home is None:
+                need[b.dtype] = max(need.get(b.dtype, 0), b.count)
+        # Device: the packs, reductions and unpacks on the caller's stream, after the last call of this
+        # Communicator, whose fusion buffers these are (Communicator._device_call).
+        with scope:
+            bufs = {dt: c.reusable_buffer("fusion", job.backend, dt, n) for dt, n in need.items()}
+            for b in job.buckets:
+                buf = None if b.direct or b.home is not None else bufs[b.dtype][: b.count]
+                job.reduce_bucket(c, b, buf, chunk_bytes)
     return job.outs
 
 

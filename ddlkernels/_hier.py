@@ -63,7 +63,7 @@ class HierAllreduce:
     ``node``: this rank's node communicator, a split of ``comm`` into groups
     of equal size whose ranks share memory (``node_split``; the caller checked
     ``uniform_nodes``).  ``cross_kwargs``: arguments of the Communicator
-    across nodes (``timeout``, ``validate``).
+    across nodes.
     """
 
     def __init__(self, comm, node, **cross_kwargs):
@@ -112,15 +112,15 @@ class HierAllreduce:
         ``op``: "sum", "max", "min" or "prod"; ``avg_p``: divide the sum by it
         at the end ("avg"; not for float16/bfloat16).  ``reduce``: the host
         backend's ``reduce`` (used for the types numpy cannot add directly).
-        ``deadline``: a ``ddlkernels._wait.Deadline`` for the shared-memory
-        steps; the step across nodes has the cross Communicator's timeout.
+        ``deadline``: a ``ddlkernels._wait.Deadline`` for the whole call; the
+        step across nodes gets what is left of it as its timeout.
         """
         n = src.shape[0]
         bounds = self.bounds(n)
         lo, hi = bounds[self.local]
         shard = self._shard(src.dtype, hi - lo)
         self.shm.reduce_scatter(src, shard, bounds, op, reduce, deadline=deadline)
-        self.cross.allreduce(shard, op, out=shard)
+        self.cross.allreduce(shard, op, out=shard, timeout=None if deadline is None else deadline.remaining())
         if avg_p is not None:
             from ._comm import _scale_inplace
 

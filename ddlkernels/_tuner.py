@@ -35,8 +35,7 @@ messages are latency-bound: MPI's recursive-doubling allreduce needs
 log2(p) message rounds where a ring needs 2(p - 1), so below some size MPI's
 own calls win; above it the ring's bandwidth-optimal data movement does.
 Which call wins where depends on the MPI library, the network and p, so it
-is measured instead of guessed, per power-of-two size bucket and per
-placement (in place or not: ``SizeTuner``):
+is measured instead of guessed, per power-of-two size bucket (``SizeTuner``):
 
 * below ``MPI_BELOW`` bytes: "mpi", "nbc" (no ring of two or more ranks
   can win there), "shm";
@@ -109,7 +108,12 @@ full paths.
 
 Every rank makes the same sequence of calls with the same sizes (a
 collective requires it), so every rank reaches the deciding allreduce in the
-same call and the choice is identical everywhere.  Because the choice is
+same call and the choice is identical everywhere.  Nothing a rank may choose
+alone keys the state: in place or not, a ``timeout=``, an input in shared
+memory or a non-contiguous one all fall in the same bucket, so that two
+ranks that differ in them still run the same algorithm.  The agreements are
+``MPI_Iallreduce`` on every rank, waited for under the call's deadline when
+it has one (``ddlkernels._wait.complete``).  Because the choice is
 measured, two runs may pick differently near a crossover; a fixed
 ``small_bytes`` makes the path (and so the rounding) reproducible.
 """
@@ -228,6 +232,16 @@ RECOUNT_CALLS = 4096
 RECOUNT_MAX_CALLS = 1 << 22
 
 
+def _agree_max(comm, values, deadline):
+    """``values`` = their maximum over the ranks, in place: ``MPI_Iallreduce`` on every rank, with or without
+    a deadline, so that ranks with and without a ``timeout=`` meet in it."""
+    from mpi4py import MPI
+
+    from ._wait import complete
+
+    complete(comm.Iallreduce(MPI.IN_PLACE, values, MPI.MAX), deadline, "the size tuner's agreement (MPI_Iallreduce)")
+
+
 def watch_interval(won_in: float) -> int:
     """Calls between two checks of a bucket whose winner took ``won_in`` seconds per call in its trials."""
     return int(min(WATCH_CALLS, max(WATCH_MIN_CALLS, -(-CHECK_SECONDS // max(won_in, 1e-9)))))
@@ -301,12 +315,11 @@ def candidates(nbytes: int, *, mpi: bool = True, shm: bool = False, hier: bool =
 
 
 class SizeTuner:
-    """Per-communicator record of trials and decisions, by size bucket, candidate set and placement.
+    """Per-communicator record of trials and decisions, by size bucket and candidate set.
 
-    In-place and out-of-place calls are measured apart: their costs differ
-    by algorithm (MPI's out-of-place allreduce first copies its input into
-    the output; the ring and the shared-memory allreduce do not), so one
-    placement's winner says little about the other's.
+    In-place and out-of-place calls are measured together: ranks may differ
+    in placement within one call, and a state kept per placement let them
+    choose different algorithms for it (a hang).
     """
 
     def __init__(self, watch: bool = False):
@@ -323,12 +336,12 @@ class SizeTuner:
     def bucket(nbytes: int) -> int:
         return int(nbytes).bit_length()
 
-    def _key(self, nbytes, cands, inplace):
-        return (self.bucket(nbytes), cands, bool(inplace))
+    def _key(self, nbytes, cands):
+        return (self.bucket(nbytes), cands)
 
-    def choose(self, nbytes: int, cands: tuple[str, ...], inplace: bool = False) -> tuple[str, bool]:
+    def choose(self, nbytes: int, cands: tuple[str, ...]) -> tuple[str, bool]:
         """``(algorithm, trial)``: one of ``cands``, and whether this call is one of the trials."""
-        key = self._key(nbytes, cands, inplace)
+        key = self._key(nbytes, cands)
         st = self._state.get(key)
         if isinstance(st, str):
             return st, False
@@ -341,37 +354,36 @@ class SizeTuner:
         # Blocks of 1 untimed + block(nbytes) timed calls, the candidates in turn.
         return cands[st["calls"] // (block(nbytes) + 1) % len(cands)], True
 
-    def decided(self, nbytes: int, cands: tuple[str, ...], inplace: bool = False):
+    def decided(self, nbytes: int, cands: tuple[str, ...]):
         """The settled choice for ``nbytes`` among ``cands``, or None while it is still measured."""
-        st = self._state.get(self._key(nbytes, cands, inplace))
+        st = self._state.get(self._key(nbytes, cands))
         if isinstance(st, str):
             return st
         if isinstance(st, (_Settled, _Recount)):
             return st.algorithm
         return cands[0] if len(cands) == 1 else None
 
-    def watched(self, nbytes: int, cands: tuple[str, ...], inplace: bool = False) -> bool:
+    def watched(self, nbytes: int, cands: tuple[str, ...]) -> bool:
         """Whether calls of this settled bucket must be passed to ``observe``."""
-        return isinstance(self._state.get(self._key(nbytes, cands, inplace)), _Settled)
+        return isinstance(self._state.get(self._key(nbytes, cands)), _Settled)
 
-    def observe(self, comm, nbytes: int, cands: tuple[str, ...], seconds: float, inplace: bool = False) -> bool:
+    def observe(self, comm, nbytes: int, cands: tuple[str, ...], seconds: float, deadline=None) -> bool:
         """Count one call of a watched bucket, lasting ``seconds`` here; True when the bucket was reopened.
 
-        Collective every ``every``-th call (one small ``MPI_Allreduce``): every
-        rank must pass every call of the bucket, as every rank makes it.
+        Collective every ``every``-th call (one small ``MPI_Iallreduce``, under
+        ``deadline``): every rank must pass every call of the bucket, as every
+        rank makes it.
         """
-        key = self._key(nbytes, cands, inplace)
+        key = self._key(nbytes, cands)
         st = self._state.get(key)
         if not isinstance(st, _Settled):
             return False
         st.times.append(seconds)
         if len(st.times) < st.every:
             return False
-        from mpi4py import MPI
-
         now = np.array([np.median(st.times)], dtype=np.float64)
         st.times.clear()
-        comm.Allreduce(MPI.IN_PLACE, now, MPI.MAX)
+        _agree_max(comm, now, deadline)
         st.checks += 1  # counted alike on every rank: each check is the same collective call
         slower = now[0] > st.limit
         if not slower and st.checks < EXPLORE_CHECKS:
@@ -383,15 +395,15 @@ class SizeTuner:
         del self._state[key]  # measured again from the next call, on every rank
         return True
 
-    def recount(self, nbytes: int, cands: tuple[str, ...], inplace: bool = False):
+    def recount(self, nbytes: int, cands: tuple[str, ...]):
         """The ``_Recount`` of this settled bucket below WATCH_FROM (for a fast path to count with), or None."""
-        st = self._state.get(self._key(nbytes, cands, inplace))
+        st = self._state.get(self._key(nbytes, cands))
         return st if isinstance(st, _Recount) else None
 
-    def count(self, nbytes: int, cands: tuple[str, ...], inplace: bool = False) -> bool:
+    def count(self, nbytes: int, cands: tuple[str, ...]) -> bool:
         """Count one call of a settled bucket below WATCH_FROM; True when this call reopened it (every rank
         reopens at the same call, since every rank counts the same calls)."""
-        st = self._state.get(self._key(nbytes, cands, inplace))
+        st = self._state.get(self._key(nbytes, cands))
         return isinstance(st, _Recount) and self.tick(st)
 
     def tick(self, st: "_Recount") -> bool:
@@ -408,23 +420,22 @@ class SizeTuner:
         self.reopens["recount"] += 1
         return True
 
-    def settle(self, nbytes: int, cands: tuple[str, ...], algorithm: str, inplace: bool = False) -> None:
+    def settle(self, nbytes: int, cands: tuple[str, ...], algorithm: str) -> None:
         """Fix the choice for ``nbytes`` without measuring (every rank must do the same)."""
-        self._state[self._key(nbytes, cands, inplace)] = algorithm
+        self._state[self._key(nbytes, cands)] = algorithm
 
     def record(self, comm, nbytes: int, cands: tuple[str, ...], algorithm: str, seconds: float,
-               inplace: bool = False) -> None:
-        """Count one trial call (timed unless it opens a block); after the last, agree on the winner."""
-        key = self._key(nbytes, cands, inplace)
+               deadline=None) -> None:
+        """Count one trial call (timed unless it opens a block); after the last, agree on the winner (one small
+        ``MPI_Iallreduce``, under ``deadline``)."""
+        key = self._key(nbytes, cands)
         st = self._state[key]
         if st["calls"] % (block(nbytes) + 1):
             st["times"][algorithm].append(seconds)
         st["calls"] += 1
         if st["calls"] >= tuning_calls(nbytes, len(cands)):
-            from mpi4py import MPI
-
             best = np.array([np.median(st["times"][c]) for c in cands], dtype=np.float64)
-            comm.Allreduce(MPI.IN_PLACE, best, MPI.MAX)
+            _agree_max(comm, best, deadline)
             before = self._reopened.pop(key, None)
             if isinstance(before, _Settled) and before.seen is not None and before.algorithm in cands:
                 # Measured again because the winner's calls ran slower than its trials allowed: it is
@@ -456,11 +467,11 @@ class SizeTuner:
                 self._state[key] = cands[win]
 
     def decisions(self) -> dict[str, str]:
-        """Size range (candidates when several sets were used; "in place") -> algorithm, for reports."""
+        """Size range (candidates when several sets were used) -> algorithm, for reports."""
         out = {}
-        sets = {c for _, c, _ in self._state}
-        for (key, cands, inplace), st in sorted(self._state.items()):
+        sets = {c for _, c in self._state}
+        for (key, cands), st in sorted(self._state.items()):
             lo, hi = (1 << (key - 1)) if key else 0, (1 << key)
-            label = f"[{lo}, {hi}) B" + (f" of {'/'.join(cands)}" if len(sets) > 1 else "") + (" in place" if inplace else "")
+            label = f"[{lo}, {hi}) B" + (f" of {'/'.join(cands)}" if len(sets) > 1 else "")
             out[label] = st if isinstance(st, str) else st.algorithm if isinstance(st, (_Settled, _Recount)) else "measuring"
         return out

@@ -64,9 +64,11 @@ PATHS = ("ring", "mpi", "nbc", "shm", "hier", "shm-nt", "cma")
 
 _MAGIC = 0x64646C6B  # "ddlk": a record from something else is reported, not misread
 _MAX_DIMS = 7
-_LEN = 9 + _MAX_DIMS
-_NONE = -1  # "not given" / "not compared"
-_FIELDS = ("collective", "count", "dtype", "op", "dims", "chunk", "path")
+_LEN = 9 + _MAX_DIMS + 2  # ... d1..d7, then the Communicator's small_bytes and shm
+_NONE = -1  # "not given" / "not compared" (and small_bytes=None: measured)
+_FIELDS = ("collective", "count", "dtype", "op", "dims", "chunk", "small_bytes", "shm", "path")
+#: ``Communicator(shm=...)``, by code in the record.
+_SHM = (None, True, False)
 
 
 def _code(value, table, what):
@@ -78,7 +80,7 @@ def _code(value, table, what):
         raise ValueError(f"check_agreement: unknown {what} {value!r}") from None
 
 
-def _record(kind, count, dtype, op, dims, chunk, path, failed):
+def _record(kind, count, dtype, op, dims, chunk, path, failed, small_bytes=None, shm=_NONE):
     rec = np.full(_LEN, _NONE, dtype=np.int64)
     rec[0] = _MAGIC
     rec[1] = 1 if failed else 0
@@ -95,6 +97,8 @@ def _record(kind, count, dtype, op, dims, chunk, path, failed):
             rec[9 : 9 + len(dims)] = dims
         else:  # a box of more than 7 dimensions: compare a checksum of the tuple
             rec[9] = zlib.crc32(repr(dims).encode())
+    rec[9 + _MAX_DIMS] = _NONE if small_bytes is None else int(small_bytes)
+    rec[10 + _MAX_DIMS] = _NONE if shm is _NONE else _SHM.index(shm)
     return rec
 
 
@@ -118,6 +122,8 @@ def _describe(rec):
         "op": pick(5, OPS),
         "dims": dims,
         "chunk": "n/a" if rec[6] == _NONE else f"{int(rec[6])} elements",
+        "small_bytes": "None" if rec[9 + _MAX_DIMS] == _NONE else str(int(rec[9 + _MAX_DIMS])),
+        "shm": pick(10 + _MAX_DIMS, [str(v) for v in _SHM]),
         "path": pick(7, PATHS),
     }
 
@@ -137,30 +143,41 @@ def _ranks_text(ranks):
 
 
 def _exchange(comm, rec, deadline):
-    """None when every rank sent the same record, else the table of all records (collective)."""
+    """None when every rank sent the same record, else the table of all records (collective).
+
+    Nonblocking calls on every rank, waited for or polled: ranks with and without a ``timeout=`` make
+    the same calls (a blocking and a nonblocking collective never match).
+    """
     from mpi4py import MPI
+
+    from ._wait import complete
 
     both = np.concatenate([rec, -rec])
     red = np.empty_like(both)
-    if deadline is None:
-        comm.Allreduce(both, red, MPI.MAX)
-    else:
-        deadline.wait_mpi(comm.Iallreduce(both, red, MPI.MAX), "the argument check (MPI_Iallreduce)")
+    complete(comm.Iallreduce(both, red, MPI.MAX), deadline, "the argument check (MPI_Iallreduce)")
     if np.array_equal(red[:_LEN], -red[_LEN:]):
         return None
     # Some field differs (every rank sees the same maxima and minima, so all take this branch).
     table = np.empty((comm.Get_size(), _LEN), dtype=np.int64)
-    if deadline is None:
-        comm.Allgather(rec, table)
-    else:
-        deadline.wait_mpi(comm.Iallgather(rec, table), "the argument check (MPI_Iallgather)")
+    complete(comm.Iallgather(rec, table), deadline, "the argument check (MPI_Iallgather)")
     return table
 
 
-def _local_errors(comm, table, error):
+#: Bytes of one rank's error text in the second exchange (longer texts are cut).
+_TEXT = 1024
+
+
+def _local_errors(comm, table, error, deadline=None):
     """Second exchange, only when some rank failed locally: everyone learns the messages."""
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    return comm.allgather(mine)
+    from ._wait import complete
+
+    mine = np.zeros(_TEXT, dtype=np.uint8)
+    if error is not None:
+        text = f"{type(error).__name__}: {error}".encode(errors="replace")[:_TEXT]
+        mine[: len(text)] = np.frombuffer(text, dtype=np.uint8)
+    texts = np.empty((comm.Get_size(), _TEXT), dtype=np.uint8)
+    complete(comm.Iallgather(mine, texts), deadline, "the argument check (MPI_Iallgather)")
+    return [row.tobytes().rstrip(b"\0").decode(errors="replace") or None for row in texts]
 
 
 def report_local_failure(comm, *, kind, error, deadline=None) -> None:
@@ -172,24 +189,27 @@ def report_local_failure(comm, *, kind, error, deadline=None) -> None:
     table = _exchange(comm, _record(kind, None, None, None, None, None, None, True), deadline)
     # Same decision as check_agreement's on the same table; None: every rank failed alike.
     if table is not None and table[:, 1].any():
-        _local_errors(comm, table, error)
+        _local_errors(comm, table, error, deadline)
 
 
-def check_agreement(comm, *, kind, count, dtype, op, dims, chunk=None, path=None, deadline=None) -> None:
+def check_agreement(comm, *, kind, count, dtype, op, dims, chunk=None, path=None, small_bytes=None, shm=_NONE,
+                    deadline=None) -> None:
     """Raise the same ``ValueError`` on every rank unless all ranks passed equal arguments.
 
-    Collective over ``comm``: one ``MPI_Allreduce`` of 32 int64 when the
-    ranks agree, plus an ``MPI_Allgather`` of 16 int64 per rank when not.
+    Collective over ``comm``: one ``MPI_Iallreduce`` of 36 int64 when the
+    ranks agree, plus an ``MPI_Iallgather`` of 18 int64 per rank when not.
     ``kind`` is one of ``KINDS``; ``count`` the element count (``None``:
     not compared, e.g. allgather's shard lengths, which legitimately
     differ); ``dtype`` a supported numpy dtype; ``op`` one of ``OPS`` or
     ``None``; ``dims`` a tuple or ``None`` (the library's choice -- a rank
     passing ``None`` and one passing an explicit box disagree even when the
     boxes happen to match, because on another machine they would not);
-    ``chunk`` the pipeline chunk in elements; ``path`` one of ``PATHS``.
+    ``chunk`` the pipeline chunk in elements; ``path`` one of ``PATHS``;
+    ``small_bytes`` and ``shm`` the ``Communicator``'s settings of those
+    names, which choose the path (``shm`` not given: not compared).
     ``deadline``: a ``ddlkernels._wait.Deadline`` when the call has a timeout.
     """
-    table = _exchange(comm, _record(kind, count, dtype, op, dims, chunk, path, False), deadline)
+    table = _exchange(comm, _record(kind, count, dtype, op, dims, chunk, path, False, small_bytes, shm), deadline)
     if table is None:
         return
     size = table.shape[0]
@@ -201,7 +221,7 @@ def check_agreement(comm, *, kind, count, dtype, op, dims, chunk=None, path=None
         )
     failed = [r for r in range(size) if table[r, 1]]
     if failed:
-        msgs = _local_errors(comm, table, None)
+        msgs = _local_errors(comm, table, None, deadline)
         detail = "; ".join(f"rank {r}: {msgs[r]}" for r in failed[:8])
         more = f" (and {len(failed) - 8} more)" if len(failed) > 8 else ""
         raise ValueError(
@@ -264,21 +284,10 @@ class Call:
         # error every rank raises, not a local failure to announce.
         self.agreed = True
         if self.validate:
-            check_agreement(self.owner.comm, kind=self.kind, count=count, dtype=dtype, op=op, dims=dims,
-                            chunk=chunk, path=path, deadline=self.deadline)
-
-    def mpi_allreduce(self, comm, src, dst, mpi_op, in_place):
-        """MPI's own allreduce, polled against the deadline (``src`` ignored when ``in_place``)."""
-        from mpi4py import MPI
-
-        req = comm.Iallreduce(MPI.IN_PLACE if in_place else src, dst, mpi_op)
-        self.deadline.wait_mpi(req, "MPI_Iallreduce")
-
-    def mpi_allgather(self, comm, send, recv):
-        if self.deadline is None:
-            comm.Allgather(send, recv)
-        else:
-            self.deadline.wait_mpi(comm.Iallgather(send, recv), "MPI_Iallgather")
+            owner = self.owner
+            check_agreement(owner.comm, kind=self.kind, count=count, dtype=dtype, op=op, dims=dims,
+                            chunk=chunk, path=path, small_bytes=owner.small_bytes, shm=owner.shm,
+                            deadline=self.deadline)
 
     def __enter__(self):
         return self
@@ -289,11 +298,11 @@ class Call:
         from ._wait import CollectiveTimeout
 
         if isinstance(exc, CollectiveTimeout):
-            self.owner._broken = str(exc)
+            self.owner._break(str(exc))
         elif self.validate and not self.agreed and isinstance(exc, Exception):
             try:
                 report_local_failure(self.owner.comm, kind=self.kind, error=exc, deadline=self.deadline)
             except CollectiveTimeout as t:
-                self.owner._broken = str(t)
+                self.owner._break(str(t))
                 raise
         return False

@@ -22,13 +22,71 @@ stalled rank does not burn a core that its peers need on an oversubscribed
 node.  After a timeout the communicator's outstanding messages are in an
 unknown state: ``Communicator`` refuses further collectives on it (make a
 new one, or abort the job -- see ``ddlkernels.abort_on_exception``).
+
+What an abandoned collective still uses is kept for the rest of the process
+(``abandon``): MPI owns a pending request's buffers until it completes, which
+it may do at any later progress call (a late rank arrives), and a request
+freed while active would be an erroneous ``MPI_Request_free`` of a
+collective.  Dropping them let MPI write a late peer's data into freed
+memory (a segfault in the next ``MPI_Comm_dup`` or in ``MPI_Finalize``).
+
+MPI's blocking and nonblocking collectives never match each other, so a
+rank with a deadline must make the very call its peers without one make.
+Where that call is a blocking one (MPI's own ``MPI_Allreduce`` that the
+tuner chose as "mpi", ``MPI_Reduce_scatter``, ``MPI_Allgather``), the rank
+makes it on a helper thread (``BlockingRunner``) and waits for it with the
+deadline; everywhere else the library itself uses only nonblocking calls
+(``complete``), waited for with ``Wait()`` or polled.
+
+A blocking call abandoned so stays in MPI until the missing rank makes it.
+MPI cannot finalize while a thread is inside a call (seen: a segfault in
+``MPI_Finalize``), so at exit the process first waits for such calls, as
+long as their timeout (a late rank arrives and completes them); one still
+waiting then can never complete, and the job is aborted with a message
+saying so instead of crashing (``_finish_abandoned_calls``).
 """
 
 from __future__ import annotations
 
+import _thread
+import atexit
+import queue
+import sys
+import threading
 import time
 
-__all__ = ["CollectiveTimeout", "Deadline"]
+__all__ = ["CollectiveTimeout", "Deadline", "BlockingRunner", "abandon", "complete"]
+
+#: What abandoned collectives still use (requests, their buffers, windows, Communicators, helper threads' calls):
+#: never released while the process runs.  Bounded by the number of timeouts a process survives.
+_ABANDONED: list = []
+
+
+def abandon(*objs) -> None:
+    """Keep ``objs`` alive until the process exits: an abandoned collective may still use them."""
+    _ABANDONED.append(objs)
+
+
+#: Blocking calls abandoned by a timeout, as (lock released when the call returns, its timeout, what it is, rank).
+_STUCK: list = []
+
+
+@atexit.register
+def _finish_abandoned_calls():
+    """At exit, before MPI finalizes: wait for abandoned blocking calls (each up to its timeout, from now);
+    abort the job, saying why, if one never returns (``MPI_Finalize`` beside it would crash)."""
+    left = [job for job in _STUCK if not job[0].acquire(timeout=job[1])]
+    if not left:
+        return
+    _, timeout, what, rank = left[0]
+    sys.stderr.write(
+        f"ddlkernels: rank {rank} is exiting while {what}, abandoned by a timeout, still waits for a rank that "
+        f"never made the call (waited {timeout:g} s more at exit); MPI cannot finalize beside it: aborting the "
+        "job\n")
+    sys.stderr.flush()
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(1)
 
 # Polling spins on Test() for up to _SPIN_SECONDS of one wait -- as MPI's
 # own Wait() does -- because a message that is on its way arrives within
@@ -85,13 +143,19 @@ class Deadline:
     rank, ``timeout`` is in seconds and counts from construction.
     """
 
-    __slots__ = ("collective", "rank", "timeout", "expires")
+    __slots__ = ("collective", "rank", "timeout", "expires", "pending")
 
     def __init__(self, collective: str, rank: int, timeout: float):
         self.collective = collective
         self.rank = rank
         self.timeout = timeout
         self.expires = time.monotonic() + timeout
+        #: requests (and what else) the collective may leave in flight: kept if it times out (``abandon``)
+        self.pending = []
+
+    def remaining(self) -> float:
+        """Seconds left, at least a microsecond (a timeout of its own for a nested collective)."""
+        return max(1e-6, self.expires - time.monotonic())
 
     def poll(self, req) -> bool:
         """Test ``req`` until it completes (True) or the deadline passes (False)."""
@@ -130,6 +194,7 @@ class Deadline:
             where.append(f"chunk {chunk}")
         tail = (" in " + ", ".join(where)) if where else ""
         peer_txt = f" rank {peer}" if peer is not None else ""
+        abandon(self.pending)  # whatever the collective left in flight stays valid (module comment)
         msg = (
             f"{self.collective} timed out after {self.timeout:g} s on rank {self.rank}: "
             f"waiting to {what}{peer_txt}{tail}{detail}"
@@ -141,6 +206,7 @@ class Deadline:
     def wait_recv(self, req, ring_step, chunk_index, nchunks, a, b):
         """Wait for the receive of chunk ``chunk_index`` (elements [a, b)) of ``ring_step``."""
         if not self.poll(req):
+            self.pending.append(req)
             raise self.expired(
                 what="receive from", peer=ring_step.recv_peer, phase=_phase_name(ring_step), step=ring_step.step,
                 chunk=f"{chunk_index} of {nchunks}", detail=f" (elements [{a}, {b}))",
@@ -156,6 +222,7 @@ class Deadline:
         """
         for i, req in enumerate(sends):
             if not self.poll(req):
+                self.pending.append(sends)
                 from .ring.schedule import chunk_ranges
 
                 labels = [(0, k, a, b) for k, (a, b) in enumerate(chunk_ranges(*ring[0].send, chunk))]
@@ -170,7 +237,68 @@ class Deadline:
     def wait_mpi(self, req, what: str):
         """Wait for a nonblocking MPI collective (``what`` names it, e.g. "MPI_Iallreduce")."""
         if not self.poll(req):
+            self.pending.append(req)
             raise self.expired(what=f"complete {what} (a rank has not joined)")
+
+
+def complete(req, deadline, what: str) -> None:
+    """Wait for the nonblocking collective ``req``: ``Wait()`` without a deadline, else polled against it.
+
+    Either way the same MPI call was made, so ranks with and without a ``timeout=`` meet in it.
+    """
+    if deadline is None:
+        req.Wait()
+    else:
+        deadline.wait_mpi(req, what)
+
+
+class BlockingRunner:
+    """A thread that makes blocking MPI calls for a caller who waits for them until a deadline.
+
+    For the calls a rank with a deadline must make blocking, because its
+    peers may make them without one (see the module comment).  The caller
+    blocks on an event, not spinning: the GIL stays free for the call's
+    return.  If the deadline passes first, the call and its arguments are
+    abandoned to this thread, which stays in MPI until the call completes
+    (a late rank arrives) or the process ends; the owner is then broken and
+    makes no more calls.  One per ``Communicator`` (whose calls come from
+    one thread at a time), started on first use.  The hand-over is a C queue
+    and a C lock each way (``threading.Event`` is Python code): it is paid on
+    every such call.
+    """
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="ddlkernels-blocking-call", daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, done, failed = job
+            try:
+                fn(*args)
+            except BaseException as exc:  # re-raised by the waiting caller
+                failed.append(exc)
+            done.release()
+
+    def call(self, deadline, what: str, fn, *args) -> None:
+        """``fn(*args)`` on this thread; ``CollectiveTimeout`` naming ``what`` if it has not returned by ``deadline``."""
+        done, failed = _thread.allocate_lock(), []
+        done.acquire()  # released by the thread when the call returns
+        self._jobs.put((fn, args, done, failed))
+        if not done.acquire(timeout=max(0.0, deadline.expires - time.monotonic())):
+            deadline.pending.append((self, fn, args))
+            _STUCK.append((done, deadline.timeout, what, deadline.rank))
+            raise deadline.expired(what=f"complete {what} (a rank has not joined)")
+        if failed:
+            raise failed[0]
+
+    def close(self) -> None:
+        """Let the thread end once its current call (if any) returns."""
+        self._jobs.put(None)
 
 
 # Tracebacks print the public name users catch: ddlkernels.CollectiveTimeout.

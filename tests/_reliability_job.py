@@ -8,8 +8,17 @@ raise-mid-collective           rank 2's reduction kernel raises inside a ring st
 raise-between-helper           rank 2 raises between collectives inside ddlkernels.abort_on_exception()
 raise-between-bare             the same without the helper and without -m mpi4py (the control: it hangs)
 stuck-rank-timeout             rank 3 never joins; the others have timeout=3 inside abort_on_exception()
+absent-first-call              rank 3 never makes the job's first call (timeout=3), which creates the default
+                               Communicator: the others raise CollectiveTimeout, print after how long, and exit
+absent-first-shm               the same at the first call through the shared-memory window (its creation)
+absent-first-cma               the same at the first single-copy call (the window's flags are created then)
+absent-engine                  the same at the first allreduce_async on a Communicator(timeout=3) (its engine)
+timeout-caught-exit            rank 3 is 2.5 s late to a 2.4 MB allreduce; the others' timeout=1 expires, they
+                               catch it, drop their arrays; rank 3's call then completes on every rank; a new
+                               Communicator reduces correctly; every rank exits normally (exit status 0)
 """
 
+import gc
 import sys
 import time
 
@@ -88,6 +97,54 @@ def stuck_rank_timeout():
         comm.allreduce(x, dims=(P,))
 
 
+def absent(first):
+    """Rank 3 never makes ``first(x)``, a call with timeout=3 whose setup is a hidden collective; the others
+    print when they raised, wait a moment (so that every rank prints before the first exception aborts the job)
+    and raise."""
+    x = np.ones(1 << 16, np.float32)
+    if RANK == ODD:
+        time.sleep(600)
+    t0 = time.monotonic()
+    try:
+        first(x)
+    except ddlkernels.CollectiveTimeout as e:
+        print(f"rank {RANK}: CollectiveTimeout after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+        time.sleep(1)
+        raise
+
+
+def settled_on_cma(c, x):
+    if not c._cma_ok:
+        print(f"rank {RANK}: the single copy is not permitted here", flush=True)
+        sys.exit(3)
+    c._tuner.settle(x.nbytes, c._choices(x.nbytes, False, x.dtype, "sum", None)[1], "cma")
+    return c
+
+
+def timeout_caught_exit():
+    n = 300_000
+    dc = ddlkernels.Communicator(timeout=1)
+    x = np.full(n, float(RANK))
+    if RANK == ODD:
+        time.sleep(2.5)
+        y = dc.allreduce(x)  # completes the call the others abandoned
+        assert (y == sum(range(P))).all()
+    else:
+        try:
+            dc.allreduce(x)
+        except ddlkernels.CollectiveTimeout as e:
+            print(f"rank {RANK}: caught {str(e)[:60]}...", flush=True)
+        del x
+        gc.collect()
+        junk = [np.full(n, 7.0) for _ in range(8)]
+    fresh = ddlkernels.Communicator()
+    z = fresh.allreduce(np.arange(1000.0) + RANK)
+    assert (z == np.arange(1000.0) * P + sum(range(P))).all()
+    if RANK != ODD:
+        assert all((j == 7.0).all() for j in junk), "memory freed after the timeout was written"
+    fresh.free()
+
+
 if __name__ == "__main__":
     scenario = sys.argv[1]
     if scenario.startswith("mismatch-"):
@@ -100,6 +157,19 @@ if __name__ == "__main__":
         raise_between(False)
     elif scenario == "stuck-rank-timeout":
         stuck_rank_timeout()
+    elif scenario == "absent-first-call":
+        absent(lambda x: ddlkernels.allreduce(x, timeout=3))
+    elif scenario == "absent-first-shm":
+        c = ddlkernels.Communicator(shm=True, timeout=3)
+        absent(c.allreduce)
+    elif scenario == "absent-first-cma":
+        c = ddlkernels.Communicator(timeout=3)
+        absent(lambda x: settled_on_cma(c, x).allreduce(x))
+    elif scenario == "absent-engine":
+        c = ddlkernels.Communicator(timeout=3)
+        absent(lambda x: ddlkernels.allreduce_async(x, comm=c).wait())
+    elif scenario == "timeout-caught-exit":
+        timeout_caught_exit()
     else:
         sys.exit(f"unknown scenario {scenario}")
     print(f"rank {RANK}: scenario {scenario} completed without error", flush=True)

@@ -81,3 +81,28 @@ def test_control_without_helper_the_job_hangs():
     rc, elapsed, out = run_job("raise-between-bare", mpi4py_main=False, timeout=limit)
     assert rc != 0
     assert elapsed >= limit, f"expected a hang killed after {limit} s, job ended after {elapsed:.1f} s:\n{out[-2000:]}"
+
+
+def _raised_after(out):
+    """Per waiting rank, the seconds after which its call raised CollectiveTimeout (the job prints them)."""
+    import re
+
+    return {int(r): float(t) for r, t in re.findall(r"rank (\d+): CollectiveTimeout after ([\d.]+) s", out)}
+
+
+def test_rank_absent_at_the_first_call_every_other_rank_raises_and_the_job_ends():
+    """The first call creates the default Communicator (a collective duplicate): under the call's timeout=3."""
+    rc, elapsed, out = run_job("absent-first-call")
+    assert rc != 0, out
+    assert elapsed < BOUND, f"job took {elapsed:.1f} s"
+    raised = _raised_after(out)
+    assert sorted(raised) == [0, 1, 2] and max(raised.values()) < 10, out[-3000:]
+    assert "waiting to complete MPI_Comm_idup" in out
+
+
+def test_exit_after_a_caught_timeout_is_clean():
+    """A late rank completes the call the others abandoned; a new Communicator works; every rank exits 0."""
+    rc, elapsed, out = run_job("timeout-caught-exit")
+    assert rc == 0, out[-3000:]
+    assert elapsed < BOUND, f"job took {elapsed:.1f} s"
+    assert out.count("completed without error") == RANKS and out.count(": caught allreduce timed out") == RANKS - 1

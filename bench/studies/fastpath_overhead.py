@@ -10,6 +10,14 @@ the Python that ``Communicator.allreduce(x, "sum", out=y)`` and
 likewise ``reduce_scatter`` and ``allgather`` (of x split 4 ways) settled on
 ``MPI_Reduce_scatter_block`` / ``MPI_Allgather``.  The same stand-in called
 directly is the floor.  Fastest of 5 repeats, per call.
+
+    mpirun -n 2 python -m mpi4py bench/fastpath_overhead.py --real [--bytes 1K]
+
+With real MPI instead: ``Communicator.allreduce`` settled on MPI's allreduce
+(a fixed ``small_bytes``), out of place and in place, beside mpi4py's own
+``Allreduce`` of the same buffers (out of place, and with ``MPI.IN_PLACE``),
+blocks of 3000 calls of each in turn, the median of 7 blocks, the slowest
+rank's.  The difference is what the library adds to the MPI call.
 """
 
 from __future__ import annotations
@@ -44,11 +52,45 @@ class _NoMPI:
         pass
 
 
+def real(nbytes):
+    """``--real``: the fast path over real MPI, beside mpi4py's own call (see the module comment)."""
+    import time
+
+    comm = MPI.COMM_WORLD
+    dc = ddlkernels.Communicator(comm, small_bytes=1 << 30)
+    x = np.ones(nbytes // 4, np.float32)
+    y = np.empty_like(x)
+    cases = {"Communicator.allreduce(x, out=y)": lambda: dc.allreduce(x, out=y),
+             "Communicator.allreduce(y, out=y)": lambda: dc.allreduce(y, out=y),
+             "comm.Allreduce(x, y)": lambda: comm.Allreduce(x, y),
+             "comm.Allreduce(MPI.IN_PLACE, y)": lambda: comm.Allreduce(MPI.IN_PLACE, y)}
+    times = {name: [] for name in cases}
+    for _ in range(7):
+        for name, fn in cases.items():
+            comm.Barrier()
+            t = time.perf_counter()
+            for _ in range(3000):
+                fn()
+            times[name].append((time.perf_counter() - t) / 3000)
+    med = {name: comm.allreduce(float(np.median(v)), op=MPI.MAX) for name, v in times.items()}
+    if comm.Get_rank() == 0:
+        print(f"p={comm.Get_size()}, {nbytes} B float32 sum, median of 7 blocks of 3000 calls, slowest rank")
+        for name, t in med.items():
+            print(f"{name:42s} {t * 1e6:7.2f} us per call")
+        for mine, theirs in (("Communicator.allreduce(x, out=y)", "comm.Allreduce(x, y)"),
+                             ("Communicator.allreduce(y, out=y)", "comm.Allreduce(MPI.IN_PLACE, y)")):
+            print(f"{mine} - {theirs}: {(med[mine] - med[theirs]) * 1e6:.2f} us")
+    dc.free()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bytes", default="4K")
     ap.add_argument("--calls", type=int, default=100_000)
+    ap.add_argument("--real", action="store_true", help="real MPI under mpirun (see the module comment)")
     args = ap.parse_args()
+    if args.real:
+        return real(parse_size(args.bytes))
     dc = ddlkernels.Communicator(MPI.COMM_WORLD)
     x = np.ones(parse_size(args.bytes) // 4, np.float32)
     y = np.empty_like(x)

@@ -304,18 +304,15 @@ def test_small_sizes_measure_mpi_blocking_against_nonblocking_and_agree(nbytes):
             assert set(seen[:n]) == cands, seen
             assert len(set(seen[n:])) == 1, seen
             assert not dc.tuning(x)
-            # In place is measured apart (MPI's in-place call skips a copy), on
-            # both entry points alike, then settles too -- correct throughout.
-            assert dc.tuning(x, inplace=True)
+            # In place shares the decision (ranks may differ in placement): settled already, correct.
             placed = []
-            for k in range(n + 4):
+            for k in range(4):
                 z = x.copy()
                 dc.allreduce(z, "sum", out=z)
                 assert_close(z, inputs, "sum", np.float64)
                 assert_same_on_all_ranks(COMM, z, f"{nbytes} B in place, call {k}")
                 placed.append(dc.last_algorithm)
-            assert set(placed[:n]) == cands and len(set(placed[n:])) == 1, placed
-            assert not dc.tuning(x, inplace=True)
+            assert set(placed) == set(seen[n:]), (placed, seen)
             seen += placed
         else:
             assert set(seen) == {"ring"}, seen

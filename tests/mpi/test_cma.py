@@ -250,8 +250,7 @@ def test_the_tuner_weighs_it_and_a_size_settled_on_it_runs_on_both_paths():
         n = tuning_calls(x.nbytes, len(cands))
         seen = [dc.allreduce(x) is not None and dc.last_algorithm for _ in range(n)]
         assert "cma" in seen, seen
-        for inplace in (False, True):
-            dc._tuner.settle(x.nbytes, cands, "cma", inplace)
+        dc._tuner.settle(x.nbytes, cands, "cma")
         dc._fast.clear()
         want = _fold(inputs, "sum")
         for call in range(3):

@@ -154,8 +154,7 @@ def test_fast_path_of_a_size_settled_on_shm(dtype, op):
             count = int(np.prod(shape))
             nbytes = count * dt.itemsize
             _, cands = dc._choices(nbytes, False, dt, "sum" if op == "avg" else op, None)
-            for inplace in (False, True):
-                dc._tuner.settle(nbytes, cands, "shm", inplace)
+            dc._tuner.settle(nbytes, cands, "shm")
             for call in range(3):
                 x = rank_data(count, RANK, P, dtype, salt=call).reshape(shape)
                 want = ref.allreduce(x, op)
@@ -173,7 +172,7 @@ def test_fast_path_of_a_size_settled_on_shm(dtype, op):
                     assert np.array_equal(y.view(np.uint8), want.view(np.uint8)), f"{what} {how}"
             fast = [h for k, h in dc._fast.items() if k[1] == dt and k[2] == nbytes and h]
             if fast_op:
-                assert len(fast) == 2 and all(callable(h[1]) for h in fast), (shape, fast)  # the prepared call ran
+                assert len(fast) == 1 and callable(fast[0][1]), (shape, fast)  # the prepared call ran, any placement
             else:
                 assert not fast  # the full path ran
 

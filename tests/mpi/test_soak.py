@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 import ddlkernels
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", "reliability"))
 from soak import soak  # noqa: E402
 
 

@@ -23,10 +23,12 @@ TIMEOUT = 1.0
 needs_two = pytest.mark.skipif(P < 2, reason="needs 2 or more ranks for one to be missing")
 
 
-def missing_rank(call, before=None, **options):
+def missing_rank(call, before=None, late=False, **options):
     """Every rank but the last runs ``call(comm)`` on a fresh Communicator; returns the timeout it raised.
 
     ``before(comm)``: run by every rank first (a window to allocate, say); ``options``: of the Communicator.
+    ``late``: the last rank makes the call after the others gave up (for one MPI call, which then completes:
+    a blocking call abandoned by a timeout stays in MPI until the missing rank makes it).
     """
     comm = ddlkernels.Communicator(timeout=TIMEOUT, **options)
     if before is not None:
@@ -40,6 +42,8 @@ def missing_rank(call, before=None, **options):
         with pytest.raises(RuntimeError, match="this Communicator is unusable: an earlier collective timed out"):
             comm.allreduce(np.ones(3))
     COMM.Barrier()
+    if late and RANK == ODD:
+        call(comm)
     return err
 
 
@@ -64,9 +68,10 @@ def test_ring_timeout_names_the_peer_step_and_chunk():
 
 @needs_two
 def test_small_message_timeout_on_mpi_path():
-    err = missing_rank(lambda c: c.allreduce(np.ones(4, np.float64)))
+    # The tuner's first trial is MPI's blocking allreduce, made on a helper thread and waited for with the deadline.
+    err = missing_rank(lambda c: c.allreduce(np.ones(4, np.float64)), late=True)
     if RANK != ODD:
-        assert "waiting to complete MPI_Iallreduce (a rank has not joined)" in str(err)
+        assert "waiting to complete MPI_Allreduce (a rank has not joined)" in str(err)
 
 
 @needs_two
@@ -74,7 +79,8 @@ def test_small_message_timeout_on_mpi_path():
 def test_timeout_in_the_shared_memory_barrier(n):
     """The window's barriers are flags polled from Python under a deadline: a missing rank is named as one."""
     x = rank_data(n, RANK, P, np.float32)
-    err = missing_rank(lambda c: c.allreduce(x), before=lambda c: c.allreduce(x), shm=True)
+    # The window is created first by every rank (its creation is timed too, and a first creation imports Numba).
+    err = missing_rank(lambda c: c.allreduce(x), before=lambda c: c.allreduce(x, timeout=60), shm=True)
     if RANK != ODD:
         assert str(err).startswith("allreduce timed out after 1 s")
         assert "waiting to complete the barrier of the shared-memory allreduce (a rank has not joined)" in str(err)
@@ -94,7 +100,8 @@ def test_timeout_in_the_argument_check_and_allgather():
 @needs_two
 @pytest.mark.parametrize("n", [4 * P, 4 * P + 1], ids=["equal-shards", "unequal-shards"])
 def test_timeout_on_mpis_own_reduce_scatter_and_allgather(n):
-    """small_bytes fixed above the size: MPI's own calls, polled; a missing rank names the call."""
+    """small_bytes fixed above the size: MPI's own blocking calls, made on a helper thread (the same calls as a
+    rank without a timeout makes) and waited for with the deadline; a missing rank names the call."""
 
     def rs(c):
         c.small_bytes = 1 << 30
@@ -106,12 +113,12 @@ def test_timeout_on_mpis_own_reduce_scatter_and_allgather(n):
         c.allgather(np.ones(hi - lo), count=n)
 
     block = "_block" if n % P == 0 else ""
-    err = missing_rank(rs)
+    err = missing_rank(rs, late=True)
     if RANK != ODD:
-        assert f"waiting to complete MPI_Ireduce_scatter{block} (a rank has not joined)" in str(err), str(err)
-    err = missing_rank(ag)
+        assert f"waiting to complete MPI_Reduce_scatter{block} (a rank has not joined)" in str(err), str(err)
+    err = missing_rank(ag, late=True)
     if RANK != ODD:
-        want = "MPI_Iallgather " if n % P == 0 else "MPI_Iallgatherv"
+        want = "MPI_Allgather " if n % P == 0 else "MPI_Allgatherv"
         assert f"waiting to complete {want}" in str(err) + " ", str(err)
 
 
@@ -125,3 +132,108 @@ def test_results_with_a_timeout_that_does_not_expire():
         comm.allreduce(y, "max", out=y, timeout=60)
         assert_close(y, inputs, "max", dt)
     comm.free()
+
+
+# -- hidden collectives: the setup a call makes behind the user's back waits under the call's deadline ---------
+
+
+@needs_two
+def test_the_lazily_created_communicator_waits_under_the_calls_timeout():
+    """The module functions create a communicator's Communicator at its first call (a collective duplicate):
+    with a rank absent, the others raise within the call's timeout instead of waiting for ever."""
+    sub = COMM.Dup()  # left with the abandoned duplicate pending on the waiting ranks: never used again
+    if RANK != ODD:
+        with pytest.raises(ddlkernels.CollectiveTimeout, match="MPI_Comm_idup") as info:
+            ddlkernels.allreduce(np.ones(4), comm=sub, timeout=TIMEOUT)
+        assert info.value.rank == RANK and info.value.timeout == TIMEOUT
+    COMM.Barrier()
+
+
+@needs_two
+def test_the_first_window_creation_waits_under_the_deadline():
+    """The first call through the shared-memory window creates it (collective): a rank absent there is a
+    timeout, not a hang."""
+    err = missing_rank(lambda c: c.allreduce(rank_data(300, RANK, P, np.float32)), shm=True)
+    if RANK != ODD:
+        assert "waiting to complete the shared-memory window's creation" in str(err), str(err)
+
+
+@needs_two
+def test_the_first_single_copy_call_waits_under_the_deadline():
+    """The single-copy allreduce sets the window's flags up at its first call: the same."""
+
+    def settled_on_cma(c):
+        if not c._cma_ok:
+            pytest.skip("process_vm_readv is not permitted between these ranks")
+        x = rank_data(1 << 14, RANK, P, np.float64)
+        c._tuner.settle(x.nbytes, c._choices(x.nbytes, False, x.dtype, "sum", None)[1], "cma")
+        c.allreduce(x)
+
+    err = missing_rank(settled_on_cma)
+    if RANK != ODD:
+        assert "waiting to complete the shared-memory window's creation" in str(err), str(err)
+
+
+@needs_two
+def test_the_progress_engine_is_created_under_the_communicators_timeout():
+    """allreduce_async's first call creates the progress engine (a collective duplicate) under the
+    Communicator's timeout."""
+    dc = ddlkernels.Communicator(timeout=TIMEOUT)
+    if RANK != ODD:
+        with pytest.raises(ddlkernels.CollectiveTimeout, match="MPI_Comm_idup"):
+            ddlkernels.allreduce_async(np.ones(8), comm=dc)
+    COMM.Barrier()
+
+
+@needs_two
+def test_a_late_rank_completes_the_abandoned_call_then_a_new_communicator_works():
+    """The waiting ranks give up, drop their arrays and allocate others; the late rank then makes the call,
+    which completes on every rank into memory MPI still owns (once freed: a segfault in the next MPI call).
+    A new Communicator then works on every rank."""
+    import gc
+
+    n = 300_000  # 2.4 MB: MPI moves it in fragments, each written where the abandoned call said
+    dc = ddlkernels.Communicator(timeout=TIMEOUT)
+    x = rank_data(n, RANK, P, np.float64)
+    want = sum(rank_data(n, r, P, np.float64) for r in range(P))
+    junk = []
+    if RANK != ODD:
+        with pytest.raises(ddlkernels.CollectiveTimeout):
+            dc.allreduce(x)
+        del x
+        gc.collect()
+        junk = [np.full(n, 7.0) for _ in range(8)]  # where the call's arrays were, if they were freed
+    COMM.Barrier()
+    if RANK == ODD:
+        assert np.array_equal(dc.allreduce(x), want)  # the same trial (MPI's allreduce) as the others'
+    fresh = ddlkernels.Communicator(timeout=60)
+    for k in range(3):
+        y = rank_data(n // 3 + k, RANK, P, np.float64, salt=k)
+        assert np.array_equal(fresh.allreduce(y), sum(rank_data(n // 3 + k, r, P, np.float64, salt=k) for r in range(P)))
+    assert all((j == 7.0).all() for j in junk), "the late call wrote into memory freed since"
+    fresh.free()
+    dc.free()  # after a timeout: keeps everything, frees nothing collectively
+
+
+@needs_two
+def test_a_per_call_timeout_leaves_the_communicator_unusable_on_its_fast_path_too():
+    """A Communicator without a timeout of its own, a size settled (served by the fast path), one call with
+    ``timeout=`` that a rank misses: the next plain call must refuse too, not run on the broken communicator."""
+    from ddlkernels._tuner import tuning_calls
+
+    dc = ddlkernels.Communicator(COMM)
+    x = rank_data(4, RANK, P, np.float64)
+    _, cands = dc._choices(x.nbytes, False, x.dtype, "sum", None)
+    for _ in range(tuning_calls(x.nbytes, len(cands)) + 1):
+        dc.allreduce(x)
+    if RANK != ODD:
+        with pytest.raises(ddlkernels.CollectiveTimeout):
+            dc.allreduce(x, timeout=TIMEOUT)
+        with pytest.raises(RuntimeError, match="this Communicator is unusable"):
+            dc.allreduce(x)
+    COMM.Barrier()
+    if RANK == ODD:  # late: completes an MPI call the others abandoned; times out alone in the window's barrier
+        try:
+            dc.allreduce(x, timeout=TIMEOUT)
+        except ddlkernels.CollectiveTimeout:
+            pass

@@ -203,3 +203,54 @@ def test_bad_timeout_is_a_local_error():
     with pytest.raises(ValueError, match="timeout must be"):
         ddlkernels.Communicator(timeout="soon")
     COMM.Barrier()
+
+
+@needs_two
+@pytest.mark.parametrize("setting,normal,odd", [("small_bytes", None, 1 << 20), ("shm", None, False)])
+def test_communicator_settings_that_choose_the_algorithm_are_named(setting, normal, odd):
+    """small_bytes and shm choose the algorithm: ranks that differ in them are told so in those words, not as an
+    algorithm ("path") that differs."""
+    dc = ddlkernels.Communicator(COMM, validate=True, **{setting: arg(normal, odd)})
+    msg = raised_everywhere(lambda: dc.allreduce(np.ones(10)))
+    assert msg == (f"ddlkernels.allreduce: ranks called with different arguments ({setting} differ): "
+                   f"{others} passed {setting}={normal}; rank {ODD} passed {setting}={odd}")
+    dc.free()
+
+
+@needs_two
+def test_an_invalid_timeout_on_one_rank_is_announced():
+    with pytest.raises(ValueError) as info:
+        ddlkernels.allreduce(np.ones(10), validate=True, timeout=arg(None, -1))
+    if RANK == ODD:
+        assert str(info.value) == "timeout must be a number of seconds > 0 or None, got -1"
+    else:
+        assert str(info.value).startswith(f"ddlkernels.allreduce: rank {ODD} failed the local argument checks, so no "
+                                          f"rank started the collective: rank {ODD}: ValueError: timeout must be")
+    COMM.Barrier()
+
+
+@needs_two
+def test_no_memory_for_the_reduce_scatter_result_on_one_rank_is_announced(monkeypatch):
+    """The result is allocated before the argument check, so a rank that cannot allocate it fails locally and
+    the others raise instead of waiting in the collective."""
+    from ddlkernels.backends._numpy import NumpyBackend
+
+    n = 1000 * P + 1
+    lo, hi = ddlkernels.shard_range(n, rank=ODD)
+    empty = NumpyBackend.empty
+
+    def no_memory(self, count, dtype):
+        if count == hi - lo:
+            raise MemoryError(f"cannot allocate {count} elements")
+        return empty(self, count, dtype)
+
+    if RANK == ODD:
+        monkeypatch.setattr(NumpyBackend, "empty", no_memory)
+    with pytest.raises((MemoryError, ValueError)) as info:
+        ddlkernels.reduce_scatter(rank_data(n, RANK, P, np.float64), validate=True)
+    if RANK == ODD:
+        assert info.type is MemoryError
+    else:
+        assert f"rank {ODD} failed the local argument checks" in str(info.value)
+        assert f"rank {ODD}: MemoryError: cannot allocate {hi - lo} elements" in str(info.value)
+    COMM.Barrier()
