@@ -82,20 +82,22 @@ def nvrtc(source: str, arch: str) -> tuple[bool, str, bytes]:
         opts = [o.encode() for o in nvrtc_options(arch, extra, major=nvrtc_major())]
         (err,) = N.nvrtcCompileProgram(prog, len(opts), opts)
         _, n = N.nvrtcGetProgramLogSize(prog)
-        log = b" " * n
+        # A bytearray, never b" " * n: NVRTC writes into the buffer, and b" " * 1 is CPython's shared
+        # one-byte b" " -- an empty log (n == 1) turned every b" " of the process into b"\x00".
+        log = bytearray(n)
         N.nvrtcGetProgramLog(prog, log)
         ok = err == N.nvrtcResult.NVRTC_SUCCESS
         out = b""
         if ok:
             if arch.startswith("sm_"):
                 _, size = N.nvrtcGetCUBINSize(prog)
-                out = b" " * size
+                out = bytearray(size)
                 N.nvrtcGetCUBIN(prog, out)
             else:
                 _, size = N.nvrtcGetPTXSize(prog)
-                out = b" " * size
+                out = bytearray(size)
                 N.nvrtcGetPTX(prog, out)
-        return ok, log.decode(errors="replace").rstrip("\x00 "), out
+        return ok, log.decode(errors="replace").rstrip("\x00 "), bytes(out)
     finally:
         N.nvrtcDestroyProgram(prog)
 
