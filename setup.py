@@ -13,7 +13,7 @@ setup(
     # The CUDA C sources live in kernels/ at the top of the checkout and are
     # installed inside the package, so the loader finds them in a wheel too.
     package_dir={"ddlkernels.kernels.cuda": "kernels"},
-    package_data={"ddlkernels.kernels.cuda": ["*.cu", "*.cuh", "*.h"], "ddlkernels.presets": ["*.json"]},
+    package_data={"ddlkernels.kernels.cuda": ["*.cu", "*.cuh", "*.h"], "ddlkernels.select": ["presets/*.json"]},
     # numba: the host float16/bfloat16 kernels (ddlkernels.kernels.half), compiled on first use.
     install_requires=["numpy>=1.22", "mpi4py>=3.1", "ml_dtypes>=0.3", "numba"],
     extras_require={

@@ -12,11 +12,11 @@ on first use of a communicator.
 from __future__ import annotations
 
 from .safety.abort import abort_on_exception
-from ._comm import Communicator, as_communicator
-from ._wait import CollectiveTimeout
+from .communicator import Communicator, as_communicator
+from .safety.deadline import CollectiveTimeout
 from ._dtypes import OPS, SUPPORTED_DTYPES
-from ._fusion import allreduce_many
-from ._async import Handle, allreduce_async, allreduce_many_async
+from .fusion import allreduce_many
+from .asynchronous import Handle, allreduce_async, allreduce_many_async
 from ._local import device_index, local_device, local_rank, local_size
 
 __version__ = "0.1.0"

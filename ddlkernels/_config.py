@@ -9,7 +9,7 @@ The variables are documented in the README:
 ``DDLKERNELS_SMALL_BYTES``     messages below this many bytes go to MPI's own
                                ``Allreduce``, larger ones to the ring (0 = always
                                the ring; unset = chosen by measurement, see
-                               ``ddlkernels._tuner``)
+                               ``ddlkernels.select.tuner``)
 ``DDLKERNELS_CUDA_AWARE``      ``1``/``0`` overrides CUDA-aware MPI detection
 ``DDLKERNELS_SHM``             ``1`` always / ``0`` never / unset: measured --
                                the shared-memory allreduce on one node
@@ -36,7 +36,7 @@ __all__ = ["Defaults", "defaults"]
 #: overhead, larger ones lose the overlap of transfer and reduction.
 CHUNK_BYTES = 1 << 20
 #: None: choose between MPI's own allreduce and the ring by measurement
-#: (ddlkernels._tuner); an int is a fixed threshold.
+#: (ddlkernels.select.tuner); an int is a fixed threshold.
 SMALL_BYTES = None
 #: Receive slots in flight per ring step (double buffering = 2).
 WINDOW = 4

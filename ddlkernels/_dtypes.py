@@ -26,7 +26,8 @@ except ImportError:  # pragma: no cover - ml_dtypes is a hard dependency in setu
     _ml_dtypes = None
     BFLOAT16 = None
 
-__all__ = ["OPS", "SUPPORTED_DTYPES", "normalize_op", "check_dtype", "acc_dtype", "dtype_name", "is_half"]
+__all__ = ["OPS", "SUPPORTED_DTYPES", "normalize_op", "check_dtype", "acc_dtype", "dtype_name", "is_half",
+           "scale_inplace"]
 
 #: The reduction operators, by name.  "avg" reduces as "sum" then scales.
 OPS = ("sum", "avg", "max", "min", "prod")
@@ -120,3 +121,12 @@ def acc_dtype(dt) -> np.dtype:
     if is_half(dt):
         return np.dtype(np.float32)
     return dt
+
+
+def scale_inplace(dst, p) -> None:
+    """``dst`` (a host array) scaled for "avg" once the sum is done: ``floor(dst / p)`` for integers,
+    ``dst * (1/p)`` with the product in the accumulation type for floats (the module docstring)."""
+    if dst.dtype.kind in "iu":
+        np.floor_divide(dst, dst.dtype.type(p), out=dst)
+    else:
+        np.multiply(dst, acc_dtype(dst.dtype).type(1.0 / p), out=dst, casting="unsafe")

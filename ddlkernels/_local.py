@@ -33,7 +33,7 @@ def _local(comm):
     global _KEYVAL, _WORLD
     from mpi4py import MPI
 
-    from ._comm import Communicator
+    from .communicator import Communicator
 
     if isinstance(comm, Communicator):
         comm = comm.mpi_comm

@@ -12,7 +12,7 @@ Worked example, the default ``progress="thread"``, two fusion buffers::
     h.wait()  <------------- event set -------  done (or the exception, re-raised by wait)
       unpack b0, b1 into the outputs
 
-Why a thread: the ring engine is ordinary blocking code (``ddlkernels._engine``)
+Why a thread: the ring engine is ordinary blocking code (``ddlkernels.ring.engine``)
 that must keep posting receives, reducing chunks and forwarding them; only a
 thread of its own keeps it moving while the caller computes.  mpi4py
 initialises MPI with ``MPI_THREAD_MULTIPLE`` (its default), which makes MPI
@@ -63,9 +63,11 @@ import weakref
 
 import numpy as np
 
-from ._comm import Communicator, _scale_inplace, as_communicator
+from ._dtypes import scale_inplace
+from .communicator import Communicator, as_communicator
 from ._dtypes import dtype_name, normalize_op
-from ._fusion import FusionJob, check_same_on_all_ranks
+from .fusion import FusionJob
+from .safety.agreement import check_same_on_all_ranks
 from .backends import backend_for
 
 __all__ = ["Handle", "allreduce_async", "allreduce_many_async", "progress_engine", "PROGRESS_MODES"]
@@ -168,7 +170,7 @@ class ThreadEngine:
             # algorithm choices (a fixed small_bytes pins MPI vs ring).  It duplicates
             # the Communicator's own communicator, whose collectives come from one
             # thread, not the user's.
-            from ._wait import Deadline
+            from .safety.deadline import Deadline
 
             setup = None if comm.timeout is None else Deadline("allreduce_async", comm.rank, comm.timeout)
             self.comm = Communicator(comm.comm, chunk_bytes=chunk_bytes or comm.chunk_bytes,
@@ -261,7 +263,7 @@ class _MPIRequestWork:
         if not self.finished:
             self.req.Wait()
             if self.avg_p:
-                _scale_inplace(self.buf, self.avg_p)
+                scale_inplace(self.buf, self.avg_p)
             self.finished = True
             self.engine._forget(self)
 
@@ -272,8 +274,8 @@ class HooksEngine:
     kind = "hooks"
 
     def __init__(self, comm=None, *, chunk_bytes=None):
-        from ._comm import duplicate
-        from ._wait import Deadline
+        from .communicator import duplicate
+        from .safety.deadline import Deadline
 
         # As for ThreadEngine: the Communicator's own communicator, under its timeout.
         base = comm.comm if isinstance(comm, Communicator) else comm

@@ -35,18 +35,20 @@ instead of mismatching collectives.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import sys
 
 import numpy as np
 
-from ._comm import as_communicator, backend_input_numpy
+from .collectives.allreduce import allreduce_segments
+from .collectives.arguments import backend_input_numpy
+from .communicator import as_communicator
 from ._dtypes import check_dtype, dtype_name, normalize_op
-from ._engine import Segments
+from .ring.segments import Segments
 from .backends import backend_for
+from .safety.agreement import check_same_on_all_ranks
 
-__all__ = ["allreduce_many", "FUSION_BYTES", "FusionJob", "check_same_on_all_ranks"]
+__all__ = ["allreduce_many", "FUSION_BYTES", "FusionJob"]
 
 #: Default fusion buffer size in bytes: Horovod's default threshold (64 MiB).
 #: Buckets are reduced one after the other, so this is also the staging memory
@@ -141,7 +143,7 @@ class FusionJob:
     """A checked ``allreduce_many`` call: tensors, outputs, buckets; pack and unpack.
 
     Built in the calling thread; everything here is local (no communication).
-    ``allreduce_many`` and the asynchronous handles of ``ddlkernels._async``
+    ``allreduce_many`` and the asynchronous handles of ``ddlkernels.asynchronous``
     both run one.
     """
 
@@ -288,17 +290,15 @@ class FusionJob:
         else:
             # The ring reads large tensors where they lie instead of a packed
             # copy: of the pack's full copy only the first block sent remains
-            # (ddlkernels._engine, Segments).  The reduce-scatter's add then
-            # runs out of place (one more stream than on a packed buffer), so
-            # the gain is small: bench/fusion_costs.py, 64 MB, pack + ring vs
-            # this: 17.5 vs 17.0 and 11.9 vs 12.4 ms at 2 ranks, 29.4 vs
-            # 27.2 ms at 4.
-            comm._allreduce_segments(segs, buf, self.opname, chunk_bytes=chunk_bytes)
+            # (ddlkernels.ring.engine, Segments).  The gain is small, as the
+            # reduce-scatter's add then runs out of place (bench/results/constants.md,
+            # the ring on segments).
+            allreduce_segments(comm, segs, buf, self.opname, chunk_bytes=chunk_bytes)
         if bucket.home is None:
             self.unpack(bucket, buf)
 
     def segments(self, bucket: Bucket, buf):
-        """The bucket as a ``Segments`` for ``_allreduce_segments`` into ``buf``, or None (a dtype differs).
+        """The bucket as a ``Segments`` for ``allreduce_segments`` into ``buf``, or None (a dtype differs).
 
         Contiguous tensors of at least ``DIRECT_BYTES`` are parts as they lie.
         Runs of smaller or strided ones are packed into ``buf`` at their own
@@ -333,9 +333,9 @@ def _pack_run(buf, run):
     """Pack ``[(entry, host array), ...]`` into ``buf`` at their offsets, gaps zeroed; ``(start, view of buf)``.
 
     One ``np.concatenate`` of the arrays and zero pads, at least as fast as a
-    slice assignment per tensor (200 small tensors: 149-151 vs 153-226 us,
-    bench/fusion_costs.py).  The entries are consecutive in their bucket, so
-    every gap is alignment padding, shorter than ``ALIGN_BYTES``.
+    slice assignment per tensor (bench/results/constants.md, _pack_run).  The
+    entries are consecutive in their bucket, so every gap is alignment
+    padding, shorter than ``ALIGN_BYTES``.
     """
     start = pos = run[0][0].offset
     seq = []
@@ -388,64 +388,6 @@ def unpack_from(be, bucket: Bucket, buf, outs) -> None:
             o.ravel()[...] = buf[e.offset : e.offset + e.count]  # ravel of a contiguous array is a view
         else:
             np.copyto(backend_input_numpy(o), buf[e.offset : e.offset + e.count].reshape(e.shape))
-
-
-def check_same_on_all_ranks(comm, signature, what: str) -> None:
-    """Raise ``ValueError`` on every rank unless every rank passed an equal ``signature`` (collective).
-
-    One 16-byte ``MPI_Iallreduce`` of a digest; on a mismatch the signatures
-    themselves are gathered so the error can say which rank passed what.
-    ``comm`` is an mpi4py communicator, or a ``Communicator`` (then on its
-    own communicator, waited for under its ``timeout``: a timeout leaves it
-    unusable, as any collective's).  Nonblocking on every rank, with or
-    without a deadline: the ranks meet in it either way.
-    """
-    from mpi4py import MPI
-
-    from ._comm import Communicator
-    from ._wait import CollectiveTimeout, Deadline, complete
-
-    mpi = comm.comm if isinstance(comm, Communicator) else comm
-    if mpi.Get_size() == 1:
-        return
-    deadline = None
-    if isinstance(comm, Communicator):
-        comm._usable()
-        if comm.timeout is not None:
-            deadline = Deadline(what, comm.rank, comm.timeout)
-    digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
-    h = int.from_bytes(digest, "little", signed=True) >> 1  # -h must not overflow
-    both = np.array([h, -h], dtype=np.int64)
-    try:
-        complete(mpi.Iallreduce(MPI.IN_PLACE, both, op=MPI.MIN), deadline, "the argument check (MPI_Iallreduce)")
-    except CollectiveTimeout as exc:
-        if isinstance(comm, Communicator):
-            comm._break(str(exc))
-        raise
-    if both[0] == h and -both[1] == h:
-        return
-    sigs = mpi.allgather(signature)  # every rank is here: it passed the digest's reduction
-    raise ValueError(f"{what}: ranks passed different arguments: {_describe_difference(sigs)}")
-
-
-def _describe_difference(sigs) -> str:
-    ref = sigs[0]
-    for r, s in enumerate(sigs):
-        if s == ref:
-            continue
-        if s[:3] != ref[:3]:
-            return f"rank 0 passed op and settings {ref[1:3]}, rank {r} {s[1:3]}"
-        if len(s) != len(ref):
-            return f"rank 0 passed {len(ref) - 3} tensors, rank {r} {len(s) - 3}"
-        i = next(k for k in range(3, len(s)) if s[k] != ref[k])
-        return f"tensor {i - 3} is {_fmt(ref[i])} on rank 0 but {_fmt(s[i])} on rank {r}"
-    return "signatures differ"  # pragma: no cover - the digests differed, so some signature does
-
-
-def _fmt(item) -> str:
-    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-        return f"{item[0]}{list(item[1])}"
-    return repr(item)
 
 
 def allreduce_many(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None, chunk_bytes=None, stream=None):

@@ -114,10 +114,10 @@ def absent(first):
 
 
 def settled_on_cma(c, x):
-    if not c._cma_ok:
+    if "cma" not in c.algorithms:
         print(f"rank {RANK}: the single copy is not permitted here", flush=True)
         sys.exit(3)
-    c._tuner.settle(x.nbytes, c._choices(x.nbytes, False, x.dtype, "sum", None)[1], "cma")
+    c.settle(x, "cma")
     return c
 
 

@@ -126,7 +126,7 @@ def dims_cases(p: int) -> list:
 def parts_with_gaps(make, seed=5, count=40):
     """``(parts, packed)``: ``count`` float32 arrays ``make(n, k)`` of 0-10 elements at offsets with 0-2 element gaps.
 
-    ``parts`` is ``[(offset, array), ...]`` as ``ddlkernels._engine.Segments``
+    ``parts`` is ``[(offset, array), ...]`` as ``ddlkernels.ring.engine.Segments``
     takes it; ``packed`` the same values in one zero-filled buffer, two
     elements longer than the last part (a fusion bucket's padding).
     """

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from ddlkernels._bench import (TUNED_ALGORITHMS, dump_json, format_size, format_table, parse_size, plot_rows,
+from ddlkernels.tools.bench import (TUNED_ALGORITHMS, dump_json, format_size, format_table, parse_size, plot_rows,
                                sweep_sizes, tuned_label)
 
 
@@ -123,7 +123,7 @@ def test_table_has_nccl_tests_columns_and_types_and_fits_120_columns(dtype, name
 
 
 def test_footer_is_nccl_tests_and_scripts_that_read_it_read_ours():
-    from ddlkernels._bench import format_footer
+    from ddlkernels.tools.bench import format_footer
 
     rows = _rows()
     names = ["ddlkernels", "MPI_Allreduce", "Sendrecv link", "MPI_Allreduce[tuned ring]"]
@@ -142,7 +142,7 @@ def test_csv_has_one_record_per_size_and_line():
     import csv
     import io
 
-    from ddlkernels._bench import CSV_COLUMNS, write_csv
+    from ddlkernels.tools.bench import CSV_COLUMNS, write_csv
 
     rows = _rows()
     out = io.StringIO()
@@ -158,7 +158,7 @@ def test_csv_has_one_record_per_size_and_line():
                                        ("bfloat16", "bfloat16"), ("int32", "int32"), ("int64", "int64"),
                                        ("float32", "float32"), ("FLOAT", "float32"), ("bf16", "bfloat16")])
 def test_type_names_are_nccl_tests_first(name, want):
-    from ddlkernels._bench import nccl_type_name, parse_dtype
+    from ddlkernels.tools.bench import nccl_type_name, parse_dtype
     from ddlkernels._dtypes import dtype_name
 
     assert dtype_name(parse_dtype(name)) == want
@@ -169,7 +169,7 @@ def test_type_names_are_nccl_tests_first(name, want):
                                       ("uint64", "unsigned"), ("f8e4m3", "8-bit floats"), ("f8e5m2", "8-bit floats"),
                                       ("int", "ambiguous"), ("char", "8-bit"), ("complex64", "unknown type")])
 def test_types_not_reduced_here_are_refused_by_name(name, why):
-    from ddlkernels._bench import parse_dtype
+    from ddlkernels.tools.bench import parse_dtype
 
     with pytest.raises(TypeError, match=why):
         parse_dtype(name)
@@ -270,7 +270,7 @@ def test_bench_buffers_are_own_copies_on_the_pages_asked_for(shape, dtype, pages
     """``_placed``: the same values in writable memory of its own; on Linux a mapping marked no-huge-pages
     (VmFlags ``nh``) or huge pages (``hg``) for every line alike; huge ones start past a 2 MiB boundary by
     an offset that differs from one buffer to the next."""
-    from ddlkernels import _bench
+    from ddlkernels.tools import bench as _bench
 
     before = _bench._placement["pages"]
     _bench._placement["pages"] = pages
@@ -307,7 +307,7 @@ def test_lines_of_a_size_share_a_buffer_per_role_when_it_holds_the_same_bytes(pa
     """``run_sweep`` restarts ``_placed``'s sequence for each line: a line's n-th buffer is the one the line
     before placed n-th, if that holds the same bytes (so lines differ by what they run, not by where their
     buffers lie); other bytes, another shape or dtype get memory of their own."""
-    from ddlkernels import _bench
+    from ddlkernels.tools import bench as _bench
 
     before = dict(_bench._placement)
     _bench._placement.update(pages=pages, pool={})
@@ -332,7 +332,7 @@ def test_lines_of_a_size_share_a_buffer_per_role_when_it_holds_the_same_bytes(pa
 
 
 def test_run_sweep_refuses_unknown_pages():
-    from ddlkernels._bench import run_sweep
+    from ddlkernels.tools.bench import run_sweep
 
     with pytest.raises(ValueError, match="pages must be one of small, huge"):
         run_sweep(None, [], [], pages="big")

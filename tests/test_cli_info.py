@@ -38,7 +38,7 @@ def test_info_reports_mpi_cuda_awareness_backends_topology_and_shared_memory(ran
 @pytest.mark.skipif(not os.path.exists(MPIRUN), reason="no mpirun beside this python")
 @pytest.mark.skipif(any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_RANK")), reason="already under mpirun")
 def test_window_creation_leaves_stderr_clean():
-    """Open MPI's "OSC UCX component ..." noise at every window creation is filtered (ddlkernels._shm)."""
+    """Open MPI's "OSC UCX component ..." noise at every window creation is filtered (ddlkernels.algorithms.shm)."""
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe", MPIEXEC_TIMEOUT="120")
     code = ("import numpy as np, ddlkernels; from mpi4py import MPI; c = ddlkernels.Communicator(shm=True); "

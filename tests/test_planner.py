@@ -4,11 +4,11 @@ import math
 
 import pytest
 
-from ddlkernels import topology as T
+from ddlkernels.select import topology as T
 from ddlkernels.ring.schedule import Plan
-from ddlkernels.planner import candidates, choose_plan, factorizations, lower_bound, model_time
-from ddlkernels.simulator import simulate
-from ddlkernels.topology import Level, Topology
+from ddlkernels.select.planner import candidates, choose_plan, factorizations, lower_bound, model_time
+from ddlkernels.tools.simulator import simulate
+from ddlkernels.select.topology import Level, Topology
 
 
 def test_factorizations():

@@ -6,7 +6,7 @@ import select
 import threading
 import time
 
-from ddlkernels._shm import _quiet_window
+from ddlkernels.algorithms.window import _quiet_window
 
 NOISE = b"[vm:123] /ompi/mca/osc/ucx/osc_ucx_component.c:375  Error: OSC UCX component priority set inside " \
         b"component query failed \n \n"

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ddlkernels._engine import Segments
+from ddlkernels.ring.segments import Segments
 from ddlkernels.backends import get_backend
 
 NP = get_backend("numpy")

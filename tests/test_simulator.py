@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 
-from ddlkernels import topology as T
+from ddlkernels.select import topology as T
 from ddlkernels.ring.schedule import Plan, build_schedule
-from ddlkernels.simulator import ScheduleError, simulate
-from ddlkernels.topology import Level, Topology
+from ddlkernels.tools.simulator import ScheduleError, simulate
+from ddlkernels.select.topology import Level, Topology
 
 INF_REDUCE = 1e30  # reductions free: the closed forms below have no compute term
 

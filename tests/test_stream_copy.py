@@ -1,4 +1,4 @@
-"""The shared-memory loops' streaming copy (``ddlkernels.kernels.shm_loops._stream``): every alignment and length.
+"""The shared-memory loops' streaming copy (``ddlkernels.kernels.node_primitives._stream``): every alignment and length.
 
 The copy writes a destination's whole aligned 64-byte lines with
 non-temporal stores and the bytes before and after them with memcpy, so an
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from ddlkernels.kernels.shm_loops import _stream
+from ddlkernels.kernels.node_primitives import _stream
 
 
 @njit

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from ddlkernels import topology as T
-from ddlkernels.topology import Level, Topology, TopologyError
+from ddlkernels.select import topology as T
+from ddlkernels.select.topology import Level, Topology, TopologyError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,10 +1,8 @@
-"""The size tuner's candidates and decisions, in one process (a stand-in for the deciding allreduce)."""
+"""The size tuner's decisions, in one process (a stand-in for the deciding allreduce)."""
 
 import numpy as np
-import pytest
 
-from ddlkernels._tuner import (CMA_FROM, MARGIN, MPI_BELOW, RING_FROM, SMALL_MARGIN, SPILL_FROM, SizeTuner, block, candidates,
-                               margin, trials, tuning_calls)
+from ddlkernels.select.tuner import MARGIN, MPI_BELOW, SMALL_MARGIN, SizeTuner, block, margin, trials, tuning_calls
 
 
 class _Done:
@@ -22,40 +20,6 @@ class OneRank:
 
     def Iallreduce(self, sendbuf, recvbuf, op):
         return _Done()
-
-
-@pytest.mark.parametrize(
-    "nbytes,mpi,shm,want",
-    [
-        (0, True, False, ("mpi", "nbc")),
-        (MPI_BELOW - 1, True, True, ("mpi", "nbc", "shm")),
-        (MPI_BELOW, True, False, ("mpi", "ring")),
-        (SPILL_FROM - 1, True, True, ("mpi", "ring", "shm")),
-        (SPILL_FROM, True, False, ("mpi", "ring")),
-        (SPILL_FROM, True, True, ("mpi", "ring", "shm", "shm-nt")),  # the window with its results spilled too
-        (RING_FROM - 1, True, True, ("mpi", "ring", "shm", "shm-nt")),
-        (RING_FROM, True, False, ("ring",)),
-        (RING_FROM, True, True, ("ring", "shm", "shm-nt")),
-        (16, False, False, ("ring",)),  # e.g. float max/min, bfloat16: MPI is no candidate
-        (16, False, True, ("ring", "shm")),
-    ],
-)
-def test_candidates(nbytes, mpi, shm, want):
-    assert candidates(nbytes, mpi=mpi, shm=shm) == want
-
-
-@pytest.mark.parametrize("nbytes,want", [
-    (CMA_FROM - 1, ("mpi", "nbc", "shm")),
-    (CMA_FROM, ("mpi", "nbc", "shm", "cma")),  # the single copy from CMA_FROM, after the window
-    (MPI_BELOW, ("mpi", "ring", "shm", "cma")),
-    (1 << 20, ("mpi", "ring", "shm", "cma")),
-    (SPILL_FROM, ("mpi", "ring", "shm", "shm-nt", "cma")),
-    (RING_FROM, ("ring", "shm", "shm-nt", "cma")),
-])
-def test_candidates_with_the_single_copy(nbytes, want):
-    assert CMA_FROM < MPI_BELOW < SPILL_FROM
-    assert candidates(nbytes, shm=True, cma=True) == want
-    assert "cma" not in candidates(nbytes, shm=True)
 
 
 def run_trials(cands, seconds, nbytes=1 << 20):
@@ -170,7 +134,7 @@ def _checks(t, comm, nb, cands, seconds, calls):
 
 
 def test_watched_bucket_is_measured_again_when_its_calls_slow_down():
-    from ddlkernels._tuner import DRIFT, WATCH_FROM, watch_interval
+    from ddlkernels.select.tuner import DRIFT, WATCH_FROM, watch_interval
 
     cands, nb = ("ring", "shm"), WATCH_FROM
     t = SizeTuner(watch=True)
@@ -196,7 +160,7 @@ def test_watched_bucket_is_measured_again_when_its_calls_slow_down():
 
 
 def test_slower_than_the_runner_up_was_reopens_before_drift():
-    from ddlkernels._tuner import DRIFT, MARGIN, WATCH_FROM, watch_interval
+    from ddlkernels.select.tuner import DRIFT, MARGIN, WATCH_FROM, watch_interval
 
     cands, nb = ("ring", "shm"), WATCH_FROM
     t = SizeTuner(watch=True)
@@ -210,7 +174,7 @@ def test_a_winner_whose_calls_ran_slower_than_its_trials_is_charged_what_they_to
     """Trials that keep finding an algorithm fast while the loop's calls of it run slow: the re-measurement
     its slow calls started charges it their (agreed) time, so the runner-up wins; an exploration after
     quiet checks charges nothing."""
-    from ddlkernels._tuner import DRIFT, EXPLORE_CHECKS, WATCH_FROM, watch_interval
+    from ddlkernels.select.tuner import DRIFT, EXPLORE_CHECKS, WATCH_FROM, watch_interval
 
     cands, nb = ("ring", "shm"), WATCH_FROM
     t = SizeTuner(watch=True)
@@ -235,7 +199,7 @@ def test_a_winner_whose_calls_ran_slower_than_its_trials_is_charged_what_they_to
 
 
 def test_the_interval_is_about_check_seconds_of_calls_and_backs_off():
-    from ddlkernels._tuner import CHECK_SECONDS, WATCH_CALLS, WATCH_FROM, WATCH_MAX_CALLS, WATCH_MIN_CALLS, watch_interval
+    from ddlkernels.select.tuner import CHECK_SECONDS, WATCH_CALLS, WATCH_FROM, WATCH_MAX_CALLS, WATCH_MIN_CALLS, watch_interval
 
     assert watch_interval(CHECK_SECONDS / 10) == 10
     assert watch_interval(1e-6) == WATCH_CALLS and watch_interval(10.0) == WATCH_MIN_CALLS
@@ -261,7 +225,7 @@ def test_the_interval_is_about_check_seconds_of_calls_and_backs_off():
 
 def test_quiet_checks_reopen_anyway_and_find_a_runner_up_that_became_faster():
     """The checks time only the winner: after EXPLORE_CHECKS quiet ones the bucket is measured again."""
-    from ddlkernels._tuner import EXPLORE_CHECKS, WATCH_FROM, watch_interval
+    from ddlkernels.select.tuner import EXPLORE_CHECKS, WATCH_FROM, watch_interval
 
     cands, nb = ("ring", "shm"), 2 * WATCH_FROM
     t = SizeTuner(watch=True)
@@ -279,7 +243,7 @@ def test_quiet_checks_reopen_anyway_and_find_a_runner_up_that_became_faster():
 
 
 def test_an_exploration_that_keeps_the_winner_backs_off():
-    from ddlkernels._tuner import EXPLORE_CHECKS, WATCH_FROM, WATCH_MAX_CALLS, watch_interval
+    from ddlkernels.select.tuner import EXPLORE_CHECKS, WATCH_FROM, WATCH_MAX_CALLS, watch_interval
 
     cands, nb = ("ring", "shm"), 2 * WATCH_FROM
     t = SizeTuner(watch=True)
@@ -301,7 +265,7 @@ def test_an_exploration_that_keeps_the_winner_backs_off():
 
 def test_below_watch_from_a_bucket_is_measured_again_after_its_calls_are_counted():
     """No timing below WATCH_FROM, but RECOUNT_CALLS calls (counted alike on every rank) reopen the bucket."""
-    from ddlkernels._tuner import RECOUNT_CALLS, RECOUNT_MAX_CALLS, WATCH_FROM
+    from ddlkernels.select.tuner import RECOUNT_CALLS, RECOUNT_MAX_CALLS, WATCH_FROM
 
     cands, nb = ("mpi", "nbc", "shm"), 4096
     assert nb < WATCH_FROM
@@ -335,7 +299,7 @@ def test_below_watch_from_a_bucket_is_measured_again_after_its_calls_are_counted
 
 
 def test_not_watched_below_watch_from_when_fixed_or_when_off():
-    from ddlkernels._tuner import WATCH_FROM
+    from ddlkernels.select.tuner import WATCH_FROM
 
     cands = ("ring", "shm")
     t = SizeTuner(watch=True)

@@ -1,4 +1,4 @@
-"""Packing gradients into a fusion buffer and back (``ddlkernels._fusion``), against one copy of the same bytes.
+"""Packing gradients into a fusion buffer and back (``ddlkernels.fusion``), against one copy of the same bytes.
 
 A model's gradients are many tensors; tensor fusion copies them into one
 buffer, reduces it with one collective, and copies the slices back.  These
@@ -8,13 +8,13 @@ tensor list is a ResNet-50-shaped set of layers at half width (161 tensors,
 about 6.4 M float32 = 25 MB: many small BN vectors, a few large convolutions),
 so per-tensor overhead and bandwidth both show.
 
-Skipped cleanly when ``ddlkernels._fusion`` is not part of the installed package.
+Skipped cleanly when ``ddlkernels.fusion`` is not part of the installed package.
 """
 
 import numpy as np
 import pytest
 
-fusion = pytest.importorskip("ddlkernels._fusion", reason="ddlkernels._fusion (tensor fusion) is not available")
+fusion = pytest.importorskip("ddlkernels.fusion", reason="ddlkernels.fusion (tensor fusion) is not available")
 
 
 def _resnet50_half():

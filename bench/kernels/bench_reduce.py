@@ -16,7 +16,7 @@ kernel), 16 MiB and 64 MiB (beyond the caches).  Sizes are per array.
 import numpy as np
 import pytest
 
-from ddlkernels._bench import parse_dtype
+from ddlkernels.tools.bench import parse_dtype
 from ddlkernels.backends import get_backend
 
 SIZES = ["256K", "1M", "16M", "64M"]
@@ -24,7 +24,7 @@ CASES = [(s, "float32") for s in SIZES] + [("16M", "float16"), ("16M", "bfloat16
 
 
 def _arrays(size, dtype, n):
-    from ddlkernels._bench import parse_size
+    from ddlkernels.tools.bench import parse_size
 
     dt = parse_dtype(dtype)
     count = parse_size(size) // dt.itemsize

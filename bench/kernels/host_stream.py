@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from ddlkernels._bench import parse_size
+from ddlkernels.tools.bench import parse_size
 from ddlkernels.kernels.host_loops import SUM, reduce
 
 

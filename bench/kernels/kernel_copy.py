@@ -2,14 +2,14 @@
 
     python bench/kernels/kernel_copy.py [--bytes 16M,64M] [--pieces 256K,512K] [--rounds 7]
 
-The single-copy allreduce (``ddlkernels._cma``) moves every byte between
+The single-copy allreduce (``ddlkernels.algorithms.cma``) moves every byte between
 processes with ``process_vm_readv`` (a peer's input, from memory, into a
 piece of its own that stays in cache) and ``process_vm_writev`` (a folded
 piece, from its cache, into a peer's output in memory).  This times those two
 moves against libc's ``memcpy`` doing the same, piece after piece over each
 ``--bytes`` buffer (larger than L2), in one process (a process may read and
 write its own memory so: the kernel pins and copies exactly as for a peer's),
-from compiled loops (the allreduce's own calls: ``ddlkernels.kernels.shm_loops._vm``,
+from compiled loops (the allreduce's own calls: ``ddlkernels.kernels.cma_loops._vm``,
 ``_copy``).  Four lines, interleaved round by round, each the
 median over rounds, GB/s of bytes copied:
 
@@ -41,9 +41,10 @@ import time
 import numpy as np
 from numba import njit
 
-from ddlkernels._bench import parse_size
-from ddlkernels._cma import PIECE_BYTES, PIECE_BYTES_WIDE
-from ddlkernels.kernels.shm_loops import _copy, _vm
+from ddlkernels.tools.bench import parse_size
+from ddlkernels.algorithms.cma import PIECE_BYTES, PIECE_BYTES_WIDE
+from ddlkernels.kernels.cma_loops import _vm
+from ddlkernels.kernels.node_primitives import _copy
 
 
 @njit(nogil=True)
@@ -72,7 +73,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bytes", default="16M,64M", help="the buffers streamed through, piece by piece (default 16M,64M)")
     ap.add_argument("--pieces", default=f"{PIECE_BYTES_WIDE >> 10}K,{PIECE_BYTES >> 10}K",
-                    help="piece sizes (default: the single-copy allreduce's, ddlkernels._cma.piece_for)")
+                    help="piece sizes (default: the single-copy allreduce's, ddlkernels.algorithms.cma.piece_for)")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     pid = os.getpid()

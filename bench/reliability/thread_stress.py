@@ -53,7 +53,7 @@ def stress(comm, iters):
     """Run both threads for ``iters`` iterations on every rank of ``comm`` (collective); returns
     ``(collectives made here, wrong results here, errors raised here as text)``."""
     import ddlkernels
-    from ddlkernels._async import progress_engine
+    from ddlkernels.asynchronous import progress_engine
 
     p, rank = comm.Get_size(), comm.Get_rank()
     a, b = ddlkernels.Communicator(comm), ddlkernels.Communicator(comm)

@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import ddlkernels  # noqa: E402
-from ddlkernels._async import progress_engine  # noqa: E402
+from ddlkernels.asynchronous import progress_engine  # noqa: E402
 
 
 def sizes_10B_to_4MB(count, itemsize=4, max_bytes=4e6):
@@ -67,9 +67,9 @@ def part_fusion(comm, args):
     fused = lambda: ddlkernels.allreduce_many(xs, "sum")  # noqa: E731
     separate = lambda: [ddlkernels.allreduce(x, "sum") for x in xs]  # noqa: E731
     # Warm up buffers and plans, and run the size tuner's trials to the end for
-    # every bucket of both ways (ddlkernels._tuner), so the timed rounds compare
+    # every bucket of both ways (ddlkernels.select.tuner), so the timed rounds compare
     # settled choices; the tuner's state is the same on every rank.
-    tuner = ddlkernels.as_communicator(comm)._tuner
+    tuner = ddlkernels.as_communicator(comm).selector.tuners["allreduce"]
     for _ in range(40):
         fused(), separate()
         if "measuring" not in tuner.decisions().values():

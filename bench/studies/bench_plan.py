@@ -28,14 +28,14 @@ def bench_chunk_ranges(benchmark, run):
     run(benchmark, chunk_ranges, 0, COUNT // 8, (1 << 20) // 4, iterations=10)
 
 
-planner = pytest.importorskip("ddlkernels.planner", reason="ddlkernels.planner is not available")
+planner = pytest.importorskip("ddlkernels.select.planner", reason="ddlkernels.select.planner is not available")
 if not hasattr(planner, "choose_plan"):
-    pytest.skip("ddlkernels.planner has no choose_plan", allow_module_level=True)
+    pytest.skip("ddlkernels.select.planner has no choose_plan", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
 def topology():
-    from ddlkernels.topology import load_preset
+    from ddlkernels.select.topology import load_preset
 
     return load_preset("powerai-ddl")
 

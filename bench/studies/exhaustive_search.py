@@ -28,9 +28,9 @@ import numpy as np
 
 from ddlkernels.tools.topo_cli import parse_size
 from ddlkernels.ring.schedule import Plan
-from ddlkernels.planner import DEFAULT_CHUNK_BYTES, _Model, choose_plan, factorizations, lower_bound
-from ddlkernels.simulator import simulate
-from ddlkernels.topology import load
+from ddlkernels.select.planner import DEFAULT_CHUNK_BYTES, _Model, choose_plan, factorizations, lower_bound
+from ddlkernels.tools.simulator import simulate
+from ddlkernels.select.topology import load
 
 
 def level_orders(topo):

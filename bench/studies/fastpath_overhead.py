@@ -29,8 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ddlkernels
-from ddlkernels._bench import parse_size
-from ddlkernels._tuner import candidates
+from ddlkernels.tools.bench import parse_size
 
 
 class _NoMPI:
@@ -96,14 +95,13 @@ def main():
     y = np.empty_like(x)
     # As on a multi-rank communicator whose tuner settled this size on MPI_Allreduce.
     dc.comm, dc.size, dc._fast_ok = _NoMPI(), 4, True
-    dc._tuner.settle(x.nbytes, candidates(x.nbytes, shm=dc._shm_mode is not None), "mpi")
-    # reduce_scatter and allgather of the same buffer, settled on MPI's own calls the same way.
     c = x.size // dc.size
-    dc._shard_cache.clear()
-    dc._shard_cache[x.size, None] = [(r * c, (r + 1) * c) for r in range(dc.size)]  # 4 equal shards
+    bounds = [(r * c, (r + 1) * c) for r in range(dc.size)]  # 4 equal shards
+    dc._all_shards, dc.rank_ordered = (lambda count, dims: bounds), (lambda count: True)
+    # reduce_scatter and allgather of the same buffer, settled on MPI's own calls the same way.
+    for kind in ("allreduce", "reduce_scatter", "allgather"):
+        dc.settle(x, "mpi", collective=kind)
     shard = np.empty(c, np.float32)
-    for kind in ("reduce_scatter", "allgather"):
-        dc._shard_tuners[kind].settle(x.nbytes, dc._shard_choices(x.nbytes, False, None, mpi=True)[1], "mpi")
     stand_in = _NoMPI()
     cases = {
         "Communicator.allreduce(x, 'sum', out=y)": lambda: dc.allreduce(x, "sum", out=y),

@@ -14,7 +14,7 @@ algorithm each ran, the algorithm the tuner settled on, and whether the
 last result is right (the job exits non-zero if not).  Times are the
 slowest rank's.
 
-Behind the one-function-per-op loops of ``ddlkernels.kernels.shm_loops`` (its
+Behind the one-function-per-op loops of ``ddlkernels.kernels.window_loops`` and ``cma_loops`` (its
 comment above ``small_fold_sum``): a process compiles only the ops it
 calls.
 """
@@ -38,7 +38,7 @@ def _child(nbytes: int, calls: int) -> None:
     from mpi4py import MPI
 
     import ddlkernels
-    from ddlkernels._bench import expected, pattern
+    from ddlkernels.tools.bench import expected, pattern
 
     comm = MPI.COMM_WORLD
     p, r = comm.Get_size(), comm.Get_rank()
@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from ddlkernels._bench import parse_size
+    from ddlkernels.tools.bench import parse_size
     from ddlkernels.tools.bench_cli import find_mpirun
 
     nbytes = parse_size(args.bytes)

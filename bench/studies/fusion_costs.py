@@ -1,4 +1,4 @@
-"""Where allreduce_many's time goes on the host: the numbers quoted in docs/fusion.md and ddlkernels/_fusion.py.
+"""Where allreduce_many's time goes on the host: the numbers quoted in docs/fusion.md and ddlkernels/fusion.py.
 
     python bench/studies/fusion_costs.py                      # one process: the Python-side costs
     mpirun -n 2 python -m mpi4py bench/studies/fusion_costs.py   # also pack vs ring vs allreduce_many, all ranks at once
@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fusion import exact, sizes_10B_to_4MB  # noqa: E402
 
 import ddlkernels  # noqa: E402
-from ddlkernels import _fusion  # noqa: E402
-from ddlkernels._fusion import FusionJob, plan_buckets  # noqa: E402
+from ddlkernels import fusion as _fusion  # noqa: E402
+from ddlkernels.fusion import FusionJob, plan_buckets  # noqa: E402
 
 
 def best(fn, number):

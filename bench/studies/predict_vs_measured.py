@@ -3,7 +3,7 @@
     MPIEXEC_TIMEOUT=300 mpirun -n 4 python bench/studies/predict_vs_measured.py --out bench/results
 
 One job: for each size, ``--trials`` times (default 5): calibrate the links
-at that working set (``ddlkernels.calibrate``: on one machine the links are
+at that working set (``ddlkernels.tools.calibrate``: on one machine the links are
 memory copies, and 1 MiB lives in the caches while 64 MiB does not), then at
 once time ``ddlkernels.allreduce`` (float32, out of place into an output
 written before, which is the reduce pattern the calibration measures; the
@@ -40,9 +40,9 @@ def main():
 
     import ddlkernels
     from ddlkernels.ring.schedule import Plan
-    from ddlkernels.calibrate import calibrate
-    from ddlkernels.planner import factorizations
-    from ddlkernels.simulator import simulate
+    from ddlkernels.tools.calibrate import calibrate
+    from ddlkernels.select.planner import factorizations
+    from ddlkernels.tools.simulator import simulate
 
     comm = MPI.COMM_WORLD
     p, rank = comm.Get_size(), comm.Get_rank()

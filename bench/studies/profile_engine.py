@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import ddlkernels  # noqa: E402
-from ddlkernels._bench import expected, parse_size, pattern  # noqa: E402
+from ddlkernels.tools.bench import expected, parse_size, pattern  # noqa: E402
 
 
 def main():
@@ -33,7 +33,7 @@ def main():
                          "'tuned': None, the size tuner's choice (the path is printed)")
     ap.add_argument("--inplace", action="store_true")
     ap.add_argument("--cma", action="store_true",
-                    help="run the single-copy allreduce alone (ddlkernels._cma, on the Communicator's window), "
+                    help="run the single-copy allreduce alone (ddlkernels.algorithms.cma, on the Communicator's window), "
                          "whatever the tuner would choose: for a profiler that sees the kernel's copies (perf)")
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
@@ -47,9 +47,9 @@ def main():
     dc = ddlkernels.Communicator(comm, **kw)
     dst = x if a.inplace else out
     if a.cma:
-        if not dc._cma_ok:
-            raise SystemExit("--cma: the ranks cannot read each other's memory here (ddlkernels._cma.probe)")
-        call = dc._cma_collectives().fn(x.dtype, count, "sum")
+        if "cma" not in dc.algorithms:
+            raise SystemExit("--cma: the ranks cannot read each other's memory here (ddlkernels.algorithms.cma.probe)")
+        call = dc.algorithms["cma"].engine().fn(x.dtype, count, "sum")
         path = "cma (forced)"
     else:
         call = lambda x, out: dc.allreduce(x, "sum", out=out)  # noqa: E731

@@ -7,10 +7,10 @@ Six lines, interleaved round by round in one run, each timed after a
 barrier on the slowest rank (median over rounds, milliseconds per call):
 
 * ``link``: every rank ``Sendrecv``'s N/p bytes to its neighbour, as the
-  harness's "Sendrecv link" line (``ddlkernels._bench``);
+  harness's "Sendrecv link" line (``ddlkernels.tools.bench``);
 * ``memcpy``: every rank copies its N-byte input into its N-byte output, the
   memory traffic no out-of-place allreduce avoids;
-* ``shm``: ``ddlkernels._shm.ShmAllreduce.run``, the shared-memory allreduce;
+* ``shm``: ``ddlkernels.algorithms.shm.ShmAllreduce.run``, the shared-memory allreduce;
 * ``shm-nt``: the same with its result blocks written with non-temporal
   stores (``run(spill=True)``, the tuner's "shm-nt");
 * ``ring``: this library's ring over MPI's transport (``ddlkernels.Communicator``
@@ -44,7 +44,7 @@ ms more than the same steps on private buffers, and the ring is hardly
 faster.  Writing the result blocks with non-temporal stores, so that a peer
 reads them from memory, is faster in that state and slower in the other
 (``bench/studies/shm_pieces.py --spill``): the tuner measures it as "shm-nt"
-(``ddlkernels._tuner.SPILL_FROM``).
+(``ddlkernels.select.tuner.SPILL_FROM``).
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ import numpy as np
 from mpi4py import MPI
 
 import ddlkernels
-from ddlkernels._bench import format_size, parse_size
-from ddlkernels._shm import PIECE_BYTES, ShmAllreduce
+from ddlkernels.tools.bench import format_size, parse_size
+from ddlkernels.algorithms.shm import ShmAllreduce
+from ddlkernels.algorithms.window import PIECE_BYTES
 
 
 def _private_steps(x, out, p, r, step):

@@ -18,21 +18,21 @@
                                                    # allgathers only: no other line's calls between
                                                    # theirs (the allgather tuner's "shm-nt")
     mpirun -n 2 python -m mpi4py bench/studies/shm_pieces.py --cma --pages huge
-                                                   # the single copy (ddlkernels._cma) by piece size,
+                                                   # the single copy (ddlkernels.algorithms.cma) by piece size,
                                                    # beside the window, 64K..64M: its PIECE_BYTES, CMA_FROM
     mpirun -n 2 python -m mpi4py bench/studies/shm_pieces.py --cma --inplace --pages huge
                                                    # the same in place (MPI_IN_PLACE for MPI's)
     mpirun -n 2 python -m mpi4py bench/studies/shm_pieces.py --cma --push --pages huge --pieces 512K
                                                    # pulling vs pushing the allgather: its PUSH_FROM
 
-Each line is ``ddlkernels._shm.ShmAllreduce.run`` with one setting, called
+Each line is ``ddlkernels.algorithms.shm.ShmAllreduce.run`` with one setting, called
 directly (no tuner, no argument checks), interleaved round by round with the
 other settings and MPI's own allreduce; a round times back-to-back calls
 lasting about 2 ms (one call for large messages) after a barrier, on the
 slowest rank.  Prints the median over rounds, in microseconds per call.
-Where PIECE_BYTES, WHOLE_BELOW, SPIN and STREAM_FROM (ddlkernels/_shm.py), SPILL_FROM and CMA_FROM
-(ddlkernels/_tuner.py) and ddlkernels/_cma.py's PIECE_BYTES and PUSH_FROM come from.  ``--pages small|huge`` places
-the input and the outputs as the harness does (``ddlkernels._bench``: every buffer in a private mapping
+Where PIECE_BYTES, WHOLE_BELOW, SPIN and STREAM_FROM (ddlkernels/algorithms/shm.py), SPILL_FROM and CMA_FROM
+(ddlkernels/select/tuner.py) and ddlkernels/algorithms/cma.py's PIECE_BYTES and PUSH_FROM come from.  ``--pages small|huge`` places
+the input and the outputs as the harness does (``ddlkernels.tools.bench``: every buffer in a private mapping
 of its own, on 4 KiB or on 2 MiB pages); by default they are plain numpy arrays.
 """
 
@@ -44,10 +44,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ddlkernels import _bench
-from ddlkernels._bench import format_size, parse_size
-from ddlkernels._cma import CmaAllreduce
-from ddlkernels._shm import ShmAllreduce
+from ddlkernels.tools import bench as _bench
+from ddlkernels.tools.bench import format_size, parse_size
+from ddlkernels.algorithms.cma import CmaAllreduce
+from ddlkernels.algorithms.shm import ShmAllreduce
 from ddlkernels.backends import backend_for
 
 
@@ -99,9 +99,9 @@ def main():
                     help="with --small, --loop or --stream: time the window's reduce_scatter and allgather (equal "
                          "shards; whole message, or both loops, or both stores) beside MPI_Reduce_scatter_block "
                          "and MPI_Allgather instead; with --cma: the single-copy allgather beside them, 4 KiB-64 "
-                         "MiB (where ddlkernels._tuner.CMA_GATHER_FROM comes from)")
+                         "MiB (where ddlkernels.select.tuner.CMA_GATHER_FROM comes from)")
     ap.add_argument("--loop", action="store_true",
-                    help="compare the compiled piece loop (ddlkernels.kernels.shm_loops.pieces_allreduce, what run takes) "
+                    help="compare the compiled piece loop (ddlkernels.kernels.window_loops.pieces_allreduce, what run takes) "
                          "with the Python one (ShmAllreduce._pieces, what a timeout=, \"avg\" or float16 takes)")
     ap.add_argument("--stream", action="store_true",
                     help="compare the compiled piece loop writing out with non-temporal stores (\"streamed\") "
@@ -113,11 +113,11 @@ def main():
                     help="time only the lines whose name contains this (e.g. llgather): what lies in the cache "
                          "when a call starts depends on the calls between, as in the caller's loop")
     ap.add_argument("--cma", action="store_true",
-                    help="time the single-copy allreduce (ddlkernels._cma) with each of --pieces, beside the "
+                    help="time the single-copy allreduce (ddlkernels.algorithms.cma) with each of --pieces, beside the "
                          "window's (\"shm\"), 64 KiB-64 MiB")
     ap.add_argument("--push", action="store_true",
                     help="with --cma: each piece size pulling (the allgather reads the owners' blocks) and pushing "
-                         "(each folded piece written into the peers' out): where ddlkernels._cma.PUSH_FROM comes from")
+                         "(each folded piece written into the peers' out): where ddlkernels.algorithms.cma.PUSH_FROM comes from")
     ap.add_argument("--pages", choices=_bench.PAGES, default=None,
                     help="place the buffers as the harness does (default: plain numpy arrays)")
     ap.add_argument("--inplace", action="store_true",

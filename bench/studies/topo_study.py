@@ -17,9 +17,9 @@ import os
 import sys
 import time
 
-from ddlkernels.planner import choose_plan, lower_bound, model_time, _model
-from ddlkernels.simulator import simulate
-from ddlkernels.topology import load
+from ddlkernels.select.planner import choose_plan, lower_bound, model_time, _model
+from ddlkernels.tools.simulator import simulate
+from ddlkernels.select.topology import load
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")
 
@@ -59,7 +59,7 @@ def headline():
     }
     out["planner_vs_bound"] = out["planner"]["simulated_s"] / out["lower_bound_s"] - 1
     # Planning time: a fresh model (cold cache) and a cached call.
-    from ddlkernels import planner as P
+    from ddlkernels.select import planner as P
 
     P._PLAN_CACHE.clear()
     P._model.cache_clear()

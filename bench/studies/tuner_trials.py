@@ -6,7 +6,7 @@ Three small-message candidates of ddlkernels' tuner -- MPI_Allreduce,
 MPI_Iallreduce + Wait, the shared-memory allreduce -- are timed per call on
 every rank, as the tuner does, in two orders: "turns" (one call of each in
 turn, 17 rounds) and "blocks" (5 calls of each in turn, the first of each
-block untimed, 4 rounds: ddlkernels._tuner's trials below 256 KiB).  Printed:
+block untimed, 4 rounds: ddlkernels.select.tuner's trials below 256 KiB).  Printed:
 each candidate's median per rank.  Timed alone after a different algorithm,
 a call's time on one rank depends on when its peers left that other call;
 in a block, every rank's time per call tends to the same period.
@@ -20,8 +20,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ddlkernels._bench import format_size, parse_size
-from ddlkernels._shm import ShmAllreduce
+from ddlkernels.tools.bench import format_size, parse_size
+from ddlkernels.algorithms.shm import ShmAllreduce
 from ddlkernels.backends import backend_for
 
 

@@ -4,7 +4,7 @@
 
 Rounds of three blocks of ``--calls`` allreduces each, in turn: ddlkernels
 as shipped (the size tuner measures the ring against the shared-memory
-window, settles, and from 1 MiB keeps watching: ``ddlkernels._tuner``), the
+window, settles, and from 1 MiB keeps watching: ``ddlkernels.select.tuner``), the
 ring forced (``shm=False, small_bytes=0``) and the window forced
 (``shm=True``), all out of place into a reused output, float32 sum.  Each
 block's time per call is the slowest rank's median.  One line per round:
@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ddlkernels
-from ddlkernels._bench import parse_size
+from ddlkernels.tools.bench import parse_size
 
 
 def _block(comm, dc, x, out, calls):
@@ -81,7 +81,7 @@ def main():
                   f"{t_ring * 1e3:8.3f} {t_shm * 1e3:8.3f} {reopened:12d}", flush=True)
     wrong = comm.allreduce(wrong, op=MPI.SUM)
     if rank == 0:
-        why = tuned._tuner.reopens
+        why = tuned.selector.tuners["allreduce"].reopens
         print(f"# rounds {rounds}; tuned within 10 % of the faster forced line in {close}; "
               f"re-measured {reopened} times ({why['slower']} after its calls slowed down, {why['quiet']} after "
               f"quiet checks); #wrong {wrong}")

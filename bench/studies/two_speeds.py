@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ddlkernels
-from ddlkernels._bench import parse_size
+from ddlkernels.tools.bench import parse_size
 
 
 def main():

@@ -1,7 +1,7 @@
 """Single-copy allreduce: every rank reads and writes its peers' buffers where they lie (``process_vm_readv``,
 ``process_vm_writev``).
 
-The shared-memory allreduce (``ddlkernels._shm``) first copies what its peers
+The shared-memory allreduce (``ddlkernels.algorithms.shm``) first copies what its peers
 need into a window, because a peer can only read shared memory.  Linux lets a
 process read another's private memory too, with one system call that copies
 straight from the peer's pages into its own (``process_vm_readv``, "cross
@@ -45,7 +45,7 @@ publishes where its shard lies, one barrier, reads every peer's shard
 straight into its own output (one ``process_vm_readv`` each), one barrier
 before anyone returns -- one copy of every byte, where the window's
 allgather copies each chunk into its stage and out again.  It is the
-allgather tuner's "cma", from ``ddlkernels._tuner.CMA_GATHER_FROM`` bytes.
+allgather tuner's "cma", from ``CMA_GATHER_FROM`` bytes.
 
 It needs what ``process_vm_readv`` and ``process_vm_writev`` need: Linux,
 every rank the same user, and ptrace permission between them (Yama's
@@ -59,7 +59,7 @@ pages.  A peer's ``x`` in the window's shared memory (``ShmAllreduce.empty``,
 on 4 KiB pages) is not read through the kernel: every rank publishes where
 its ``x`` lies, as the window's own loops do, and the compiled loop folds a
 shared operand straight from its mapping here.  It is a tuner candidate
-("cma", ``ddlkernels._tuner.CMA_FROM``), not a fixed choice.
+("cma", ``CMA_FROM``), not a fixed choice.
 """
 
 from __future__ import annotations
@@ -70,32 +70,22 @@ import sys
 
 import numpy as np
 
-from ._shm import OPCODES, _ufunc, cuts
+from .._dtypes import scale_inplace
+from ..kernels.layout import FLAG_STRIDE, OPCODES
+from ..safety.deadline import CollectiveTimeout, abandon
+from .base import Algorithm, pack_segments
+from .shm import _ufunc, cuts
 
-__all__ = ["CmaAllreduce", "PIECE_BYTES", "PIECE_BYTES_WIDE", "piece_for", "probe", "probe_pids"]
+__all__ = ["Cma", "CmaAllreduce", "CMA_FROM", "CMA_GATHER_FROM", "PIECE_BYTES", "PIECE_BYTES_WIDE", "piece_for",
+           "probe", "probe_pids"]
 
-#: Bytes of my block folded per read of a peer's input with 2 ranks: what a rank reads and folds stays in its L2.
-#: ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge --pieces 256K,512K,1M --sizes
-#: 64K,256K,512K,1M,4M,16M,64M`` (time of the window's allreduce / this one's), two runs: reads of 256 KiB
-#: 0.86-1.04 / 1.11-1.14 / 1.63-1.65 / 1.69-1.70 at 1 / 4 / 16 / 64 MiB, 512 KiB 0.75-1.07 / 1.18-1.19 /
-#: 1.60-1.67 / 1.75-1.80, 1 MiB 0.87-1.06 / 1.16-1.19 / 1.44-1.66 / 1.76.  (Those runs read each piece into a
-#: private buffer and folded it into out from there.  Reading it into out itself and folding in place there
-#: (``_shm_loops._cma``), same command with ``--pieces 512K --sizes 1M,2M,4M,8M,16M,64M``, before / after,
-#: alternated twice: 39.4-39.6 / 34.5 us at 1 MiB, 75.0-78.3 / 68.4-69.9 at 2 MiB, 194.1-200.1 / 179.3-182.5
-#: at 4 MiB, and within 4 % either way at 8-64 MiB -- where MPI_Allreduce took 294.6-300.4 us at 4 MiB.)
+#: Bytes of my block folded per read of a peer's input with 2 ranks: what a rank reads and folds stays in its L2
+#: (bench/results/constants.md, PIECE_BYTES).
 PIECE_BYTES = 512 << 10
 
-#: The piece from 3 ranks (``piece_for``).  With 2 ranks a piece touches two arrays (the peer's operand read into
-#: ``out``, my own ``x``); from 3 ranks up to five (the fold ``r``, up to three peers' operands read into rows of
-#: ``tmp``, my ``x``: ``_shm_loops._fold_piece``), so the same bytes of cache hold a smaller piece. (The runs below
-#: folded one operand at a time; the fold of a run of operands per pass, in a throwaway script at 4 ranks and 16
-#: MiB, ran 6.83-7.10 ms with pieces of 256 KiB, 7.17-7.64 with 128 KiB and 7.12-7.52 with 64 KiB, medians of six
-#: rounds.)  4 ranks on the 2-core Xeon VM, 16 MiB, the worktrees of 32f7732 with only this constant changed, run in
-#: turn (``bench/allreduce.py -b 16M -e 16M -n 30 -w 14 --impls ddlkernels,mpi`` and ``-b 4M -e 64M -f 4``): 512 KiB
-#: 7.80-8.58 ms (nine runs), 256 KiB 7.41-7.94 (four), 128 KiB 7.33-8.08 (nine), 64 KiB 8.24-8.33 (two), 1 MiB
-#: 8.47-8.92 (two); at 4 and 64 MiB all within the noise of each other except 1 MiB (1.48-1.55 against 1.08-1.22 ms
-#: at 4 MiB).  3 ranks, 16 MiB: 512 KiB 6.82-6.96 ms, 256 KiB 6.18-6.69, 128 KiB 6.50-6.70.  With 2 ranks 128, 256 and
-#: 512 KiB were within the noise of each other at 4-64 MiB, and 512 KiB the fastest at 1 MiB (one piece per block).
+#: The piece from 3 ranks (``piece_for``): a piece then touches up to five arrays (the fold, up to three peers'
+#: operands, my ``x``) where 2 ranks touch two, so the same cache holds a smaller one (bench/results/constants.md,
+#: PIECE_BYTES_WIDE).
 PIECE_BYTES_WIDE = 256 << 10
 
 
@@ -104,20 +94,9 @@ def piece_for(p: int) -> int:
     return PIECE_BYTES if p <= 2 else PIECE_BYTES_WIDE
 
 
-#: From this many bytes a call pushes: each rank writes every piece it has folded into its peers' ``out``
-#: right away (``process_vm_writev``, the piece still in its cache), and the allgather reads nothing.
-#: ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --push --pages huge --pieces 512K --sizes
-#: 256K,512K,1M,4M,16M,64M`` (and other sizes from 32 KiB), seven runs reaching 1 MiB, pulling / pushing:
-#: 35.4-67.6 / 32.1-58.4 us at 1 MiB, 218-295 / 162-218 at 4 MiB, 1276-1783 / 1149-1644 at 16 MiB,
-#: 5175-7624 / 4776-6872 at 64 MiB: pushing the faster at every size from 1 MiB in every run (by 1-41 %,
-#: most where the window was slow); at 512 KiB it lost in two runs of seven (26.8-28.2 against 18.2-18.5 us).
-#: 4 ranks (one run): 147 / 159 us at 1 MiB, 991 / 1005 at 4 MiB, 3889 / 4233 at 16 MiB.  At 256 KiB
-#: pushing won in all five runs that had the size (9.7-17.1 against 11.6-25.4 us).  On an Intel Xeon VM,
-#: ``--sizes 4K,16K,32K,64K,128K,256K``, pulling / pushing: 2 ranks 8.0 / 4.7 us at 32 KiB, 11.4 / 6.1 at
-#: 64 KiB, 18.8 / 9.1 at 128 KiB, 26.1 / 15.2 at 256 KiB, 49.3-49.8 / 26.0-26.3 at 512 KiB (two runs);
-#: 4 ranks 29.8 / 24.3 at 32 KiB, 49.0 / 38.5 at 128 KiB.  So from 32 KiB, where the tuner offers this
-#: algorithm at all (``ddlkernels._tuner.CMA_FROM``), though at 512 KiB it lost in two runs of seven on the
-#: first machine.
+#: From this many bytes a call pushes: each rank writes every piece it has folded into its peers' ``out`` right
+#: away (``process_vm_writev``, the piece still in its cache), and the allgather reads nothing.  Pushing was mostly
+#: the faster from 32 KiB, where the tuner offers this algorithm at all (bench/results/constants.md, PUSH_FROM).
 PUSH_FROM = 32 << 10
 
 
@@ -125,7 +104,7 @@ def _libc(name):
     """``ssize_t name(pid, local iovec *, n, remote iovec *, n, flags)`` (``process_vm_readv`` /
     ``process_vm_writev``: Linux 3.2, glibc 2.15), the pointers as int64 addresses, or None where the C
     library lacks it: for the probe and the Python loop (the compiled loop calls the same symbols itself,
-    ``ddlkernels.kernels.shm_loops._readv`` / ``_writev``)."""
+    ``ddlkernels.kernels.cma_loops._readv`` / ``_writev``)."""
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (AttributeError, OSError):
@@ -230,9 +209,9 @@ class CmaAllreduce:
         or does not overlap it).
 
         Every rank calls with the same count, dtype and op, where numpy's own
-        ufunc computes ``op`` for the dtype (``ddlkernels._shm._ufunc``: not
+        ufunc computes ``op`` for the dtype (``ddlkernels.algorithms.shm._ufunc``: not
         float16 or bfloat16; "avg" is the caller's sum, then its scale).
-        ``deadline``: a ``ddlkernels._wait.Deadline`` or None; a rank with one
+        ``deadline``: a ``ddlkernels.safety.deadline.Deadline`` or None; a rank with one
         runs the same steps in Python, polling its barriers, and meets the
         ranks without.  Raises ``RuntimeError`` on every rank when a read or
         write failed on any.
@@ -252,14 +231,14 @@ class CmaAllreduce:
         hit = self._fns.get(key)
         if hit is not None:
             return hit
-        from .kernels import shm_loops as _shm_loops
+        from ..kernels import cma_loops as _cma_loops
 
         shm = self._ready()
         step = max(1, self.piece_bytes // dtype.itemsize)
         barriers = 3
         tmp, acc = self._buffers(dtype, step)
         pids, me, iov = self._pids, shm.rank, np.zeros(4, np.int64)
-        loop = _shm_loops.cma_allreduce[OPCODES[op]]  # compiled per op: only the ops a process uses
+        loop = _cma_loops.cma_allreduce[OPCODES[op]]  # compiled per op: only the ops a process uses
         push = n * dtype.itemsize >= self.push_from  # the same on every rank: the same n and dtype
 
         def f(x, out):
@@ -279,7 +258,7 @@ class CmaAllreduce:
         one dtype, not overlapping; ``bounds`` every rank's (lo, hi) in elements, the same on every rank).
 
         Each rank reads its peers' shards straight into ``out`` with
-        ``process_vm_readv`` (``ddlkernels.kernels.shm_loops.cma_allgather``): one
+        ``process_vm_readv`` (``ddlkernels.kernels.cma_loops.cma_allgather``): one
         copy per byte and two barriers, on the window's flag lines, for any
         dtype (bytes are copied).  ``deadline`` as for ``run``.  Raises
         ``RuntimeError`` on every rank when a read failed on any.
@@ -299,13 +278,13 @@ class CmaAllreduce:
         hit = self._fns.get(key)
         if hit is not None:
             return hit
-        from .kernels import shm_loops as _shm_loops
+        from ..kernels import cma_loops as _cma_loops
 
         shm = self._ready()
         item = np.dtype(dtype).itemsize
         los = np.array([b[0] * item for b in bounds], dtype=np.int64)
         his = np.array([b[1] * item for b in bounds], dtype=np.int64)
-        pids, me, iov, loop = self._pids, shm.rank, np.zeros(4, np.int64), _shm_loops.cma_allgather
+        pids, me, iov, loop = self._pids, shm.rank, np.zeros(4, np.int64), _cma_loops.cma_allgather
 
         def f(shard, out):
             if shm._flags is None:  # the window was freed since (collective: every rank's same call)
@@ -320,8 +299,7 @@ class CmaAllreduce:
     def _gather_python(self, shard, out, bounds, deadline):
         """``allgather``'s steps in Python, each barrier polled against ``deadline``: the compiled loop's
         barriers, so that ranks with and without a deadline meet."""
-        from ._shm import FLAG_STRIDE
-        from .kernels.shm_loops import X_WORD
+        from ..kernels.cma_loops import X_WORD
 
         shm = self._ready(deadline)
         p, me = shm.p, shm.rank
@@ -344,9 +322,9 @@ class CmaAllreduce:
         return f
 
     def _last_barrier(self, lines, bad, deadline, kind):
-        """The Python twin of ``_shm_loops._last_barrier``: my count of failed reads and writes published, the
+        """The Python twin of ``ddlkernels.kernels.cma_loops._last_barrier``: my count of failed reads and writes published, the
         last barrier, and ``RuntimeError`` on every rank when any rank counted one."""
-        from .kernels.shm_loops import BAD_WORD
+        from ..kernels.cma_loops import BAD_WORD
 
         lines[self.shm.rank, BAD_WORD] = bad
         self.shm._barrier(deadline)
@@ -362,15 +340,14 @@ class CmaAllreduce:
     def _buffers(self, dtype, step):
         hit = self._scratch.get(dtype)
         if hit is None or hit[1].shape[0] < step:
-            # tmp: a row per peer operand of one run of the fold (``_shm_loops._fold_piece``: up to four)
+            # tmp: a row per peer operand of one run of the fold (``ddlkernels.kernels.node_primitives._fold_first``: up to four)
             hit = self._scratch[dtype] = (np.empty((4, step), dtype), np.empty(step, dtype))
         return hit
 
     def _python(self, x, out, op, deadline):
         """``run``'s steps in Python, each barrier polled against ``deadline`` (``ShmAllreduce._barrier``):
         the same barriers as the compiled loop, so that ranks with and without a deadline meet."""
-        from .kernels.shm_loops import OUT_WORD, X_WORD
-        from ._shm import FLAG_STRIDE
+        from ..kernels.cma_loops import OUT_WORD, X_WORD
 
         shm = self._ready(deadline)
         p, me, ufunc = shm.p, shm.rank, _ufunc(x.dtype, op)
@@ -408,3 +385,81 @@ class CmaAllreduce:
             if s != me and not push:
                 bad += not read_into(int(self._pids[s]), out[cut[s] : cut[s + 1]], outs[s] + cut[s] * item)
         self._last_barrier(lines, bad, deadline, "allreduce")
+
+
+#: "cma" is an allreduce candidate from this size, for numpy's own dtypes and ops: below it the window won
+#: everywhere it was measured (bench/results/constants.md, CMA_FROM).
+CMA_FROM = 32 << 10
+#: An allgather's "cma" is a candidate from this size: below it its system calls lost to MPI's call and the
+#: window's (bench/results/constants.md, CMA_GATHER_FROM).
+CMA_GATHER_FROM = 64 << 10
+
+
+class Cma(Algorithm):
+    """"cma": the single-copy allreduce and allgather of this module, a tuner candidate where the probe passed
+    (one node, the window a candidate too, every pair of ranks able to read each other's memory)."""
+
+    name = "cma"
+    kinds = ("allreduce", "allgather")
+
+    def __init__(self, comm, placement, shm):
+        super().__init__(comm, placement)
+        self.shm = shm  # the "shm" algorithm, whose window's flag lines and barriers this one shares
+        self.pids = placement.cma_pids
+        self._cma = None
+
+    @classmethod
+    def probe(cls, comm, placement):
+        return placement.one_node and placement.shm is None and placement.cma_pids is not None
+
+    def serves(self, kind, w):
+        if w.be.device:
+            return False
+        if kind == "allreduce":
+            return w.nbytes >= CMA_FROM and _ufunc(w.dtype, w.redop) is not None
+        return kind == "allgather" and w.nbytes >= CMA_GATHER_FROM
+
+    def engine(self) -> CmaAllreduce:
+        """The single-copy engine on the window of "shm" (created on first use; its calls are collective)."""
+        if self._cma is None:
+            self._cma = CmaAllreduce(self.shm.window(), pids=self.pids)
+        return self._cma
+
+    def allreduce(self, w):
+        pack_segments(w)  # peers read one buffer
+        try:
+            self.engine().run(w.src, w.dst, w.redop, deadline=w.deadline)
+        except CollectiveTimeout:
+            abandon(w.src, w.dst)  # a late peer still reads x and writes out where they lie, in this process
+            raise
+        if w.avg:
+            scale_inplace(w.dst, self.comm.size)
+
+    def allgather(self, w):
+        try:
+            self.engine().allgather(w.src, w.dst, w.bounds, deadline=w.deadline)
+        except CollectiveTimeout:
+            abandon(w.src, w.dst)  # a late peer still reads my shard where it lies, in this process
+            raise
+
+    def fast(self, kind, w):
+        if not self.shm.ready() or w.count == 0:
+            return None
+        if kind == "allgather":
+            return self.engine().gather_fn(w.dtype, w.count, w.bounds)
+        fn = self.engine().fn(w.dtype, w.count, w.redop)
+        if not w.avg:
+            return fn
+        p = self.comm.size
+
+        def run(x, dst):
+            fn(x, dst)
+            scale_inplace(dst, p)
+
+        return run
+
+    def free(self):
+        self._cma = None  # its memory is the window's, freed with "shm"
+
+    def held(self):
+        return [] if self._cma is None else [self._cma]

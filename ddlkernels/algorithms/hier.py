@@ -2,7 +2,7 @@
 
 PowerAI DDL's point is that the fastest links should carry the most data.
 Across several nodes the fastest "link" is a node's own memory, and on one
-node ``ddlkernels._shm`` already beats a ring over MPI's shared-memory
+node ``ddlkernels.algorithms.shm`` already beats a ring over MPI's shared-memory
 transport.  This module uses it as the innermost dimension of a 2-D
 allreduce, for jobs whose nodes all hold the same number of ranks k::
 
@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ring.schedule import split
-from ._shm import ShmAllreduce
+from .._dtypes import is_half, scale_inplace
+from ..ring.schedule import split
+from ..safety.deadline import complete
+from .base import Algorithm, pack_segments
+from .shm import ShmAllreduce
 
-__all__ = ["HierAllreduce", "node_split", "uniform_nodes"]
+__all__ = ["Hier", "HierAllreduce", "node_split", "uniform_nodes"]
 
 
 def node_split(comm):
@@ -62,13 +65,11 @@ class HierAllreduce:
 
     ``node``: this rank's node communicator, a split of ``comm`` into groups
     of equal size whose ranks share memory (``node_split``; the caller checked
-    ``uniform_nodes``).  ``cross_kwargs``: arguments of the Communicator
-    across nodes.
+    ``uniform_nodes``).  ``make_cross``: makes the ``Communicator`` across
+    nodes from an mpi4py communicator (collective).
     """
 
-    def __init__(self, comm, node, **cross_kwargs):
-        from ._comm import Communicator
-
+    def __init__(self, comm, node, make_cross):
         self.comm = comm
         self.node = node
         self.k = node.Get_size()
@@ -77,7 +78,7 @@ class HierAllreduce:
         # The ranks holding the same shard on every node, in global rank order.
         cross = comm.Split(color=self.local, key=comm.Get_rank())
         try:
-            self.cross = Communicator(cross, shm=False, **cross_kwargs)
+            self.cross = make_cross(cross)
         finally:
             cross.Free()  # the Communicator works on its own duplicate
         self._bounds = {}
@@ -112,7 +113,7 @@ class HierAllreduce:
         ``op``: "sum", "max", "min" or "prod"; ``avg_p``: divide the sum by it
         at the end ("avg"; not for float16/bfloat16).  ``reduce``: the host
         backend's ``reduce`` (used for the types numpy cannot add directly).
-        ``deadline``: a ``ddlkernels._wait.Deadline`` for the whole call; the
+        ``deadline``: a ``ddlkernels.safety.deadline.Deadline`` for the whole call; the
         step across nodes gets what is left of it as its timeout.
         """
         n = src.shape[0]
@@ -122,9 +123,47 @@ class HierAllreduce:
         self.shm.reduce_scatter(src, shard, bounds, op, reduce, deadline=deadline)
         self.cross.allreduce(shard, op, out=shard, timeout=None if deadline is None else deadline.remaining())
         if avg_p is not None:
-            from ._comm import _scale_inplace
-
-            _scale_inplace(shard, avg_p)
+            scale_inplace(shard, avg_p)
         # Nobody reads src after the reduce-scatter's last barrier: an
         # in-place call may now overwrite it.
         self.shm.allgather(shard, dst, bounds, deadline=deadline)
+
+
+class Hier(Algorithm):
+    """"hier": a tuner candidate for host allreduces when the ranks span several nodes of one size (the node
+    split is ``placement.hier_node``; "avg" of float16 and bfloat16 excepted, see the module comment)."""
+
+    name = "hier"
+
+    def __init__(self, comm, placement):
+        super().__init__(comm, placement)
+        self.node = placement.hier_node
+        self._hier = None
+
+    @classmethod
+    def probe(cls, comm, placement):
+        return placement.hier_node is not None
+
+    def serves(self, kind, w):
+        return kind == "allreduce" and not w.be.device and not (w.avg and is_half(w.dtype))
+
+    def allreduce(self, w):
+        pack_segments(w)  # its reduce-scatter reads one buffer
+        if self._hier is None:  # collective: every rank chose "hier" for this same call
+            c = self.comm
+            # Every rank is here (a nonblocking barrier under the call's deadline) before the blocking
+            # collectives that set it up.
+            complete(c.comm.Ibarrier(), w.deadline, "the hierarchical allreduce's setup (MPI_Ibarrier)")
+            self._hier = HierAllreduce(c.comm, self.node, lambda cross: type(c)(cross, shm=False))
+        self._hier.run(w.src, w.dst, w.redop, w.be.reduce, avg_p=self.comm.size if w.avg else None,
+                       deadline=w.deadline)
+
+    def free(self):
+        if self._hier is not None:
+            self._hier.free()  # frees the node communicator too
+        elif self.node is not None:
+            self.node.Free()
+        self._hier = self.node = None
+
+    def held(self):
+        return [x for x in (self._hier, self.node) if x is not None]

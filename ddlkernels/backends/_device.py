@@ -75,7 +75,7 @@ class DeviceBackend(Backend):
     device = True
 
     def __init__(self):
-        # The compute stream is per thread: the progress thread of ddlkernels._async runs calls on a
+        # The compute stream is per thread: the progress thread of ddlkernels.asynchronous runs calls on a
         # stream of its own while the caller's thread runs others on the caller's stream.
         self._tls = threading.local()
 

@@ -23,9 +23,9 @@ from . import Backend
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 #: (op, dtype) -> ufunc for the sums and products whose reduction is numpy's own loop with nothing
 #: around it (not float16/bfloat16, which go through ddlkernels.kernels.half), looked up first by ``reduce``
-#: and called with ``out`` positionally: numpy parses a keyword ``out=`` for ~0.2 us per call
-#: (``python -m timeit``: 451 vs 213 ns for a 16-element add), which shows on the in-cache chunks of
-#: the ring and the window.  Not max/min: numpy 2 deprecates their positional ``out``.
+#: and called with ``out`` positionally: numpy parses a keyword ``out=`` for ~0.2 us per call, which shows on the
+#: in-cache chunks of the ring and the window (bench/results/constants.md, _DIRECT).  Not max/min: numpy 2
+#: deprecates their positional ``out``.
 _DIRECT = {(op, np.dtype(t)): _UFUNC[op] for op in ("sum", "prod")
            for t in (np.float32, np.float64, np.int32, np.int64)}
 #: _DIRECT's ops -> index into ``ddlkernels.kernels.host_loops.reduce`` (its SUM, PROD), the compiled loop tried

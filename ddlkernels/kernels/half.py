@@ -2,10 +2,10 @@
 
 numpy has no fast 16-bit float arithmetic on the host.  Its float16 loops
 convert element by element in C, and ml_dtypes' bfloat16 loops are not
-vectorised: on the 2-core machine ``bench/kernels/bench_reduce.py`` measured
-``np.add`` at 2 % of a same-size copy for float16 and the float32-scratch
-bfloat16 path at 13 %.  Gradients are often exchanged in these types, so
-this is where a host allreduce of them spent its time.
+vectorised: both run far below a copy's speed (measured:
+bench/results/constants.md, float16 and bfloat16).  Gradients are often
+exchanged in these types, so this is where a host allreduce of them spent
+its time.
 
 Each kernel is one loop that Numba compiles for the host CPU, and that LLVM
 vectorises (``ddlkernels.kernels.half_loops``, cached on disk)::

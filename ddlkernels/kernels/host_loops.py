@@ -7,15 +7,10 @@ speed when its operands sit at different offsets within a 64-byte line,
 because then every vector load of one of them splits across two lines;
 which offsets a caller's arrays have is up to its allocator (glibc puts a
 large ``malloc`` 16 bytes past a page, a small one anywhere 16-aligned).
-LLVM's loop here does not care.  From ``STREAM_FROM`` bytes an out-of-place
-``dst`` is written with non-temporal stores, which skip the read of every
-line a normal store makes first.  Measured with the three arrays at chosen
-offsets (a and b on a line, dst 0 / 16 / 32 / 48 bytes past one), float32,
-256 KiB each, GB/s counted as STREAM does (read 2, write 1): numpy 113 /
-65 / 80 / 66, this loop 117 / 99 / 132 / 101, a copy of the same size 95;
-at 1 MiB (three arrays overflow the 2 MiB L2) and 16 MiB both at 30-33 and
-27-29, the copy at 62-65 and 29.  A call costs about what numpy's does
-(263 against 240 ns for 16 elements).
+LLVM's loop here does not care, and a call costs about what numpy's does
+(measured: bench/results/constants.md, the host sum's compiled loop).  From
+``STREAM_FROM`` bytes an out-of-place ``dst`` is written with non-temporal
+stores, which skip the read of every line a normal store makes first.
 
 Preconditions, checked here, else ``reduce`` returns False and the caller
 uses numpy: the three arrays 1-D of one length (the backend checks that
@@ -40,15 +35,9 @@ from numba.np.arrayobj import make_array
 #: op codes of ``reduce``.
 SUM, PROD = 0, 1
 
-#: Bytes per array from which ``reduce`` writes an out-of-place ``dst`` with non-temporal stores.  A normal store first reads the line it writes (read for ownership): out of the cache
-#: a sum moves four arrays' bytes for the three it counts, where libc's copy (``rep movsb``) moves two for two,
-#: so a plain loop tops out at 3/4 of the copy's bandwidth.  Streaming skips that read, but a caller that
-#: reads ``dst`` soon no longer finds it in the cache, so only from sizes far past the 2 MiB L2.  float32 sum,
-#: GB/s as STREAM counts them, plain loop / streamed / ``np.copyto`` copy in turn (``python bench/kernels/host_stream.py``,
-#: the Intel VM of bench/results, two runs): 4 MiB 29.3 / 27.4 / 28.2 and 28.9 / 27.2 / 28.9, 16 MiB 27.8 /
-#: 27.3 / 28.2 and 27.0 / 27.0 / 28.3, 32 MiB 21.2 / 26.5 / 22.5 and 21.5 / 25.8 / 20.6, 64 MiB 18.5 / 22.3 /
-#: 18.0 and 18.2 / 21.4 / 17.4, 128 MiB 16.9 / 18.1 / 14.7 and 16.5 / 17.8 / 14.4: streaming 3-6 % slower at
-#: 4 MiB, even at 16, 20-25 % faster from 32 MiB.
+#: Bytes per array from which ``reduce`` writes an out-of-place ``dst`` with non-temporal stores: they skip the read
+#: of every line a normal store makes first, but a caller that reads ``dst`` soon no longer finds it in the cache, so
+#: only far past the 2 MiB L2, where streaming was faster (bench/results/constants.md, STREAM_FROM of host_loops.py).
 STREAM_FROM = 32 << 20
 #: Elements of ``dst`` computed per block before they are streamed out: a block (16 KiB) stays in L1.
 _BLOCK_BYTES = 16 << 10
@@ -86,7 +75,7 @@ def _mul(u, v):
     return u * v
 
 
-# ddlkernels.kernels.shm_loops._stream_memcpy without its fence (one fence per call here, not per block), copied
+# ddlkernels.kernels.node_primitives._stream_memcpy without its fence (one fence per call here, not per block), copied
 # rather than imported for the reason in the module comment.
 @intrinsic
 def _stream_lines(typingctx, dst, src):
@@ -202,10 +191,8 @@ def _checked(d, a, b, combine, stream_from):
     return _reduce(d, a, b, combine, n * d.itemsize >= stream_from)
 
 
-# One compiled function per op, as the shared-memory loops (``ddlkernels.kernels.shm_loops``, the comment above
-# ``small_fold_sum``): a process compiles only the ops it calls.  The ring's first call in
-# ``bench/studies/first_calls.py`` (empty Numba cache) took 2.0-2.2 s with 2 ranks and 4.2-4.7 s with 4 while one
-# function held both ops, 1.37 s and 2.88 s after.
+# One compiled function per op, as the shared-memory loops (``ddlkernels.kernels.window_loops``): a process compiles
+# only the ops it calls (bench/results/constants.md, one compiled function per op).
 @njit(cache=True, nogil=True)
 def reduce_sum(d, a, b, stream_from=STREAM_FROM):
     """``d = a + b`` (``reduce_prod``: ``a * b``; ``reduce[op]`` for op ``SUM`` or ``PROD``); False, having

@@ -223,7 +223,7 @@ class Deadline:
         for i, req in enumerate(sends):
             if not self.poll(req):
                 self.pending.append(sends)
-                from .ring.schedule import chunk_ranges
+                from ..ring.schedule import chunk_ranges
 
                 labels = [(0, k, a, b) for k, (a, b) in enumerate(chunk_ranges(*ring[0].send, chunk))]
                 for st in ring[:-1]:

@@ -50,16 +50,16 @@ import zlib
 
 import numpy as np
 
-from ._dtypes import OPS, SUPPORTED_DTYPES, dtype_name
+from .._dtypes import OPS, SUPPORTED_DTYPES, dtype_name
 
 __all__ = ["check_agreement", "report_local_failure", "Call", "KINDS", "PATHS"]
 
 #: Collectives, by code in the record.
 KINDS = ("allreduce", "reduce_scatter", "allgather")
-#: Algorithm a rank is about to run (ddlkernels._tuner).
+#: Algorithm a rank is about to run (ddlkernels.select.choice).
 #: The ring, MPI_Allreduce, MPI_Iallreduce + Wait, the shared window (result blocks stored normally or
-#: non-temporally), the window per node + across nodes, the single copy (every name
-#: ``Communicator._allreduce_path`` runs; new names go last, as the record stores the index).
+#: non-temporally), the window per node + across nodes, the single copy (every name in
+#: ``ddlkernels.algorithms.REGISTRY``; new names go last, as the record stores the index).
 PATHS = ("ring", "mpi", "nbc", "shm", "hier", "shm-nt", "cma")
 
 _MAGIC = 0x64646C6B  # "ddlk": a record from something else is reported, not misread
@@ -150,7 +150,7 @@ def _exchange(comm, rec, deadline):
     """
     from mpi4py import MPI
 
-    from ._wait import complete
+    from .deadline import complete
 
     both = np.concatenate([rec, -rec])
     red = np.empty_like(both)
@@ -169,7 +169,7 @@ _TEXT = 1024
 
 def _local_errors(comm, table, error, deadline=None):
     """Second exchange, only when some rank failed locally: everyone learns the messages."""
-    from ._wait import complete
+    from .deadline import complete
 
     mine = np.zeros(_TEXT, dtype=np.uint8)
     if error is not None:
@@ -207,7 +207,7 @@ def check_agreement(comm, *, kind, count, dtype, op, dims, chunk=None, path=None
     ``chunk`` the pipeline chunk in elements; ``path`` one of ``PATHS``;
     ``small_bytes`` and ``shm`` the ``Communicator``'s settings of those
     names, which choose the path (``shm`` not given: not compared).
-    ``deadline``: a ``ddlkernels._wait.Deadline`` when the call has a timeout.
+    ``deadline``: a ``ddlkernels.safety.deadline.Deadline`` when the call has a timeout.
     """
     table = _exchange(comm, _record(kind, count, dtype, op, dims, chunk, path, False, small_bytes, shm), deadline)
     if table is None:
@@ -295,7 +295,7 @@ class Call:
     def __exit__(self, etype, exc, tb):
         if exc is None:
             return False
-        from ._wait import CollectiveTimeout
+        from .deadline import CollectiveTimeout
 
         if isinstance(exc, CollectiveTimeout):
             self.owner._break(str(exc))

@@ -45,7 +45,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .ring.schedule import Plan
+from ..ring.schedule import Plan
 from .topology import Topology
 
 __all__ = ["choose_plan", "candidates", "model_time", "lower_bound", "factorizations", "DEFAULT_CHUNK_BYTES"]
@@ -245,7 +245,7 @@ def choose_plan(topology: Topology, p: int, nbytes: int, *, chunk_bytes: int = D
     Results are cached per (topology, p, size bucket, chunk).
     """
     if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a ddlkernels.topology.Topology, got {type(topology).__name__}")
+        raise TypeError(f"topology must be a ddlkernels.select.topology.Topology, got {type(topology).__name__}")
     if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1:
         raise ValueError(f"p must be a positive int, got {p!r}")
     if nbytes < 0:

@@ -22,12 +22,12 @@ through one of its 16 level-3 links, and enters rack 1, node 17 and GPU 70 the
 same way.  It pays the level-3 latency, and one message alone never moves
 faster than the slowest level it crosses (here 9.5 GB/s); messages in flight
 at once share each group's links (``links * bandwidth`` in each direction).
-``ddlkernels.simulator`` implements exactly this; ``docs/planner.md`` derives
+``ddlkernels.tools.simulator`` implements exactly this; ``docs/planner.md`` derives
 the lower bound from it.
 
 An optional ``capacity`` (bytes/s) caps everything moving between members of
 one level-``i`` group at once: the memory bus of a node whose ranks talk
-through shared memory, measured by ``ddlkernels.calibrate``.  ``cpu_copy``
+through shared memory, measured by ``ddlkernels.tools.calibrate``.  ``cpu_copy``
 says that a message at this level is copied by the receiving rank's CPU (host
 shared memory: MPI's single-copy read runs inside the receiver's MPI calls),
 so it makes no progress while that rank is busy reducing; links driven by
@@ -354,7 +354,7 @@ def _replace(lv: Level, **kw) -> Level:
 
 # --------------------------------------------------------------------- presets
 def preset_names() -> list[str]:
-    """Names of the shipped presets (files ``ddlkernels/presets/NAME.json``)."""
+    """Names of the shipped presets (files ``ddlkernels/select/presets/NAME.json``)."""
     return sorted(f[:-5] for f in os.listdir(_PRESET_DIR) if f.endswith(".json"))
 
 

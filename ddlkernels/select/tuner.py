@@ -1,204 +1,82 @@
-"""Pick the allreduce algorithm per message size, from measurement, the same on every rank.
+"""Pick the algorithm per message size, from measurement, the same on every rank.
 
-Seven algorithms compute the same result (host arrays):
+Several algorithms compute the same result: MPI's own blocking call ("mpi")
+and, for an allreduce, its nonblocking one ("nbc"), this library's ring
+("ring"), and on one node the shared-memory window ("shm", "shm-nt") and the
+single-copy reads ("cma"), across nodes the window inside each node
+("hier").  Which of them serve a call (its size, dtype, op, placement) is
+decided by ``ddlkernels.select.choice`` and each algorithm's ``serves()``;
+the first of them is the incumbent.  Which one is fastest depends on the MPI
+library, the machine and p, so a ``SizeTuner`` (one per collective)
+measures it per power-of-two size bucket and candidate set.
 
-* ``"mpi"``  -- MPI's own blocking ``MPI_Allreduce``;
-* ``"nbc"``  -- MPI's own nonblocking ``MPI_Iallreduce`` + ``Wait``.  Open MPI
-  runs it with a different schedule (libnbc) from the blocking call (coll
-  tuned).  Here it won at 8-32 KiB with 4 ranks (1.11-1.57x the blocking
-  call in bench/results/allreduce_np4_float32*.txt of a set before the
-  shared-memory window, which now wins those sizes) and at 16-64 KiB with 3
-  (1.31-1.96x in two runs of ``mpirun -n 3 python -m mpi4py -m ddlkernels
-  job -e 256K``); with 2 ranks it never won its trials;
-* ``"ring"`` -- this library's multi-dimensional ring;
-* ``"shm"``  -- the shared-memory window allreduce (``ddlkernels._shm``),
-  a candidate only when every rank shares one node;
-* ``"shm-nt"`` -- the same window allreduce with each rank's result blocks
-  written with non-temporal stores (``ShmAllreduce.run(spill=True)``): a
-  candidate wherever "shm" is, from ``SPILL_FROM`` bytes.  On this VM it
-  mostly wins in the state where the two cores exchange data slowly and mostly
-  loses in the other (``bench/shm_pieces.py --spill``), so the tuner, whose watch follows
-  the machine, decides;
-* ``"cma"`` -- the single-copy allreduce (``ddlkernels._cma``): every rank
-  reads its peers' buffers where they lie with ``process_vm_readv`` and
-  writes its results into theirs with ``process_vm_writev``; a candidate
-  where "shm" is, from ``CMA_FROM`` bytes, for numpy's own dtypes and ops,
-  when every pair of ranks may read and write each other's memory
-  (``ddlkernels._cma.probe``);
-* ``"hier"`` -- the window inside each node and an allreduce of one shard
-  across nodes (``ddlkernels._hier``), a candidate when the ranks span
-  several nodes that all hold the same number (2 or more) of them.
-
-"mpi" and "nbc" are candidates only for MPI's own types and ops whose NaN
-handling matches numpy's (see ``Communicator._choices``).  Small
-messages are latency-bound: MPI's recursive-doubling allreduce needs
-log2(p) message rounds where a ring needs 2(p - 1), so below some size MPI's
-own calls win; above it the ring's bandwidth-optimal data movement does.
-Which call wins where depends on the MPI library, the network and p, so it
-is measured instead of guessed, per power-of-two size bucket (``SizeTuner``):
-
-* below ``MPI_BELOW`` bytes: "mpi", "nbc" (no ring of two or more ranks
-  can win there), "shm";
-* from ``MPI_BELOW`` to ``RING_FROM``: "mpi", "ring", "shm";
-* at ``RING_FROM`` bytes and above: "ring", "shm" (MPI's own call never came
-  close there);
-
-each followed by "shm-nt" from ``SPILL_FROM``, "cma" from ``CMA_FROM`` and by
-"hier" where they apply.
-
-The first candidate is the incumbent; the first calls of a bucket go round
-the candidates in blocks of consecutive calls (each call still computes a
-correct result): ``trials`` timed calls per candidate (``SMALL_TRIALS``
-below ``MPI_BELOW``, where calls are cheap and their times noisy, else
-``TRIALS``), in blocks of ``block`` calls, each block after one untimed call.
-That call absorbs the skew the previous algorithm left between the ranks:
-timed alone after a different algorithm, a call's time on one rank depends
-on when its peers left that other call, while in a run of calls of one
-algorithm every rank's time per call tends to the period of the run, which
-is what a loop of calls pays.  ``bench/tuner_trials.py`` shows it (4 ranks
-on 2 cores, 4 KiB): the shared-memory allreduce's median was 14.9, 16.3,
-41.5 and 23.1 us on the four ranks when candidates took turns call by call,
-21.1-22.5 us on all four in blocks.  Then one small
+Trials.  The first calls of a bucket go round the candidates in blocks of
+consecutive calls, each call still computing a correct result: ``trials``
+timed calls per candidate (``SMALL_TRIALS`` below ``MPI_BELOW``, else
+``TRIALS``), in blocks of ``block`` calls, each block after one untimed call
+that absorbs the skew the previous algorithm left between the ranks; in a
+run of calls of one algorithm every rank's time per call tends to what a
+loop of calls pays (bench/results/constants.md, block).  Then one small
 ``MPI_Allreduce(MAX)`` of every rank's median time per candidate fixes the
-choice for the bucket on every rank at once: the fastest challenger when it
-was at least ``margin`` times faster than the incumbent, the incumbent
-otherwise.  (The median, not the minimum: what a training loop pays is the
-typical call, and on shared or oversubscribed cores the best call is rarely
-typical.)
+bucket's choice on every rank at once: the fastest challenger when it was at
+least ``margin`` times faster than the incumbent (``SMALL_MARGIN`` below
+``MPI_BELOW``, else ``MARGIN``), the incumbent otherwise.  The median, not
+the minimum: a training loop pays the typical call.
 
-A settled choice is not final from ``WATCH_FROM`` bytes: the machine it
-was measured on can change under it.  On the 2-core machine the two cores
-switch, minutes apart, between a state where the shared-memory allreduce is
-the fastest and one where the ring over MPI's transport is: in the MPICH
-sweep of bench/results at b793e64 the tuner had settled 64 MiB on the
-window, which then ran 11.2 ms while the ring took 7.2 ms in the same run.
-So every rank keeps timing the calls of a watched bucket, and at intervals
-one 8-byte ``MPI_Allreduce(MAX)`` of the ranks' median time compares it with
-the trials: the bucket is measured again (all ranks at once, since they all
-see the same maximum) when its calls now take longer than the runner-up
-took in the trials (by ``MARGIN``), or ``DRIFT`` times as long as they took
-themselves.  The interval is about ``CHECK_SECONDS`` of calls at the time
-that won, between ``WATCH_MIN_CALLS`` and ``WATCH_CALLS`` calls -- from the
-agreed trial time, so the same count on every rank.  The checks time only
-the algorithm that runs, so a runner-up that became faster while the
-winner did not slow down would go unseen: after ``EXPLORE_CHECKS`` quiet
-checks the bucket is measured again anyway.  A re-measurement that keeps
-the same algorithm doubles the interval (up to ``WATCH_MAX_CALLS``), so a
-loop whose calls are merely slower now (more load, not another winner), or
-whose winner stays the winner, pays for trials ever more rarely.  A
-re-measurement that the winner's slower calls started charges it the time
-those calls took where its new trials say less: trials (a few calls in a
-row) can favour an algorithm that the caller's loop runs slowly, and would
-otherwise pick it again each time.
+The watch.  From ``WATCH_FROM`` bytes a settled choice is not final: the
+machine can change under it.  Every rank keeps timing the calls of a watched
+bucket, and about every ``CHECK_SECONDS`` of calls (``watch_interval``) one
+8-byte ``MPI_Allreduce(MAX)`` of the ranks' median compares it with the
+trials: the bucket is measured again when its calls now take longer than the
+runner-up took (by ``MARGIN``) or ``DRIFT`` times as long as they took
+themselves, and after ``EXPLORE_CHECKS`` quiet checks anyway (a runner-up
+that became faster is never timed).  A re-measurement that keeps the winner
+doubles the interval (up to ``WATCH_MAX_CALLS``); one that the winner's
+slower calls started charges it what those calls took.
 
-Below ``WATCH_FROM`` calls are not timed (they are the latency the fast
-paths exist for), but a settled bucket is measured again after
-``RECOUNT_CALLS`` of its calls, counted alike on every rank, and then after
-twice as many each time the winner stays: a choice made in a job's first
-calls may have been made in its start-up noise.
+The recount.  Below ``WATCH_FROM`` calls are not timed (they are the latency
+the fast paths exist for), but a settled bucket is measured again after
+``RECOUNT_CALLS`` of its calls, then after twice as many each time the
+winner stays: a job's first calls may have chosen in its start-up noise.
 
-``reduce_scatter`` and ``allgather`` have tuners of their own
-(``Communicator._shard_tuners``) with the candidates MPI's own call (where
-it computes the call), "ring" and, on one node, "shm" -- and for an
-allgather from ``ddlkernels._shm.GATHER_STREAM_FROM`` bytes "shm-nt", the
-window writing its output with non-temporal stores, and from
-``CMA_GATHER_FROM`` "cma", every rank reading its peers' shards where they
-lie -- measured and watched the same way, on their fast paths as on their
-full paths.
-
-Every rank makes the same sequence of calls with the same sizes (a
-collective requires it), so every rank reaches the deciding allreduce in the
-same call and the choice is identical everywhere.  Nothing a rank may choose
-alone keys the state: in place or not, a ``timeout=``, an input in shared
-memory or a non-contiguous one all fall in the same bucket, so that two
-ranks that differ in them still run the same algorithm.  The agreements are
-``MPI_Iallreduce`` on every rank, waited for under the call's deadline when
-it has one (``ddlkernels._wait.complete``).  Because the choice is
-measured, two runs may pick differently near a crossover; a fixed
-``small_bytes`` makes the path (and so the rounding) reproducible.
+Every rank makes the same calls with the same sizes (a collective requires
+it), so every rank reaches the deciding allreduce in the same call and the
+choice is the same everywhere.  Nothing a rank may choose alone keys the
+state (in place or not, a ``timeout=``, an input in shared memory or a
+non-contiguous one).  The agreements are ``MPI_Iallreduce`` on every rank,
+waited for under the call's deadline (``ddlkernels.safety.deadline.complete``).
+Because the choice is measured, two runs may pick differently near a
+crossover; a fixed ``small_bytes`` makes the path reproducible.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SizeTuner", "MPI_BELOW", "RING_FROM", "SPILL_FROM", "CMA_FROM", "CMA_GATHER_FROM", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN",
-           "margin", "candidates",
-           "trials", "block", "tuning_calls", "WATCH_FROM", "WATCH_CALLS", "WATCH_MIN_CALLS", "WATCH_MAX_CALLS",
+__all__ = ["SizeTuner", "Settled", "Recount", "MPI_BELOW", "TRIALS", "SMALL_TRIALS", "MARGIN", "SMALL_MARGIN",
+           "margin", "trials", "block", "tuning_calls", "WATCH_FROM", "WATCH_CALLS", "WATCH_MIN_CALLS", "WATCH_MAX_CALLS",
            "CHECK_SECONDS", "DRIFT", "EXPLORE_CHECKS", "RECOUNT_CALLS", "RECOUNT_MAX_CALLS", "watch_interval"]
 
-# Measured on the 2-core machine (bench/results, the main job): the ring never
-# beat MPI's own allreduce below 1 MiB at 2 or 4 ranks, and MPI's allreduce
-# never came close to the ring at 32 MiB and above.
+#: Below this size MPI's own allreduce ("mpi", "nbc") is measured and the ring is not: the ring never beat MPI's
+#: own call there (bench/results/constants.md, MPI_BELOW).
 MPI_BELOW = 256 << 10
-RING_FROM = 32 << 20
-#: "shm-nt" is a candidate from this size (see the module comment).
-#: ``bench/shm_pieces.py --spill``, six runs seconds apart, each after
-#: ``bench/shm_costs.py --sizes 32M`` to tell the machine's state; time of
-#: "shm" / time of "shm-nt" at 4 / 8 / 16 / 32 / 64 MiB, 2 ranks: in the three
-#: runs where the ring beat the window (the exchange-slow state) 0.74-1.27 /
-#: 0.84-1.56 / 0.83-1.49 / 1.21-1.32 / 1.34-1.37, in the three others
-#: 0.67-0.73 / 0.86-1.38 / 0.77-1.24 / 0.74-1.29 / 0.76-1.37.  At 4 MiB it
-#: lost in four of the six.
-SPILL_FROM = 8 << 20
-#: "cma" is a candidate from this size (``ddlkernels._cma``; see the module comment).
-#: ``mpirun -n 2 python -m mpi4py bench/shm_pieces.py --cma --pages huge --pieces 256K,512K,1M --sizes
-#: 64K,256K,512K,1M,4M,16M,64M`` (time of the window's "shm" / time of "cma", its default 512 KiB reads),
-#: two runs: 0.67 at 64 KiB, 0.75-0.76 at 256 KiB, 0.72-0.84 at 512 KiB, 0.75-1.07 at 1 MiB, 1.18-1.19 at
-#: 4 MiB, 1.60-1.67 at 16 MiB, 1.75-1.80 at 64 MiB.  Below 1 MiB its system calls and barriers then cost
-#: more than the stage they save.  (From 512 KiB, in a run of bench/run_results.sh at c3b0369, not kept,
-#: the tuner's trials chose it at 512 KiB, where it then ran at 0.86x MPI_Allreduce.)  Pushing its
-#: allgather (``ddlkernels._cma.PUSH_FROM``) changed that: ``bench/shm_pieces.py --cma --push --pages huge
-#: --pieces 512K`` with 256 KiB and 512 KiB among its sizes, five runs of the code of c5a9534: MPI_Allreduce / shm /
-#: cma pushing took 25.0-27.9 / 11.3-28.9 / 9.7-17.1 us at 256 KiB (cma the fastest in four), and
-#: 27.8-48.0 / 21.9-55.4 / 16.9-30.2 at 512 KiB (seven runs; cma within 4 % of MPI's call or faster in
-#: every one).  On an Intel Xeon VM (2 cores, 2 MiB L2 each), the same command with ``--sizes
-#: 4K,16K,32K,64K,128K,256K``, MPI_Allreduce / shm / cma pushing: 2 ranks 4.1 / 3.0 / 3.8 us at 4 KiB,
-#: 9.0 / 5.6 / 4.2 at 16 KiB, 12.2 / 7.6 / 4.7 at 32 KiB, 18.1 / 13.1 / 6.1 at 64 KiB, 38.7 / 28.9 / 15.2
-#: at 256 KiB (two more runs from 64 KiB within 10 %); 4 ranks (oversubscribed) 43.4 / 18.3 / 24.3 at
-#: 32 KiB, 56.5 / 25.7 / 28.4 at 64 KiB, 83.5 / 38.8 / 38.5 at 128 KiB.  So from 32 KiB: below it the
-#: window won everywhere; from there the trials (the incumbent ahead by SMALL_MARGIN or MARGIN) decide.
-CMA_FROM = 32 << 10
-#: An allgather's "cma" (``ddlkernels._cma.CmaAllreduce.allgather``: every rank reads its peers' shards
-#: straight into its output, one copy, two barriers) is a candidate from this size.  ``mpirun -n 2|4 python
-#: -m mpi4py bench/shm_pieces.py --cma --shards --pages huge``, MPI_Allgather / the window's allgather / cma,
-#: us per call: 2 ranks 2.05 / 2.11 / 3.64 at 4 KiB, 2.86 / 3.80 / 4.10 at 16 KiB, 4.16 / 7.62 / 5.32 at 64
-#: KiB, 9.88 / 17.76 / 10.92 at 256 KiB, 57.7 / 85.5 / 58.3 at 1 MiB, 643 / 528 / 372 at 4 MiB, 2426 / 1961 /
-#: 2419 at 16 MiB; 4 ranks 8.81 / 6.55 / 18.22 at 4 KiB, 17.2 / 8.95 / 19.6 at 16 KiB, 25.2 / 16.5 / 23.2
-#: at 64 KiB, 53.6 / 39.3 / 44.6 at 256 KiB, 1706 / 1183 / 1317 at 4 MiB.  Below 64 KiB its system calls lose
-#: to both; from there it beats the window with 2 ranks (to 4 MiB) and MPI's call with 4; the trials decide.
-CMA_GATHER_FROM = 64 << 10
-#: From MPI_BELOW: timed calls per candidate, in blocks of 3, so 4 blocks each.
-#: With 6 (2 blocks), one block hit by a burst of other work (4 ranks on 2
-#: cores, a kernel thread taking a core) moved the median enough to settle
-#: 8 MiB at 4 ranks on MPI_Allreduce, which then ran 5.77 ms; the shared-memory
-#: allreduce took 3.05 ms at 8 MiB in the run just before (bench/results at
-#: 202f01d, allreduce_np4_float32{_repeat,}).
-#: The cost is paid once per size bucket: 48 calls with three candidates.
+#: From MPI_BELOW: timed calls per candidate, in blocks of 3, so 4 blocks each: with 2 blocks one burst of other
+#: work moved a median enough to settle on a slower algorithm (bench/results/constants.md, TRIALS).
 TRIALS = 12
 #: Below MPI_BELOW calls cost microseconds and their times are noisy (each
 #: includes the wait for the last rank to arrive), so more trials are cheap
 #: and needed.
 SMALL_TRIALS = 16
-#: A challenger must beat the incumbent (MPI's blocking allreduce, or the ring
-#: where MPI is no candidate) by this factor to be chosen: with a few noisy
-#: trials a near-tie can fall either way, and MPI's call is the one that
-#: cannot lose badly at small sizes (bench/results: a tie
-#: decided for the ring at 512 KiB, 4 ranks, ran at 0.45x of MPI).
+#: A challenger must beat the incumbent by this factor to be chosen: with a few noisy trials a near-tie can fall
+#: either way, and the incumbent (MPI's call) cannot lose badly (bench/results/constants.md, MARGIN).
 MARGIN = 1.1
-#: Below MPI_BELOW: 16 timed calls per candidate in blocks, whose per-rank
-#: medians mostly agree within a few percent (bench/tuner_trials.py, 4 ranks
-#: at 4-64 KiB), and the deciding statistic, the slowest rank's median, leans
-#: to the incumbent when one rank is off; there a 5 % lead is a real one.
-#: With 10 %, trials at 4 KiB and 4 ranks kept MPI's call although the
-#: shared-memory allreduce ran 1.4x faster once chosen (bench/results).
+#: MARGIN below MPI_BELOW: there the ranks' medians of 16 calls in blocks agree within a few percent, so a 5 % lead
+#: is a real one, and 10 % kept a slower incumbent (bench/results/constants.md, SMALL_MARGIN).
 SMALL_MARGIN = 1.05
 
 
-#: Settled buckets from this size are watched (see the module comment).  A
-#: call here costs 100 us or more, so timing it and one small allreduce per
-#: check are noise; below, calls are latency-bound and the fast path's few
-#: microseconds are the product.
+#: Settled buckets from this size are watched, as the machine can change under a choice (bench/results/constants.md,
+#: WATCH_FROM); a call here costs 100 us or more, so timing it is noise, where below it the fast path is the product.
 WATCH_FROM = 1 << 20
 #: About this much time of calls between two checks of a watched bucket
 #: (one 8-byte allreduce, ~5-50 us here: under 0.3 %) ...
@@ -212,22 +90,12 @@ WATCH_MAX_CALLS = 1024
 #: How many times slower than its winning trials a watched bucket's calls
 #: may run before it is measured again, whatever the runner-up took.
 DRIFT = 1.5
-#: After this many checks in a row that found nothing, a watched bucket is
-#: measured again anyway: the checks time only the algorithm that runs, so
-#: a runner-up that became the faster one would otherwise never be seen.
-#: At the first interval (~CHECK_SECONDS of calls) that is about 1.3 s of
-#: calls; a re-measurement that keeps the winner doubles the interval, as
-#: after any other, so a stable job pays for these trials ever more rarely.
+#: After this many checks in a row that found nothing, a watched bucket is measured again anyway: the checks time
+#: only the algorithm that runs, so a runner-up that became the faster one would otherwise never be seen.
 EXPLORE_CHECKS = 64
-#: Below WATCH_FROM a settled bucket is not timed (its calls are the latency
-#: the fast path exists for), but it is measured again after this many of
-#: its calls, counted alike on every rank: a choice made in the first
-#: calls of a job can be made in the job's own start-up noise (4 ranks,
-#: ``bench/allreduce.py -b 4K -e 8K`` right after a 64 MiB job, three times:
-#: once MPI_Allreduce kept at 4 KiB, 31 us per call, once MPI_Iallreduce at
-#: 8 KiB, 37 us, where the shared-memory allreduce took 13-21 us in the
-#: others).  A re-measurement that keeps the winner doubles the count, up to
-#: RECOUNT_MAX_CALLS.
+#: A settled bucket below WATCH_FROM is measured again after this many of its calls (doubled each time the winner
+#: stays, up to RECOUNT_MAX_CALLS): a job's first calls can choose in its start-up noise
+#: (bench/results/constants.md, RECOUNT_CALLS).
 RECOUNT_CALLS = 4096
 RECOUNT_MAX_CALLS = 1 << 22
 
@@ -237,7 +105,7 @@ def _agree_max(comm, values, deadline):
     a deadline, so that ranks with and without a ``timeout=`` meet in it."""
     from mpi4py import MPI
 
-    from ._wait import complete
+    from ..safety.deadline import complete
 
     complete(comm.Iallreduce(MPI.IN_PLACE, values, MPI.MAX), deadline, "the size tuner's agreement (MPI_Iallreduce)")
 
@@ -247,7 +115,7 @@ def watch_interval(won_in: float) -> int:
     return int(min(WATCH_CALLS, max(WATCH_MIN_CALLS, -(-CHECK_SECONDS // max(won_in, 1e-9)))))
 
 
-class _Settled:
+class Settled:
     """A watched bucket's choice: the algorithm, its trial time, when to re-measure, the calls since the last
     check, and the checks since it was settled."""
 
@@ -260,7 +128,7 @@ class _Settled:
         self.seen = None  # the agreed median call time that crossed ``limit`` (``observe``), once it has
 
 
-class _Recount:
+class Recount:
     """A settled bucket below WATCH_FROM: the algorithm, and its calls left until it is measured again.
 
     Shared by the full path (``SizeTuner.count``) and a fast path that holds
@@ -296,24 +164,6 @@ def tuning_calls(nbytes: int, ncands: int) -> int:
     return ncands * (t + t // b)
 
 
-def candidates(nbytes: int, *, mpi: bool = True, shm: bool = False, hier: bool = False,
-               cma: bool = False) -> tuple[str, ...]:
-    """The algorithms measured for a message of ``nbytes``, the incumbent first.
-
-    ``mpi``: MPI's own calls can compute this reduction; ``shm``: the
-    shared-memory allreduce is available (all ranks on one node); ``hier``:
-    the hierarchical one is (several nodes of equal size, ``ddlkernels._hier``);
-    ``cma``: the single-copy one is (``ddlkernels._cma``; from ``CMA_FROM``).
-    """
-    extra = (("shm",) * bool(shm) + ("shm-nt",) * bool(shm and nbytes >= SPILL_FROM)
-             + ("cma",) * bool(cma and nbytes >= CMA_FROM) + ("hier",) * bool(hier))
-    if not mpi or nbytes >= RING_FROM:
-        return ("ring",) + extra
-    if nbytes < MPI_BELOW:
-        return ("mpi", "nbc") + extra
-    return ("mpi", "ring") + extra
-
-
 class SizeTuner:
     """Per-communicator record of trials and decisions, by size bucket and candidate set.
 
@@ -323,13 +173,13 @@ class SizeTuner:
     """
 
     def __init__(self, watch: bool = False):
-        #: key -> None/dict while measuring, the algorithm (str) or a _Settled once chosen
+        #: key -> None/dict while measuring, the algorithm (str) or a Settled once chosen
         self._state: dict[tuple, object] = {}
         self.watch = watch  # re-measure settled buckets (timed from WATCH_FROM bytes, counted below)
-        self._reopened: dict[tuple, object] = {}  # key -> the _Settled/_Recount a re-measurement started from
+        self._reopened: dict[tuple, object] = {}  # key -> the Settled/Recount a re-measurement started from
         #: Re-measurements so far, by cause: "slower" (the calls crossed their limit), "quiet"
         #: (EXPLORE_CHECKS checks found nothing), "recount" (RECOUNT_CALLS calls of a bucket below
-        #: WATCH_FROM).  For reports (bench/tuner_watch.py).
+        #: WATCH_FROM).  For reports (bench/studies/tuner_watch.py).
         self.reopens = {"slower": 0, "quiet": 0, "recount": 0}
 
     @staticmethod
@@ -345,7 +195,7 @@ class SizeTuner:
         st = self._state.get(key)
         if isinstance(st, str):
             return st, False
-        if isinstance(st, (_Settled, _Recount)):
+        if isinstance(st, (Settled, Recount)):
             return st.algorithm, False
         if len(cands) == 1:
             return cands[0], False
@@ -359,13 +209,18 @@ class SizeTuner:
         st = self._state.get(self._key(nbytes, cands))
         if isinstance(st, str):
             return st
-        if isinstance(st, (_Settled, _Recount)):
+        if isinstance(st, (Settled, Recount)):
             return st.algorithm
         return cands[0] if len(cands) == 1 else None
 
+    def state(self, nbytes: int, cands: tuple[str, ...]):
+        """The record of this bucket: None (never called), a dict (measuring), the algorithm (``settle``), a
+        ``Settled`` (watched) or a ``Recount`` (counted); for tools and tests."""
+        return self._state.get(self._key(nbytes, cands))
+
     def watched(self, nbytes: int, cands: tuple[str, ...]) -> bool:
         """Whether calls of this settled bucket must be passed to ``observe``."""
-        return isinstance(self._state.get(self._key(nbytes, cands)), _Settled)
+        return isinstance(self._state.get(self._key(nbytes, cands)), Settled)
 
     def observe(self, comm, nbytes: int, cands: tuple[str, ...], seconds: float, deadline=None) -> bool:
         """Count one call of a watched bucket, lasting ``seconds`` here; True when the bucket was reopened.
@@ -376,7 +231,7 @@ class SizeTuner:
         """
         key = self._key(nbytes, cands)
         st = self._state.get(key)
-        if not isinstance(st, _Settled):
+        if not isinstance(st, Settled):
             return False
         st.times.append(seconds)
         if len(st.times) < st.every:
@@ -396,22 +251,22 @@ class SizeTuner:
         return True
 
     def recount(self, nbytes: int, cands: tuple[str, ...]):
-        """The ``_Recount`` of this settled bucket below WATCH_FROM (for a fast path to count with), or None."""
+        """The ``Recount`` of this settled bucket below WATCH_FROM (for a fast path to count with), or None."""
         st = self._state.get(self._key(nbytes, cands))
-        return st if isinstance(st, _Recount) else None
+        return st if isinstance(st, Recount) else None
 
     def count(self, nbytes: int, cands: tuple[str, ...]) -> bool:
         """Count one call of a settled bucket below WATCH_FROM; True when this call reopened it (every rank
         reopens at the same call, since every rank counts the same calls)."""
         st = self._state.get(self._key(nbytes, cands))
-        return isinstance(st, _Recount) and self.tick(st)
+        return isinstance(st, Recount) and self.tick(st)
 
-    def tick(self, st: "_Recount") -> bool:
-        """``count`` for a caller that holds the bucket's ``_Recount`` (``recount``): no lookup."""
+    def tick(self, st: "Recount") -> bool:
+        """``count`` for a caller that holds the bucket's ``Recount`` (``recount``): no lookup."""
         st.left -= 1
         return st.left <= 0 and self.expire(st)
 
-    def expire(self, st: "_Recount") -> bool:
+    def expire(self, st: "Recount") -> bool:
         """Reopen the bucket of ``st``, whose calls ran out (``tick``, or a fast path's inlined countdown)."""
         if self._state.get(st.key) is not st:
             return False
@@ -437,14 +292,10 @@ class SizeTuner:
             best = np.array([np.median(st["times"][c]) for c in cands], dtype=np.float64)
             _agree_max(comm, best, deadline)
             before = self._reopened.pop(key, None)
-            if isinstance(before, _Settled) and before.seen is not None and before.algorithm in cands:
-                # Measured again because the winner's calls ran slower than its trials allowed: it is
-                # charged what its calls took, where its new trials say less.  Trials that keep
-                # finding it fast while the loop's calls of it run slow measure something the
-                # loop does not do (``bench/allgather.py -b 4K -e 64M -f 4 -n 30 -w 14``, 2 ranks, two
-                # runs before this: at 4 MiB the ring was chosen, chosen again at both re-measurements
-                # its slow calls started, and ran 369-384 us a call against MPI_Allgather's 188-199 in
-                # the same iterations).  Agreed on every rank: ``seen`` and ``best`` are.
+            if isinstance(before, Settled) and before.seen is not None and before.algorithm in cands:
+                # Measured again because the winner's calls ran slower than its trials allowed: it is charged what
+                # its calls took, else trials that the loop's calls do not match would pick it again each time
+                # (bench/results/constants.md, a slower winner's charge).  Agreed on every rank: seen and best are.
                 i = cands.index(before.algorithm)
                 best[i] = max(best[i], before.seen)
             challenger = 1 + int(np.argmin(best[1:]))
@@ -457,12 +308,12 @@ class SizeTuner:
                     # A re-measurement that kept its winner: only slower calls, so check less often.
                     every = min(WATCH_MAX_CALLS, 2 * before.every)
                 # best[] is the agreed maximum over ranks: the same limit and interval on every rank.
-                self._state[key] = _Settled(cands[win], won_in, min(DRIFT * won_in, MARGIN * rival), every)
+                self._state[key] = Settled(cands[win], won_in, min(DRIFT * won_in, MARGIN * rival), every)
             elif self.watch:
                 every = RECOUNT_CALLS
                 if before is not None and before.algorithm == cands[win]:
                     every = min(RECOUNT_MAX_CALLS, 2 * before.every)
-                self._state[key] = _Recount(cands[win], every, key)
+                self._state[key] = Recount(cands[win], every, key)
             else:
                 self._state[key] = cands[win]
 
@@ -473,5 +324,5 @@ class SizeTuner:
         for (key, cands), st in sorted(self._state.items()):
             lo, hi = (1 << (key - 1)) if key else 0, (1 << key)
             label = f"[{lo}, {hi}) B" + (f" of {'/'.join(cands)}" if len(sets) > 1 else "")
-            out[label] = st if isinstance(st, str) else st.algorithm if isinstance(st, (_Settled, _Recount)) else "measuring"
+            out[label] = st if isinstance(st, str) else st.algorithm if isinstance(st, (Settled, Recount)) else "measuring"
         return out

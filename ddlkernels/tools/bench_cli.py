@@ -7,7 +7,7 @@
 Every selected collective (allreduce, reduce_scatter, allgather) runs, at
 every size, dtype, op and placement, as three kinds of line measured in the
 same process one after the other: ddlkernels, MPI's own collective, and the
-"Sendrecv link" (one ring step; see ``ddlkernels._bench`` for the exact
+"Sendrecv link" (one ring step; see ``ddlkernels.tools.bench`` for the exact
 definition of its bandwidth).  A wrong element anywhere makes the run exit 1.
 
 Forcing Open MPI's tuned algorithms: the choice is read at MPI_Init, so it
@@ -48,7 +48,7 @@ def _check_count(text):
     try:
         n = int(text)
     except ValueError:
-        from .._bench import COLLECTIVES
+        from .bench import COLLECTIVES
 
         hint = ""
         if any(c in COLLECTIVES or c == "all" for c in _csv(text)):
@@ -110,7 +110,7 @@ def add_nccl_arguments(p, *, begin="4K", end="64M", iters=20, warmup=14, with_co
     g.add_argument("-n", "--iters", type=int, default=iters, help="timed iterations per size (default %(default)s)")
     g.add_argument("-w", "--warmup_iters", "--warmup", dest="warmup", type=int, default=warmup,
                    help="untimed iterations per size (default %(default)s); ddlkernels' lines warm up longer while "
-                        "its size tuner still measures (ddlkernels._tuner), so timed iterations run its choice")
+                        "its size tuner still measures (ddlkernels.select.tuner), so timed iterations run its choice")
     g = p.add_argument_group("output")
     g.add_argument("--csv", metavar="PATH", default=None,
                    help="write one CSV record per size and line to PATH (rank 0); '-': to stdout instead of "
@@ -120,7 +120,7 @@ def add_nccl_arguments(p, *, begin="4K", end="64M", iters=20, warmup=14, with_co
 
 def expand_nccl_arguments(args):
     """``(dtypes, ops, sizes)`` of ``add_nccl_arguments``' options; ``SystemExit`` naming a bad one."""
-    from .._bench import NCCL_TYPES, parse_dtype, parse_size, sweep_sizes
+    from .bench import NCCL_TYPES, parse_dtype, parse_size, sweep_sizes
     from .._dtypes import OPS, dtype_name
 
     names = list(NCCL_TYPES) if args.dtype == "all" else _csv(args.dtype)
@@ -175,7 +175,7 @@ def add_bench_arguments(p, collective_default="allreduce"):
                         "between barriers (default %(default)s)")
     g.add_argument("--pages", choices=("small", "huge"), default="huge",
                    help="the pages of every buffer the lines hand to their collectives, the same for every line "
-                        "(ddlkernels._bench.PAGES; default %(default)s)")
+                        "(ddlkernels.tools.bench.PAGES; default %(default)s)")
     g.add_argument("--stat", choices=("median", "min"), default="median",
                    help="time per iteration shown in the table and plot (JSON has both)")
     g = p.add_argument_group("ddlkernels options (Communicator keyword arguments)")
@@ -220,7 +220,7 @@ def main(argv=None, collective="allreduce", prog=None):
 
 
 def _expand(args):
-    from .._bench import COLLECTIVES, parse_size
+    from .bench import COLLECTIVES, parse_size
 
     colls = list(COLLECTIVES) if args.collective == "all" else _csv(args.collective)
     for c in colls:
@@ -293,7 +293,7 @@ def _measure(args):
 
     import ddlkernels
 
-    from .._bench import _DDL, _progress_bar, make_impls, run_sweep
+    from .bench import _DDL, _progress_bar, make_impls, run_sweep
 
     colls, dtypes, ops, places, which, sizes, opts = _expand(args)
     comm = MPI.COMM_WORLD
@@ -369,13 +369,13 @@ def _batches(rows) -> str:
     for r in rows:
         if not r.get("inplace"):
             seen.setdefault(r["bytes"], r.get("batch", 1))
-    from .._bench import format_size
+    from .bench import format_size
 
     return " ".join(f"{format_size(b)}x{n}" for b, n in seen.items())
 
 
 def _report(args, meta, rows):
-    from .._bench import comment, dump_json, format_footer, format_table, plot_rows
+    from .bench import comment, dump_json, format_footer, format_table, plot_rows
 
     to_stdout = args.csv == "-"
     if not args.quiet and not to_stdout:
@@ -421,7 +421,7 @@ def _report(args, meta, rows):
 
 def _write_csv(path, rows, names, stat):
     """``--csv PATH`` (rank 0): the rows as CSV, to stdout for ``-``."""
-    from .._bench import write_csv
+    from .bench import write_csv
 
     if path == "-":
         write_csv(sys.stdout, rows, names, stat)
@@ -478,7 +478,7 @@ def _child_argv(args, *, impls=None, collective=None, label=None, json_path):
 
 
 def _launch(args):
-    from .._bench import _TUNED_PARAM, COLLECTIVES, TUNED_ALGORITHMS
+    from .bench import _TUNED_PARAM, COLLECTIVES, TUNED_ALGORITHMS
 
     if _under_mpirun():
         raise SystemExit("--launch starts mpirun itself: run it without mpirun")

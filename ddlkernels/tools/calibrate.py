@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from .topology import Level, Topology, detect, _replace
+from ..select.topology import Level, Topology, detect, _replace
 
 __all__ = ["calibrate", "pingpong", "fit_alpha_beta"]
 
@@ -267,8 +267,8 @@ def _chunk_overhead(comm, topo: Topology, reps: int) -> tuple[float, float, floa
     oversubscribed cores the wait for a peer to be scheduled).  Collective;
     returns ``(overhead, engine time, model time)``, the same on every rank.
     """
-    from ._comm import Communicator
-    from .ring.schedule import Plan
+    from ..communicator import Communicator
+    from ..ring.schedule import Plan
     from .simulator import simulate
 
     p = comm.Get_size()

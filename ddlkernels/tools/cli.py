@@ -51,9 +51,10 @@ def _info(args):
     topo = dc.topology
     levels = ", ".join(f"{lv.name} x{lv.fanout}" for lv in topo.levels)
     lines.append(f"topology       {topo.ranks} ranks: {levels}")
-    shm = {None: "no (ranks span nodes, a single rank, or shm=False)", False: "yes: measured against the others per size",
-           True: "yes: forced (shm=True)"}[dc._shm_mode]
+    shm = ("no (ranks span nodes, a single rank, or shm=False)" if "shm" not in dc.algorithms
+           else "yes: forced (shm=True)" if dc.algorithms.forced else "yes: measured against the others per size")
     lines.append(f"shared memory  {shm}")
+    lines.append(f"algorithms     {', '.join(dc.algorithms.names)}")
     for nbytes in (64 << 10, 1 << 20, 64 << 20):
         lines.append(f"planned box    {nbytes >> 10:>6} KiB: {'x'.join(map(str, dc.plan(nbytes).dims))}")
     if comm.Get_rank() == 0:
@@ -71,7 +72,7 @@ def _thread_level(level):
 def _job(args):
     from mpi4py import MPI
 
-    from ddlkernels._bench import (ALLREDUCE_IMPLS, comment, dump_json, format_footer, format_size, format_table,
+    from ddlkernels.tools.bench import (ALLREDUCE_IMPLS, comment, dump_json, format_footer, format_size, format_table,
                                    run_sweep)
     from ddlkernels.tools.bench_cli import _write_csv, expand_nccl_arguments
 

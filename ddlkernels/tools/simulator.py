@@ -27,7 +27,7 @@ With ``verify=True`` the simulator also moves real data (unique int64 values
 per rank and element) through the same events and checks that every rank ends
 with the exact sum -- a misplaced range shows as a wrong element.
 
-Network model (see ``ddlkernels.topology``): a message from ``a`` to ``b``
+Network model (see ``ddlkernels.select.topology``): a message from ``a`` to ``b``
 whose first common group is at level ``L`` crosses, for each level j <= L, the
 level-j links of a's and b's level-(j-1) groups (egress and ingress, full
 duplex), plus the level-L group's ``capacity`` if stated.  Messages in flight
@@ -59,8 +59,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .ring.schedule import Plan, build_schedule, chunk_ranges, rings as _rings
-from .topology import Topology
+from ..ring.schedule import Plan, build_schedule, chunk_ranges, rings as _rings
+from ..select.topology import Topology
 
 __all__ = ["simulate", "SimResult", "ScheduleError", "DEFAULT_CHUNK_BYTES"]
 

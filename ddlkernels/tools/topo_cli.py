@@ -47,7 +47,7 @@ def _fail(msg: str, code: int):
 
 
 def _load(args):
-    from ..topology import TopologyError, load
+    from ..select.topology import TopologyError, load
 
     try:
         topo = load(args.topology)
@@ -71,7 +71,7 @@ def _fmt_t(t: float) -> str:
 
 
 def _plan(args):
-    from ..planner import choose_plan, model_time
+    from ..select.planner import choose_plan, model_time
 
     topo = _load(args)
     nbytes = _size(args)
@@ -83,7 +83,7 @@ def _plan(args):
         info["two_level_dims"] = list(two_level)
         info["two_level_time_s"] = model_time(topo, two_level, nbytes, chunk_bytes=args.chunk_bytes)
     if args.simulate:
-        from ..simulator import simulate
+        from .simulator import simulate
 
         info["simulated_s"] = simulate(topo, plan, nbytes, itemsize=args.itemsize, chunk_bytes=args.chunk_bytes, verify=False).time_s
     if args.json:
@@ -102,8 +102,8 @@ def _plan(args):
 
 def _simulate(args):
     from ..ring.schedule import Plan
-    from ..planner import choose_plan, lower_bound, model_time
-    from ..simulator import ScheduleError, simulate
+    from ..select.planner import choose_plan, lower_bound, model_time
+    from .simulator import ScheduleError, simulate
 
     topo = _load(args)
     nbytes = _size(args)
@@ -144,8 +144,8 @@ def _simulate(args):
 def _calibrate(args):
     from mpi4py import MPI
 
-    from ..calibrate import calibrate
-    from ..topology import TopologyError, load
+    from .calibrate import calibrate
+    from ..select.topology import TopologyError, load
 
     comm = MPI.COMM_WORLD
     try:

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .._comm import as_communicator
-from .._fusion import check_same_on_all_ranks
+from ..communicator import as_communicator
+from ..safety.agreement import check_same_on_all_ranks
 
 __all__ = ["broadcast_parameters", "broadcast_object", "broadcast_optimizer_state"]
 

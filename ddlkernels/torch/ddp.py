@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._comm import as_communicator
+from ..communicator import as_communicator
 
 __all__ = ["all_reduce", "init_process_group", "set_device", "HookState", "allreduce_hook", "fp16_compress_hook",
            "bfloat16_compress_hook"]
@@ -25,7 +25,7 @@ def all_reduce(tensor, op="sum", *, comm=None, async_op: bool = False):
     ``wait()`` finishes the reduction (``ddlkernels.allreduce_async``, the
     progress thread); otherwise ``None``, as torch returns.
     """
-    from .._async import allreduce_async
+    from ..asynchronous import allreduce_async
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"all_reduce: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -116,7 +116,7 @@ class HookState:
     """
 
     def __init__(self, comm=None):
-        from .._async import progress_engine
+        from ..asynchronous import progress_engine
 
         self.comm = as_communicator(comm)
         self.size = self.comm.size
@@ -143,7 +143,7 @@ def _hook_state(state) -> HookState:
         return _DEFAULT_HOOK_STATE
     from mpi4py import MPI
 
-    from .._comm import Communicator
+    from ..communicator import Communicator
 
     if isinstance(state, (MPI.Intracomm, Communicator)):
         c = as_communicator(state)

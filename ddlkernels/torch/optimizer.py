@@ -28,9 +28,10 @@ import time
 import numpy as np
 import torch
 
-from .._comm import as_communicator
+from ..communicator import as_communicator
 from .._dtypes import check_dtype, dtype_name, normalize_op
-from .._fusion import FUSION_BYTES, check_same_on_all_ranks, pack_into, plan_buckets, unpack_from
+from ..fusion import FUSION_BYTES, pack_into, plan_buckets, unpack_from
+from ..safety.agreement import check_same_on_all_ranks
 from ..backends import backend_for
 from .compression import _compressor, _wire_dtype
 
@@ -72,7 +73,7 @@ def DistributedOptimizer(
                               backward.  False: all buckets are reduced in ``step()``.
     progress                  "hooks", "thread" or "auto" (default: "hooks" when every bucket
                               is a host float32/float64/int32/int64 buffer, else "thread";
-                              see ``ddlkernels._async`` and the measurements in docs/fusion.md).
+                              see ``ddlkernels.asynchronous`` and the measurements in docs/fusion.md).
     compression               ``Compression.none`` (default), ``Compression.fp16`` or
                               ``Compression.bf16`` (floating gradients travel in 16 bits,
                               Horovod's ``Compression.fp16``), or any object with Horovod's
@@ -109,7 +110,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # -- construction ------------------------------------------------------------
     def _ddl_setup(self, named_parameters, fusion_bytes, op, bpps, comm, overlap, progress, compression,
                    missing_grads):
-        from .._async import PROGRESS_MODES, progress_engine
+        from ..asynchronous import PROGRESS_MODES, progress_engine
 
         opname = normalize_op(op)
         if opname not in ("avg", "sum"):
@@ -212,7 +213,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Collective the first time a mode is used (its engine duplicates the
         communicator).  Raises ``RuntimeError`` while reductions are in flight.
         """
-        from .._async import progress_engine
+        from ..asynchronous import progress_engine
 
         if any(w is not None for w in self._ddl_works):
             raise RuntimeError("ddl_set_progress() called while gradient reductions are in flight")

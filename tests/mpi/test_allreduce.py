@@ -39,7 +39,7 @@ def last_algorithm():
 def assert_same_result(z, y, inputs, op, dtype, algos, what):
     """In place against out of place: the same bits from the same algorithm.
 
-    While the tuner measures a size (ddlkernels._tuner), consecutive calls
+    While the tuner measures a size (ddlkernels.select.tuner), consecutive calls
     may run different algorithms, which add in different orders: then both
     results must be correct, and each the same on every rank.
     """
@@ -134,9 +134,9 @@ def test_reduce_scatter_and_allgather_through_mpis_own_calls(dtype, op):
     every dtype.  Results match the ring's: allgather bit for bit, the
     reduction as the rank-order fold allows (MPI may add in another order).
     """
-    from ddlkernels._comm import _MPI_NATIVE
+    from ddlkernels.algorithms.mpi import MPI_NATIVE
 
-    native = np.dtype(dtype) in _MPI_NATIVE
+    native = np.dtype(dtype) in MPI_NATIVE
     redop = "sum" if op == "avg" else op
     mpi_rs = P > 1 and native and (redop in ("sum", "prod") or np.dtype(dtype).kind in "iu")
     with ddlkernels.Communicator(COMM, small_bytes=1 << 40) as mpi, \
@@ -158,10 +158,10 @@ def test_reduce_scatter_and_allgather_through_mpis_own_calls(dtype, op):
                 for count in (None, n):
                     got = mpi.allgather(shard, count=count)
                     assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"allgather n={n} count={count}"
-    if P > 1 and mpi_rs:
-        assert any(h and h[0] == "mpi" for h in mpi._rs_fast_cache.values()), "reduce_scatter fast path not taken"
-    if P > 1:
-        assert any(h and h[0] == "mpi" for h in mpi._ag_fast_cache.values()), "allgather fast path not taken"
+        if P > 1 and mpi_rs:
+            assert "mpi" in mpi.decisions()["reduce_scatter"]["fast"].values(), "reduce_scatter fast path not taken"
+        if P > 1:
+            assert "mpi" in mpi.decisions()["allgather"]["fast"].values(), "allgather fast path not taken"
 
 
 def test_allgather_count_is_checked_before_communicating():
@@ -283,11 +283,13 @@ def test_small_message_path_and_ring_agree():
 def test_small_sizes_measure_mpi_blocking_against_nonblocking_and_agree(nbytes):
     """Below MPI_BELOW the candidates are MPI_Allreduce, MPI_Iallreduce and (one node) shm, and from CMA_FROM
     the single copy where permitted: all tried, one kept."""
-    from ddlkernels._tuner import CMA_FROM, tuning_calls
+    from ddlkernels.algorithms.cma import CMA_FROM
+    from ddlkernels.select.tuner import tuning_calls
 
     with ddlkernels.Communicator(COMM) as dc:
-        cands = ({"mpi", "nbc"} | ({"shm"} if dc._shm_mode is not None else set())
-                 | ({"cma"} if dc._cma_ok and nbytes >= CMA_FROM else set()))
+        cands = set(dc.candidates(np.zeros(nbytes // 8)))
+        assert cands == ({"mpi", "nbc"} | ({"shm"} & set(dc.algorithms.names))
+                         | ({"cma"} if "cma" in dc.algorithms and nbytes >= CMA_FROM else set())) or P == 1
     n = tuning_calls(nbytes, len(cands))  # calls until the choice is made
     x = rank_data(nbytes // 8, RANK, P, np.float64)
     inputs = gather_inputs(x)
@@ -328,7 +330,7 @@ def test_a_watched_size_is_measured_again_on_every_rank_at_once():
     full one (a strided input, reduced through a copy): both must count every
     call, or the ranks would check -- a collective -- at different calls.
     """
-    from ddlkernels._tuner import WATCH_FROM, _Settled, tuning_calls
+    from ddlkernels.select.tuner import WATCH_FROM, Settled, tuning_calls
 
     count = WATCH_FROM // 8
     x = rank_data(count, RANK, P, np.float64)
@@ -338,7 +340,7 @@ def test_a_watched_size_is_measured_again_on_every_rank_at_once():
     with ddlkernels.Communicator(COMM) as dc:
         if P == 1:
             pytest.skip("one rank: nothing to choose between")
-        cands = set(dc._choices(x.nbytes, False, x.dtype, "sum", None)[1])  # mpi, ring, (one node) shm, cma
+        cands = set(dc.candidates(x))  # mpi, ring, (one node) shm, cma
         n = tuning_calls(x.nbytes, len(cands))
 
         def calls(k):
@@ -351,8 +353,8 @@ def test_a_watched_size_is_measured_again_on_every_rank_at_once():
 
         seen = calls(n)
         assert set(seen) == cands and not dc.tuning(x), seen
-        settled = [v for v in dc._tuner._state.values() if isinstance(v, _Settled)]
-        assert len(settled) == 1
+        settled = [dc.selector.tuners["allreduce"].state(x.nbytes, dc.candidates(x))]
+        assert isinstance(settled[0], Settled), settled
         # As if the machine had slowed down since the trials: the next check finds the calls too slow.
         # (Set alike on every rank, as the agreed trial time is.)
         settled[0].limit = 1e-9
@@ -376,7 +378,7 @@ def test_a_small_settled_size_is_measured_again_after_its_calls(kind, monkeypatc
     starts on a different one: both must count every call, or the ranks
     would reopen at different calls and run different algorithms.
     """
-    from ddlkernels import _tuner
+    from ddlkernels.select import tuner as _tuner
 
     monkeypatch.setattr(_tuner, "RECOUNT_CALLS", 7)
     count = 4096 // 8
@@ -391,7 +393,7 @@ def test_a_small_settled_size_is_measured_again_after_its_calls(kind, monkeypatc
         shard = expect[lo:hi].copy()
         strided_shard = strided(shard)
         out = np.empty(count) if kind != "reduce_scatter" else np.empty(hi - lo)
-        tuner = dc._tuner if kind == "allreduce" else dc._shard_tuners[kind]
+        tuner = dc.selector.tuners[kind]
         seen = []
         for i in range(300):
             full_path = (RANK + i) % 2
@@ -427,7 +429,7 @@ def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind, 
     some rank the call that reopens the size takes the full path while its
     fast path still holds the settled choice (which it must then forget).
     """
-    from ddlkernels._tuner import WATCH_FROM, _Settled
+    from ddlkernels.select.tuner import WATCH_FROM, Settled
 
     count = WATCH_FROM // 8
     x = rank_data(count, RANK, P, np.float64)
@@ -444,7 +446,7 @@ def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind, 
         for r in range(P):
             full[slice(*dc.shard_range(count, rank=r))] = inputs[r][slice(*dc.shard_range(count, rank=r))]
         out = np.empty(hi - lo) if kind == "reduce_scatter" else np.empty(count)
-        tuner = dc._shard_tuners[kind]
+        tuner = dc.selector.tuners[kind]
         made = [0]
 
         def calls(k):
@@ -465,15 +467,15 @@ def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind, 
             seen += calls(1)
         n = len(seen)
         assert n and n == COMM.bcast(n)
-        settled = [v for v in tuner._state.values() if isinstance(v, _Settled)]
-        assert len(settled) == 1
+        settled = [tuner.state(x.nbytes, dc.candidates(x, collective=kind))]
+        assert isinstance(settled[0], Settled), settled
         settled[0].limit = 1e-9  # as if the machine had slowed down (alike on every rank)
         after = calls(settled[0].every - 1)
         # The watched size is served by the fast path, which times it -- unless the ring won (alike on every
         # rank): the fast paths serve MPI's call and the window only.
         if not mixed and RANK % 2 == 0 and settled[0].algorithm != "ring":
-            cache = dc._rs_fast_cache if kind == "reduce_scatter" else dc._ag_fast_cache
-            assert any(h and h[-1] is not None for h in cache.values()), cache
+            plans = dc.selector.plans[kind]
+            assert any(p and p.watch is not None for p in plans.values()), plans
         after += calls(1)  # the check: reopened on every rank
         assert len(set(after)) == 1, after
         assert dc.tuning(x, collective=kind)
@@ -486,16 +488,15 @@ def test_watched_reduce_scatter_and_allgather_are_measured_again_together(kind, 
 def test_measured_choice_is_the_same_on_every_rank_and_always_correct():
     """small_bytes=None: trials go round MPI, the ring and (one node) shm and cma, then one agreed choice per size
     bucket."""
-    from ddlkernels._tuner import MPI_BELOW, tuning_calls
+    from ddlkernels.select.tuner import MPI_BELOW, tuning_calls
 
     x = rank_data(MPI_BELOW // 8 * 4, RANK, P, np.float64)  # 4 x MPI_BELOW bytes: a tuned bucket
     inputs = gather_inputs(x)
     with ddlkernels.Communicator(COMM) as dc:
         assert dc.small_bytes is None
-        cands = {"mpi", "ring"} | ({"shm"} if dc._shm_mode is not None else set()) | (
-            {"cma"} if dc._cma_ok else set())
+        cands = {"mpi", "ring"} | ({"shm", "cma"} & set(dc.algorithms.names))
         if P > 1:
-            assert cands == set(dc._choices(x.nbytes, False, x.dtype, "sum", None)[1])
+            assert cands == set(dc.candidates(x))
         seen = []
         n = tuning_calls(x.nbytes, len(cands))  # calls until the choice is made
         for k in range(n + 3):

@@ -1,4 +1,4 @@
-"""The benchmark harness (ddlkernels._bench) counts wrong results, and every record it runs is right.
+"""The benchmark harness (ddlkernels.tools.bench) counts wrong results, and every record it runs is right.
 
 Runs under any rank count.  A benchmark is only as good as its check: here
 every record (ddlkernels, MPI's own collective, the Sendrecv link) of every
@@ -10,8 +10,8 @@ and make the command exit 1.
 import numpy as np
 import pytest
 
-from ddlkernels import _bench as B
-from ddlkernels._bench import COLLECTIVES, Collective, make_impls, run_sweep
+from ddlkernels.tools import bench as B
+from ddlkernels.tools.bench import COLLECTIVES, Collective, make_impls, run_sweep
 
 # 0 and 1 element, p-1 / p+1 elements and a prime, in float32 bytes.
 EDGE_BYTES = lambda p: sorted({0, 4, 4 * max(p - 1, 1), 4 * (p + 1), 4 * 97, 1 << 12})  # noqa: E731
@@ -101,8 +101,8 @@ def test_the_shared_input_line_reads_its_input_from_shared_memory(comm, kind, in
         assert m["wrong"] == 0 or ("skipped" in m and inplace and kind != "allreduce"), r
     st = shared[0].make(comm, sizes[-1] // 4 // p * p, np.dtype(np.float32), "sum", inplace)
     dc = st["dc"]
-    if dc._shm_mode is not None:  # one node, 2 or more ranks: the input lies in a region of the window
-        assert dc._shm._shared_at(st["x" if kind != "allgather" else "shard"])[0] > 0
+    if "shm" in dc.algorithms:  # one node, 2 or more ranks: the input lies in a region of the window
+        assert dc.algorithms["shm"].window().shared_at(st["x" if kind != "allgather" else "shard"])[0] > 0
 
 
 @pytest.mark.parametrize("how", ["one", "nothing"])
@@ -175,7 +175,7 @@ def test_a_size_measured_again_mid_line_is_settled_untimed_and_the_sample_redone
     """The tuner's watch reopens a size during the timed samples: the harness settles it again and redoes the
     sample, so every timed sample ran a settled choice; the row says how often.  DRIFT = 0 makes every check
     reopen (checks then come every 64, 128, ... calls, as a re-measurement that keeps its winner backs off)."""
-    from ddlkernels import _tuner
+    from ddlkernels.select import tuner as _tuner
 
     if comm.Get_size() == 1:
         pytest.skip("one rank: no tuner")

@@ -7,10 +7,10 @@ import tempfile
 import pytest
 from mpi4py import MPI
 
-from ddlkernels.calibrate import calibrate, fit_alpha_beta
-from ddlkernels.planner import choose_plan
-from ddlkernels.simulator import simulate
-from ddlkernels.topology import Level, Topology, load
+from ddlkernels.tools.calibrate import calibrate, fit_alpha_beta
+from ddlkernels.select.planner import choose_plan
+from ddlkernels.tools.simulator import simulate
+from ddlkernels.select.topology import Level, Topology, load
 
 SMALL = dict(sizes=(8, 4096, 262144, 1 << 20), reps=3, concurrent_bytes=1 << 20, reduce_bytes=1 << 20)
 

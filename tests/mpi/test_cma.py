@@ -1,4 +1,4 @@
-"""The single-copy allreduce (ddlkernels._cma): peers' buffers read with process_vm_readv (and, where it
+"""The single-copy allreduce (ddlkernels.algorithms.cma): peers' buffers read with process_vm_readv (and, where it
 pushes, written with process_vm_writev).
 
 Every rank of an ``mpirun`` here shares one node and one user; the tests
@@ -13,8 +13,8 @@ import pytest
 from mpi4py import MPI
 
 import ddlkernels
-from ddlkernels._cma import CmaAllreduce, probe
-from ddlkernels._shm import ShmAllreduce
+from ddlkernels.algorithms.cma import CmaAllreduce, probe
+from ddlkernels.algorithms.shm import ShmAllreduce
 from helpers import assert_close, assert_same_on_all_ranks, rank_data
 
 COMM = MPI.COMM_WORLD
@@ -118,7 +118,7 @@ def test_shared_inputs_are_folded_where_they_lie(shared, dtype, op, push_from):
     the kernel: the same bits as private inputs, at any offset into the region, every rank's input shared or
     only some ranks', in and out of place, with a deadline on half the ranks (their Python twin reads by
     readv but publishes where its x lies, for the compiled peers)."""
-    from ddlkernels._wait import Deadline
+    from ddlkernels.safety.deadline import Deadline
 
     shm = ShmAllreduce(COMM, whole_below=0)
     cma = CmaAllreduce(shm, piece_bytes=4096, push_from=push_from)
@@ -146,8 +146,8 @@ def test_a_shared_input_goes_through_no_system_call():
     """Every peer's pid replaced by one that cannot exist: a read through the kernel fails and is counted.  With
     every x shared and the allgather pulling, only its reads (p - 1 a rank) fail; with private inputs the
     reduce-scatter's fail too.  So the shared reads are plain loads, and my own block is still folded right."""
-    from ddlkernels.kernels import shm_loops as _shm_loops
-    from ddlkernels._shm import OPCODES
+    from ddlkernels.kernels import cma_loops
+    from ddlkernels.kernels.layout import OPCODES
 
     shm = ShmAllreduce(COMM, whole_below=0)
     cma = CmaAllreduce(shm, piece_bytes=4096, push_from=1 << 62)
@@ -165,10 +165,10 @@ def test_a_shared_input_goes_through_no_system_call():
         shm._publish(src)
         e = shm._epoch + 1
         shm._epoch += 3
-        failed[where] = _shm_loops.cma_allreduce[OPCODES["sum"]](src, out, RANK, shm._flags, e, shm.spin, step,
+        failed[where] = cma_loops.cma_allreduce[OPCODES["sum"]](src, out, RANK, shm._flags, e, shm.spin, step,
                                                                  nowhere, tmp, acc, iov, False, shm._bases)
         if where == "shared":
-            blo, bhi = [(n // P) * s + min(s, n % P) for s in (RANK, RANK + 1)]  # my block (_shm.cuts)
+            blo, bhi = [(n // P) * s + min(s, n % P) for s in (RANK, RANK + 1)]  # my block (ddlkernels.algorithms.shm.cuts)
             assert np.array_equal(out[blo:bhi], want[blo:bhi]), "my block, folded from the peers' shared inputs"
     assert failed["shared"] == P * (P - 1), failed
     assert failed["private"] > P * (P - 1), failed
@@ -182,7 +182,7 @@ def test_ranks_with_and_without_a_deadline_meet_and_skewed_calls_read_only_their
     loop: the same barriers and the same push rule.  One rank late by turns, each call's data new: without the
     barrier after a piece's reduce-scatter, or the last one, a fast rank would read a block not yet written or
     already overwritten by the next call (pushing: return before a peer's piece has landed)."""
-    from ddlkernels._wait import Deadline
+    from ddlkernels.safety.deadline import Deadline
 
     shm = ShmAllreduce(COMM, whole_below=0)
     cma = CmaAllreduce(shm, piece_bytes=256, push_from=push_from)
@@ -206,7 +206,7 @@ def test_ranks_with_and_without_a_deadline_meet_and_skewed_calls_read_only_their
 def test_a_failed_read_raises_on_every_rank_and_the_next_call_works(python, push_from):
     """A read the kernel refuses (here: rank 0 told a wrong process id) fails the call on every rank --
     never a hang, never a silent garbage result -- and the barriers stay in step for the next call."""
-    from ddlkernels._wait import Deadline
+    from ddlkernels.safety.deadline import Deadline
 
     shm = ShmAllreduce(COMM, whole_below=0)
     cma = CmaAllreduce(shm, piece_bytes=4096, push_from=push_from)
@@ -236,22 +236,22 @@ def test_the_tuner_weighs_it_and_a_size_settled_on_it_runs_on_both_paths():
     """From CMA_FROM bytes, for numpy's own dtypes and ops, "cma" is a candidate: the trials run it, and a
     size settled on it runs it on the fast path (MPI's types and ops) and the full one (``avg``, fused
     tensors), every call the rank-order fold; float16 is not offered it."""
-    from ddlkernels._tuner import CMA_FROM, candidates, tuning_calls
+    from ddlkernels.algorithms.cma import CMA_FROM
+    from ddlkernels.select.tuner import tuning_calls
 
     with ddlkernels.Communicator(COMM) as dc:
-        assert dc._cma_ok
-        _, below = dc._choices(CMA_FROM // 2, False, np.dtype(np.float64), "sum", None)
-        _, half = dc._choices(CMA_FROM * 4, False, np.dtype(np.float16), "sum", None)
+        assert "cma" in dc.algorithms
+        below = dc.candidates(np.zeros(CMA_FROM // 16, np.float64))
+        half = dc.candidates(np.zeros(CMA_FROM * 2, np.float16))
         assert "cma" not in below and "cma" not in half
         x = rank_data(CMA_FROM // 4, RANK, P, np.float64)  # 2 x CMA_FROM bytes
         inputs = COMM.allgather(x)
-        _, cands = dc._choices(x.nbytes, False, x.dtype, "sum", None)
-        assert cands == candidates(x.nbytes, shm=True, cma=True) and "cma" in cands
+        cands = dc.candidates(x)
+        assert cands == ("mpi", "nbc", "shm", "cma"), cands
         n = tuning_calls(x.nbytes, len(cands))
         seen = [dc.allreduce(x) is not None and dc.last_algorithm for _ in range(n)]
         assert "cma" in seen, seen
-        dc._tuner.settle(x.nbytes, cands, "cma")
-        dc._fast.clear()
+        dc.settle(x, "cma")
         want = _fold(inputs, "sum")
         for call in range(3):
             y = np.empty_like(x)
@@ -260,7 +260,8 @@ def test_the_tuner_weighs_it_and_a_size_settled_on_it_runs_on_both_paths():
             z = x.copy()
             dc.allreduce(z, out=z)
             assert np.array_equal(z, want) and dc.last_algorithm == "cma"
-        assert any(h and h[0] == "cma" and callable(h[1]) for h in dc._fast.values()), dc._fast
+        fast = dc.decisions()["allreduce"]["fast"]
+        assert fast[("sum", x.dtype, x.nbytes)] == "cma", fast
         avg = dc.allreduce(x, "avg")
         assert dc.last_algorithm == "cma"
         assert_close(avg, inputs, "avg", np.float64, "avg through cma")
@@ -272,7 +273,7 @@ def test_the_tuner_weighs_it_and_a_size_settled_on_it_runs_on_both_paths():
 
 def _gather_case(n, dtype, salt):
     """Every rank's shard of ``n`` elements (uneven, Communicator's flat cut) and the gathered whole."""
-    from ddlkernels._shm import cuts
+    from ddlkernels.algorithms.shm import cuts
 
     c = cuts(n, P)
     bounds = [(c[s], c[s + 1]) for s in range(P)]
@@ -310,7 +311,7 @@ def test_allgather_ranks_with_and_without_a_deadline_meet_and_skewed_calls_read_
     late by turns and every call's shard new, rewritten right after the call returns: without the last
     barrier a fast rank would rewrite its shard while a peer still reads it, without the first a peer would
     read the previous call's address."""
-    from ddlkernels._wait import Deadline
+    from ddlkernels.safety.deadline import Deadline
 
     shm = ShmAllreduce(COMM)
     cma = CmaAllreduce(shm)
@@ -336,7 +337,7 @@ def test_allgather_ranks_with_and_without_a_deadline_meet_and_skewed_calls_read_
 def test_allgather_a_failed_read_raises_on_every_rank_and_the_next_call_works(python):
     """A read the kernel refuses (rank 0 told a wrong process id) fails the allgather on every rank, and the
     barriers stay in step for the next call."""
-    from ddlkernels._wait import Deadline
+    from ddlkernels.safety.deadline import Deadline
 
     shm = ShmAllreduce(COMM)
     cma = CmaAllreduce(shm)
@@ -362,19 +363,20 @@ def test_the_allgather_tuner_weighs_it_and_a_size_settled_on_it_runs_on_both_pat
     """From CMA_GATHER_FROM bytes an allgather measures "cma" too: the trials run it, every call gathers every
     shard, and a size settled on it runs it on the fast path (``count=``) and the full one (lengths
     exchanged) alike; below that size it is no candidate."""
-    from ddlkernels._tuner import CMA_GATHER_FROM, tuning_calls
+    from ddlkernels.algorithms.cma import CMA_GATHER_FROM
+    from ddlkernels.select.tuner import tuning_calls
 
     with ddlkernels.Communicator(COMM) as dc:
-        _, below = dc._shard_choices(CMA_GATHER_FROM - 4, False, None, True, "allgather")
+        below = dc.candidates(np.zeros(CMA_GATHER_FROM // 4 - 1, np.float32), collective="allgather")
         assert "cma" not in below, below
-        _, rs = dc._shard_choices(4 * CMA_GATHER_FROM, False, None, True, "reduce_scatter")
+        rs = dc.candidates(np.zeros(CMA_GATHER_FROM, np.float32), collective="reduce_scatter")
         assert "cma" not in rs, rs
         count = CMA_GATHER_FROM // 4 + P + 1  # float32, uneven shards
         bounds = [dc.shard_range(count, rank=q) for q in range(P)]
         full = np.concatenate([rank_data(b - a, q, P, np.float32, salt=5) for q, (a, b) in enumerate(bounds)])
         lo, hi = bounds[RANK]
         shard = full[lo:hi].copy()
-        _, cands = dc._shard_choices(count * 4, False, None, True, "allgather")
+        cands = dc.candidates(full, collective="allgather")
         assert cands[-1] == "cma", cands
         n = tuning_calls(count * 4, len(cands))
         seen = []
@@ -383,12 +385,12 @@ def test_the_allgather_tuner_weighs_it_and_a_size_settled_on_it_runs_on_both_pat
             assert np.array_equal(y, full), f"call {k} ({dc.last_algorithm})"
             seen.append(dc.last_algorithm)
         assert "cma" in seen, seen
-        dc._shard_tuners["allgather"].settle(count * 4, cands, "cma")  # alike on every rank
-        dc._ag_fast_cache.clear()
+        dc.settle(full, "cma", collective="allgather")  # alike on every rank
         out = np.empty(count, np.float32)
         for k in range(3):
             y = (dc.allgather(shard, count=count, out=out) if k == 0 else dc.allgather(shard, count=count)
                  if k == 1 else dc.allgather(shard))  # the last: lengths exchanged, the full path
             assert dc.last_algorithm == "cma", k
             assert np.array_equal(y, full), f"settled on cma, call {k}"
-        assert any(h and h[0] == "cma" for h in dc._ag_fast_cache.values()), dc._ag_fast_cache
+        fast = dc.decisions()["allgather"]["fast"]
+        assert list(fast.values()) == ["cma"], fast

@@ -1,7 +1,7 @@
 """allreduce_many and the asynchronous handles, under any rank count.
 
 Bitwise equality with per-tensor ``allreduce`` holds whenever every partial
-sum is exact, whatever the reduction order (see ddlkernels/_fusion.py); the
+sum is exact, whatever the reduction order (see ddlkernels/fusion.py); the
 data here are small multiples of 1/4, exact in every float type for up to 8
 ranks, and differ per rank and per element so a misplaced slice fails.
 """
@@ -11,9 +11,11 @@ import pytest
 from mpi4py import MPI
 
 import ddlkernels
-from ddlkernels._fusion import plan_buckets
+from ddlkernels import fusion
+from ddlkernels.collectives.allreduce import allreduce_segments
+from ddlkernels.fusion import plan_buckets
 from ddlkernels.backends import get_backend
-from ddlkernels._engine import Segments
+from ddlkernels.ring.segments import Segments
 from helpers import ALL_DTYPES, DTYPE_IDS, assert_close, assert_same_on_all_ranks, dims_cases, parts_with_gaps
 
 COMM = MPI.COMM_WORLD
@@ -108,7 +110,7 @@ def test_segments_ring_equals_ring_of_the_packed_buffer(dims, op, chunk_bytes):
     c = ddlkernels.Communicator(COMM, small_bytes=0)  # the ring, never MPI's allreduce
     want = c.allreduce(packed, op, dims=dims, chunk_bytes=chunk_bytes)
     got = np.full(count, np.nan, np.float32)
-    c._allreduce_segments(Segments(count, np.float32, parts), got, op, dims=dims, chunk_bytes=chunk_bytes)
+    allreduce_segments(c, Segments(count, np.float32, parts), got, op, dims=dims, chunk_bytes=chunk_bytes)
     # Padding positions are never read back; every part's elements must match.
     for off, a in parts:
         assert np.array_equal(raw(got[off : off + a.size]), raw(want[off : off + a.size])), (dims, op, off)
@@ -131,24 +133,25 @@ def test_torch_cpu_tensors_including_bfloat16():
     assert all(torch.equal(t, w) for t, w in zip(ts, want))
 
 
-def test_one_collective_per_bucket_and_pack_buffer_reused():
+def test_one_collective_per_bucket_and_pack_buffer_reused(monkeypatch):
     c = ddlkernels.Communicator(COMM, small_bytes=0)  # every bucket through the ring
     xs = [exact_data(n, RANK, np.float32, salt=n) for n in (3, 5, 20, 2, 9)]
     buckets = plan_buckets([(x.shape, x.dtype) for x in xs], 64)
     assert [[e.index for e in b.entries] for b in buckets] == [[0, 1], [2], [3, 4]]
     assert [b.direct for b in buckets] == [False, False, False]  # set by FusionJob, not the planner
     calls = []
-    orig, orig_seg = c.allreduce, c._allreduce_segments
+    orig, orig_seg = c.allreduce, fusion.allreduce_segments
 
     def counting(x, *a, **k):
         calls.append(x)
         return orig(x, *a, **k)
 
-    def counting_segments(segs, out, *a, **k):
+    def counting_segments(comm, segs, out, *a, **k):
         calls.append(out)
-        return orig_seg(segs, out, *a, **k)
+        return orig_seg(comm, segs, out, *a, **k)
 
-    c.allreduce, c._allreduce_segments = counting, counting_segments
+    c.allreduce = counting
+    monkeypatch.setattr(fusion, "allreduce_segments", counting_segments)
     got = ddlkernels.allreduce_many(xs, comm=c, fusion_bytes=64)
     # Buckets of 16 float32 at most: [x0 @0, pad, x1 @4] = 9, x2 alone (no copy), [x3 @0, pad, x4 @4] = 13.
     assert [a.shape[0] for a in calls] == [9, 20, 13]
@@ -257,7 +260,7 @@ def test_new_outputs_are_never_overwritten_while_alive_and_their_memory_is_reuse
     # The pool of result buffers is per process: start it empty, so that free
     # buffers left by earlier tests (which ones depends on the rank count and
     # the test order) cannot be the one handed out below.
-    from ddlkernels import _fusion
+    from ddlkernels import fusion as _fusion
 
     _fusion._HOMES.clear()
     xs = [exact_data(n, RANK, np.float32, salt=n) for n in (3, 5, 20, 2, 9)]

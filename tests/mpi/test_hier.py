@@ -1,4 +1,4 @@
-"""The hierarchical allreduce (ddlkernels._hier) on nodes made up inside this one machine.
+"""The hierarchical allreduce (ddlkernels.algorithms.hier) on nodes made up inside this one machine.
 
 Every rank of an ``mpirun`` here shares one node, so the tests split
 COMM_WORLD into groups of equal size and hand each group to the algorithm as
@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 import ddlkernels
 from ddlkernels._dtypes import is_half
-from ddlkernels._hier import HierAllreduce, uniform_nodes
+from ddlkernels.algorithms.hier import HierAllreduce, uniform_nodes
 from ddlkernels.backends import backend_for
 from helpers import ALL_DTYPES, DTYPE_IDS, OPS, assert_close, assert_same_on_all_ranks, rank_data
 
@@ -36,7 +36,7 @@ def _split(placement):
 def hier(request):
     node = _split(request.param)
     assert uniform_nodes(COMM, node)
-    h = HierAllreduce(COMM, node)
+    h = HierAllreduce(COMM, node, lambda cross: ddlkernels.Communicator(cross, shm=False))
     yield h
     h.free()
 
@@ -80,16 +80,17 @@ def test_node_check_is_collective_and_refuses_uneven_or_single_nodes():
 def test_communicator_measures_it_across_nodes(monkeypatch, validate):
     """Wiring: a Communicator whose ranks span nodes of equal size makes "hier" a tuner candidate; with
     ``validate=True`` every rank agrees on it before the call, as on any other path."""
-    import ddlkernels._comm as comm_mod
-    import ddlkernels._hier as hier_mod
-    from ddlkernels._tuner import tuning_calls
+    import ddlkernels.algorithms as where
+    from ddlkernels.select.tuner import tuning_calls
 
-    monkeypatch.setattr(comm_mod, "one_node", lambda comm: False)
-    monkeypatch.setattr(hier_mod, "node_split", lambda comm: comm.Split(color=comm.Get_rank() // K, key=comm.Get_rank()))
+    # What the Communicator's placement (ddlkernels.algorithms.place) learns: nodes of K ranks.
+    monkeypatch.setattr(where, "one_node", lambda comm: False)
+    monkeypatch.setattr(where, "node_split", lambda comm: comm.Split(color=comm.Get_rank() // K, key=comm.Get_rank()))
     x = rank_data(1 << 18, RANK, P, np.float32)  # 1 MiB: candidates mpi, ring and hier
     inputs = COMM.allgather(x)
     with ddlkernels.Communicator(COMM) as dc:
-        assert dc._shm_mode is None and dc._hier_ok
+        assert "shm" not in dc.algorithms and "hier" in dc.algorithms
+        assert dc.candidates(x) == ("mpi", "ring", "hier")
         seen = []
         n = tuning_calls(x.nbytes, 3)
         for k in range(n + 3):

@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 import ddlkernels
-from ddlkernels._tuner import tuning_calls
+from ddlkernels.select.tuner import tuning_calls
 from helpers import rank_data
 
 COMM = MPI.COMM_WORLD
@@ -28,8 +28,8 @@ SIZES = [5, 700, 9000, 140_000]
 
 
 def calls_to_settle(dc, n):
-    _, cands = dc._choices(8 * n, False, np.dtype(np.float64), "sum", None)
-    return tuning_calls(8 * n, len(cands or ())) + 3
+    cands = dc.candidates(np.zeros(n, np.float64))
+    return tuning_calls(8 * n, len(cands)) + 3
 
 
 def placed(k, x, shared):

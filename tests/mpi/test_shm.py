@@ -1,4 +1,4 @@
-"""The shared-memory allreduce (ddlkernels._shm): every dtype, op and edge size, pieces, skewed ranks.
+"""The shared-memory allreduce (ddlkernels.algorithms.shm): every dtype, op and edge size, pieces, skewed ranks.
 
 All ranks of an ``mpirun`` on this machine share one node, so the algorithm
 applies whenever P > 1; the tests skip at P = 1, where there is nothing to
@@ -12,7 +12,8 @@ import pytest
 from mpi4py import MPI
 
 import ddlkernels
-from ddlkernels._shm import ShmAllreduce, one_node
+from ddlkernels.algorithms.shm import ShmAllreduce
+from ddlkernels.algorithms.window import one_node
 from ddlkernels.backends import backend_for
 from helpers import ALL_DTYPES, DTYPE_IDS, OPS, assert_close, assert_same_on_all_ranks, parts_with_gaps, rank_data
 
@@ -33,10 +34,13 @@ def forced():
 @needs_peers
 def test_this_job_is_on_one_node():
     assert one_node(COMM)
+    x = np.zeros(1000)
     with ddlkernels.Communicator(COMM) as dc:
-        assert dc._shm_mode is False  # a tuner candidate
+        assert "shm" in dc.algorithms and "shm" in dc.candidates(x)  # a tuner candidate
     with ddlkernels.Communicator(COMM, shm=False) as dc:
-        assert dc._shm_mode is None
+        assert "shm" not in dc.algorithms and "shm" not in dc.candidates(x)
+    with ddlkernels.Communicator(COMM, shm=True) as dc:
+        assert dc.candidates(x) == ("shm",)  # forced
 
 
 @needs_peers
@@ -126,35 +130,32 @@ def test_small_and_large_calls_interleave(n):
 
 
 @needs_peers
-def test_free_then_use_again_allocates_a_new_window(forced):
+def test_free_then_use_again_allocates_a_new_window():
     x = rank_data(1000, RANK, P, np.float64)
-    a = forced.allreduce(x)
-    forced._shm.free()
-    b = forced.allreduce(x)
-    assert np.array_equal(a, b)
+    shm, reduce = ShmAllreduce(COMM), backend_for(x).reduce
+    a, b = np.empty_like(x), np.empty_like(x)
+    shm.run(x, a, "sum", reduce)
+    shm.free()
+    assert not shm.allocated
+    shm.run(x, b, "sum", reduce)
+    assert shm.allocated and np.array_equal(a, b)
+    shm.free()
 
 
 @needs_peers
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64, np.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("op", ["sum", "prod", "max", "min", "avg"])
 def test_fast_path_of_a_size_settled_on_shm(dtype, op):
-    """Sizes the tuner settled on shm: the fast path's prepared small-message call, every placement and shape.
-
-    Float max/min and float16 never take the fast path (MPI is no candidate
-    for them), and "avg" takes the full path; every call must still be the
-    rank-order fold, bit for bit, and agree with a forced-shm communicator.
-    """
-    from ddlkernels._comm import _FAST_TABLE
-
+    """Sizes settled on shm: the fast path's plan (the window's prepared small-message call, or its ``run``
+    for "avg" and the types numpy cannot add directly), every placement and shape; every call must be the
+    rank-order fold, bit for bit, and agree with a forced-shm communicator."""
     shapes = [(1,), (P + 1,), (7, 13), (1000,)]  # up to 8 KiB: below whole_below
     dt = np.dtype(dtype)
     with ddlkernels.Communicator(COMM) as dc, ddlkernels.Communicator(COMM, shm=True) as ref:
-        fast_op = op != "avg" and (op, dt.char) in _FAST_TABLE  # MPI's types and ops, as the fast path takes
         for shape in shapes:
             count = int(np.prod(shape))
             nbytes = count * dt.itemsize
-            _, cands = dc._choices(nbytes, False, dt, "sum" if op == "avg" else op, None)
-            dc._tuner.settle(nbytes, cands, "shm")
+            dc.settle(np.zeros(shape, dt), "shm", op)
             for call in range(3):
                 x = rank_data(count, RANK, P, dtype, salt=call).reshape(shape)
                 want = ref.allreduce(x, op)
@@ -170,11 +171,8 @@ def test_fast_path_of_a_size_settled_on_shm(dtype, op):
                         assert dc.allreduce(y, op, out=y) is y
                     assert dc.last_algorithm == "shm", what
                     assert np.array_equal(y.view(np.uint8), want.view(np.uint8)), f"{what} {how}"
-            fast = [h for k, h in dc._fast.items() if k[1] == dt and k[2] == nbytes and h]
-            if fast_op:
-                assert len(fast) == 1 and callable(fast[0][1]), (shape, fast)  # the prepared call ran, any placement
-            else:
-                assert not fast  # the full path ran
+            fast = [a for k, a in dc.decisions()["allreduce"]["fast"].items() if k[1] == dt and k[2] == nbytes]
+            assert fast == ["shm"], (shape, fast)  # the fast path's plan ran, any placement
 
 
 @needs_peers
@@ -182,16 +180,17 @@ def test_the_tuner_weighs_the_window_with_spilled_results_and_either_runs_on_bot
     """From SPILL_FROM bytes "shm-nt" (``run(spill=True)``) is a candidate beside "shm": every candidate
     runs in the trials, each computes the allreduce, ranks agree on it under ``validate=True``, and a size
     settled on "shm-nt" runs it on the fast path (``out=``) and the full one alike."""
-    from ddlkernels._tuner import SPILL_FROM, candidates, tuning_calls
+    from ddlkernels.algorithms.shm import SPILL_FROM
+    from ddlkernels.select.tuner import tuning_calls
 
     x = rank_data(SPILL_FROM // 8, RANK, P, np.float64)
     inputs = COMM.allgather(x)
     out = np.empty_like(x)
     with ddlkernels.Communicator(COMM) as dc:
-        _, cands = dc._choices(x.nbytes, False, x.dtype, "sum", None)
-        # The single-copy allreduce (ddlkernels._cma) too where this machine lets ranks read each other.
-        assert cands == candidates(x.nbytes, shm=True, cma=dc._cma_ok)
-        assert cands[:4] == ("mpi", "ring", "shm", "shm-nt")
+        cands = dc.candidates(x)
+        # The single-copy allreduce (ddlkernels.algorithms.cma) too where this machine lets ranks read each other.
+        assert cands == ("mpi", "ring", "shm", "shm-nt") + ("cma",) * ("cma" in dc.algorithms)
+        assert dc.candidates(x[: x.size // 2]) == ("mpi", "ring", "shm") + ("cma",) * ("cma" in dc.algorithms)
         n = tuning_calls(x.nbytes, len(cands))
         seen = []
         for k in range(n + 2):
@@ -199,8 +198,7 @@ def test_the_tuner_weighs_the_window_with_spilled_results_and_either_runs_on_bot
             assert_close(y, inputs, "sum", np.float64, f"call {k}")
             seen.append(dc.last_algorithm)
         assert set(seen[:n]) == set(cands), seen
-        dc._tuner.settle(x.nbytes, cands, "shm-nt")  # alike on every rank
-        dc._fast.clear()
+        dc.settle(x, "shm-nt")  # alike on every rank
         for k in range(4):
             y = dc.allreduce(x, "sum", out=out if k % 2 else None)
             assert dc.last_algorithm == "shm-nt"
@@ -216,7 +214,7 @@ def test_allgather_stream_argument_overrides_the_size_rule(stream, dtype):
     """``allgather(stream=)`` writes its output with non-temporal stores or without, whatever
     ``gather_stream_from`` says (the tuner's "shm" / "shm-nt"), and ranks may differ: every element lands
     where it belongs either way, compiled (float32) or in Python (float16), with and without a deadline."""
-    from ddlkernels._wait import Deadline
+    from ddlkernels.safety.deadline import Deadline
 
     want = {"on": True, "off": False, "by-rank": RANK % 2 == 0}[stream]
     # The size rule says the opposite of what is asked, so a call that ignored stream= would differ.
@@ -241,8 +239,8 @@ def test_the_allgather_tuner_weighs_streamed_output_and_either_runs_on_both_path
     """From GATHER_STREAM_FROM bytes an allgather measures "shm-nt" (its output written with non-temporal
     stores) beside "shm": every candidate runs in the trials, each gathers every shard, and a size settled
     on either runs it on the fast path (``count=``, ``out=``) and the full one (no ``count``) alike."""
-    from ddlkernels._shm import GATHER_STREAM_FROM
-    from ddlkernels._tuner import tuning_calls
+    from ddlkernels.algorithms.shm import GATHER_STREAM_FROM
+    from ddlkernels.select.tuner import tuning_calls
 
     count = GATHER_STREAM_FROM // 4 + P + 1  # float32: a bucket that measures "shm-nt", uneven shards
     with ddlkernels.Communicator(COMM) as dc:
@@ -250,12 +248,13 @@ def test_the_allgather_tuner_weighs_streamed_output_and_either_runs_on_both_path
         full = np.concatenate([rank_data(b - a, q, P, np.float32, salt=9) for q, (a, b) in enumerate(bounds)])
         lo, hi = bounds[RANK]
         shard = full[lo:hi].copy()
-        _, cands = dc._shard_choices(count * 4, False, None, True, "allgather")
-        assert cands == ("mpi", "ring", "shm", "shm-nt") + ("cma",) * dc._cma_ok, cands
-        _, rs_cands = dc._shard_choices(count * 4, False, None, True, "reduce_scatter")
+        cma = ("cma",) * ("cma" in dc.algorithms)
+        cands = dc.candidates(full, collective="allgather")
+        assert cands == ("mpi", "ring", "shm", "shm-nt") + cma, cands
+        rs_cands = dc.candidates(full, collective="reduce_scatter")
         assert rs_cands == ("mpi", "ring", "shm"), rs_cands  # reduce_scatter never streams
-        _, below = dc._shard_choices(GATHER_STREAM_FROM - 4, False, None, True, "allgather")
-        assert below == ("mpi", "ring", "shm") + ("cma",) * dc._cma_ok, below
+        below = dc.candidates(np.zeros(GATHER_STREAM_FROM // 4 - 1, np.float32), collective="allgather")
+        assert below == ("mpi", "ring", "shm") + cma, below
         n = tuning_calls(count * 4, len(cands))
         out = np.empty(count, np.float32)
         seen = []
@@ -265,15 +264,14 @@ def test_the_allgather_tuner_weighs_streamed_output_and_either_runs_on_both_path
             seen.append(dc.last_algorithm)
         assert set(seen[:n]) == set(cands), seen
         for algo in ("shm-nt", "shm"):
-            dc._shard_tuners["allgather"].settle(count * 4, cands, algo)  # alike on every rank
-            dc._ag_fast_cache.clear()
+            dc.settle(full, algo, collective="allgather")  # alike on every rank
             for k in range(3):
                 y = (dc.allgather(shard, count=count, out=out) if k == 0 else dc.allgather(shard, count=count)
                      if k == 1 else dc.allgather(shard))  # the last: lengths exchanged, the full path
                 assert dc.last_algorithm == algo, (algo, k)
                 assert np.array_equal(y, full), f"settled on {algo}, call {k}"
-            hits = [h for h in dc._ag_fast_cache.values() if h]
-            assert hits and all(h[0] == algo and h[3] is (algo == "shm-nt") for h in hits), hits
+            hits = list(dc.decisions()["allgather"]["fast"].values())
+            assert hits == [algo], hits
         assert np.array_equal(shard, full[lo:hi]), "shard modified"
 
 
@@ -298,7 +296,7 @@ def test_explicit_dims_keep_the_ring_and_timeouts_poll(forced):
                          ids=["pieces16B", "pieces100B", "one-piece", "whole"])
 def test_fusion_bucket_read_in_place_equals_the_packed_buffer(op, piece_bytes, whole_below):
     """A ``Segments`` (parts with gaps, empty parts) staged straight from its arrays: the packed buffer's bits."""
-    from ddlkernels._engine import Segments
+    from ddlkernels.ring.segments import Segments
 
     parts, packed = parts_with_gaps(lambda n, k: rank_data(n, RANK, P, np.float32, salt=k))
     count = packed.size
@@ -387,7 +385,7 @@ def _varied(n, dtype, op):
 @pytest.mark.parametrize("op", ["sum", "prod"])
 @pytest.mark.parametrize("form", ["pieces", "spilled", "shared"])
 def test_the_fold_is_in_rank_order_where_rounding_shows(dtype, op, form):
-    """The window's fold runs its operands four, then three, at a time (``_shm_loops._fold_block``): with
+    """The window's fold runs its operands four, then three, at a time (``ddlkernels.kernels.node_primitives._fold_block``): with
     data whose bits show the order, every element of the allreduce (staged, spilled, or read from inputs in
     shared memory) and of the reduce-scatter is still ((x0 op x1) op x2) ..., at every rank count (5, 6 and 7
     ranks end on a run of 1, 2 and 3)."""
@@ -483,7 +481,7 @@ def test_communicator_reduce_scatter_and_allgather_take_the_window(forced):
     x = rank_data(10_007, RANK, P, np.float32)
     shard = forced.reduce_scatter(x, "avg")
     assert forced.last_algorithm == "shm"
-    assert forced._rs_fast_cache, "the settled fast path was not taken"
+    assert forced.decisions()["reduce_scatter"]["fast"], "the settled fast path was not taken"
     full_path = forced.reduce_scatter(x, "avg", validate=False)  # any explicit check option: the full path
     assert np.array_equal(full_path, shard)
     # The fast path leaves unusual inputs to the full path: errors raise there, strided arrays are copied.
@@ -520,7 +518,7 @@ def _special(dtype, n, rank):
 @pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
 @pytest.mark.parametrize("form", ["whole", "pieces"])
 def test_compiled_calls_keep_numpys_bits_for_nan_zero_and_inf(dtype, op, form):
-    """The compiled small-message call and the compiled pieces (ddlkernels.kernels.shm_loops) are numpy's ufunc fold bit
+    """The compiled small-message call and the compiled pieces (ddlkernels.kernels.window_loops) are numpy's ufunc fold bit
     for bit, signed zeros, infinities and NaNs included, in and out of place -- but for which NaN a sum or product
     of two NaNs returns, which numpy itself does not fix (it varies with the element's place in the array): there
     the result is a NaN of one of the inputs, quieted, and the same on every rank."""
@@ -568,7 +566,7 @@ def test_ranks_with_and_without_a_timeout_meet_in_the_same_barrier(whole_below):
     """``timeout=`` is per call and per rank: a rank in the Python loop, polling its barrier from Python, and a
     rank in the compiled loop (and barrier) still meet, call after call -- allreduce, reduce_scatter and
     allgather alike."""
-    from ddlkernels._wait import Deadline
+    from ddlkernels.safety.deadline import Deadline
 
     shm = ShmAllreduce(COMM, piece_bytes=64, whole_below=whole_below)
     reduce = backend_for(np.empty(0)).reduce
@@ -594,8 +592,8 @@ def test_ranks_with_and_without_a_timeout_meet_in_the_same_barrier(whole_below):
 @pytest.mark.parametrize("count", [50 * P + 3, 20000 * P + 3], ids=["whole", "pieces"])
 def test_shard_fast_paths_hold_the_windows_compiled_calls_and_free_drops_them(count):
     """A reduce_scatter/allgather on the window, small (one compiled call) or large (the compiled loop): after
-    the first call (the full path, which allocates the window) the fast paths keep its prepared call; free()
-    forgets them with the window."""
+    the first call (the full path, which allocates the window) the fast paths keep a plan of the window's
+    prepared call; free() forgets them with the window."""
     with ddlkernels.Communicator(COMM, shm=True) as dc:
         x = rank_data(count, RANK, P, np.float64)
         want = dc.allreduce(x)
@@ -605,10 +603,16 @@ def test_shard_fast_paths_hold_the_windows_compiled_calls_and_free_drops_them(co
             assert np.array_equal(shard, want[lo:hi]) and dc.last_algorithm == "shm"
             whole = dc.allgather(shard, count=count)
             assert np.array_equal(whole, want) and dc.last_algorithm == "shm"
-        assert any(h and h[6] is not None for h in dc._rs_fast_cache.values()), dc._rs_fast_cache
-        assert any(h and h[2] is not None for h in dc._ag_fast_cache.values()), dc._ag_fast_cache
+        window = dc.algorithms["shm"].window()
+        bounds = [dc.shard_range(count, rank=q) for q in range(P)]
+        assert window.shard_fn("reduce_scatter", x.dtype, count, "sum", bounds) is not None  # compiled
+        assert window.shard_fn("allgather", x.dtype, count, None, bounds, None) is not None
+        decided = dc.decisions()
+        assert list(decided["reduce_scatter"]["fast"].values()) == ["shm"], decided
+        assert list(decided["allgather"]["fast"].values()) == ["shm"], decided
         dc.free()
-        assert not dc._rs_fast_cache and not dc._ag_fast_cache
+        decided = dc.decisions()
+        assert not decided["reduce_scatter"]["fast"] and not decided["allgather"]["fast"]
 
 
 @needs_peers
@@ -668,7 +672,7 @@ def test_skewed_ranks_never_read_a_shared_input_too_early_or_too_late(whole_belo
     """Ranks that refill their shared input right after a call returns, while a peer is late: every result is
     still the sum of that call's inputs (a peer reads my input only between the barriers of the call).  Half
     the ranks of each call wait with a timeout (polled barriers), the others without: the same barriers."""
-    from ddlkernels._wait import Deadline
+    from ddlkernels.safety.deadline import Deadline
 
     shm = ShmAllreduce(COMM, piece_bytes=4096, whole_below=whole_below)
     reduce = backend_for(np.empty(0)).reduce
@@ -696,7 +700,7 @@ def test_communicator_empty_gives_shared_memory_and_the_allreduce_reads_it():
         want = dc.allreduce(keep)
         got = dc.allreduce(a)
         assert np.array_equal(got, want) and np.array_equal(a, keep)
-        assert dc._shm._flags.reshape(P, -1)[RANK, 1] > 0  # read in place, not staged
+        assert dc.algorithms["shm"].window().read_in_place()  # read in place, not staged
         dc.allreduce(a, out=a)
         assert np.array_equal(a, want)
         # The fast path of a settled size serves it too, with the same bits.
@@ -725,10 +729,10 @@ def test_free_keeps_the_memory_of_arrays_still_in_use_and_releases_the_rest():
     rank, or held only by a dead reference cycle, has its window freed."""
     import gc
 
-    from ddlkernels import _shm
+    from ddlkernels.algorithms import window as _window
 
     gc.collect()
-    kept_before = len(_shm._KEPT)
+    kept_before = len(_window._KEPT)
     n = 3000
     with ddlkernels.Communicator(COMM, shm=True) as dc:
         view = dc.empty(n + 5, np.int64)[5:]  # only a view outlives the call's own array
@@ -744,7 +748,7 @@ def test_free_keeps_the_memory_of_arrays_still_in_use_and_releases_the_rest():
         if RANK != 0:
             del on_rank0
     # After free: two windows kept (the view's on every rank, and rank 0's on every rank alike), two freed.
-    assert len(_shm._KEPT) - kept_before == 2, f"kept {len(_shm._KEPT) - kept_before} windows"
+    assert len(_window._KEPT) - kept_before == 2, f"kept {len(_window._KEPT) - kept_before} windows"
     assert _mapped(view.ctypes.data) and _mapped(view.ctypes.data + view.nbytes - 1)
     assert np.array_equal(view, rank_data(n, RANK, P, np.int64)), "a kept array lost its data"
     view[...] = want  # and is writable
@@ -785,4 +789,5 @@ def test_module_level_empty_is_read_in_place_by_the_module_functions():
     for _ in range(60):  # through the tuner's trials to its choice
         assert np.array_equal(ddlkernels.allreduce(a), want) and np.array_equal(a, keep)
     if dc.last_algorithm == "shm":
-        assert dc._shm._shared_at(a)[0] > 0 and dc._shm._flags.reshape(P, -1)[RANK, 1] > 0
+        window = dc.algorithms["shm"].window()
+        assert window.shared_at(a.reshape(-1))[0] > 0 and window.read_in_place()

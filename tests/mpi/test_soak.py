@@ -22,5 +22,5 @@ def test_short_soak_exact_and_flat():
     res = soak(comm, 600, [200, 600], seed=7, max_n=20_000)
     assert res["wrong"] == 0, f"{res['wrong']} wrong results, first: {res['first_bad']}"
     assert res["growth_max"] < 0.05, f"resident memory grew {res['growth_max']:+.2%}: {res['rss']}"
-    assert len(comm._plans) <= 1024 and len(comm._schedules) <= 257
+    assert len(comm.ring_plans) <= 1024 + 257  # plans and schedules cached, bounded
     comm.free()

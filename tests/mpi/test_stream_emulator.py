@@ -24,7 +24,8 @@ import pytest
 from mpi4py import MPI
 
 import ddlkernels
-from ddlkernels import _async, _comm
+from ddlkernels import communicator as _comm
+from ddlkernels import asynchronous as _async
 from ddlkernels.transport import direct as _transport, staged as _staged
 from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name
 from stream_emulator import emulated_device

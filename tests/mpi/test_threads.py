@@ -19,7 +19,7 @@ import pytest
 from mpi4py import MPI
 
 import ddlkernels
-from ddlkernels._async import progress_engine
+from ddlkernels.asynchronous import progress_engine
 from helpers import rank_data
 
 COMM = MPI.COMM_WORLD

@@ -163,10 +163,10 @@ def test_the_first_single_copy_call_waits_under_the_deadline():
     """The single-copy allreduce sets the window's flags up at its first call: the same."""
 
     def settled_on_cma(c):
-        if not c._cma_ok:
+        if "cma" not in c.algorithms:
             pytest.skip("process_vm_readv is not permitted between these ranks")
         x = rank_data(1 << 14, RANK, P, np.float64)
-        c._tuner.settle(x.nbytes, c._choices(x.nbytes, False, x.dtype, "sum", None)[1], "cma")
+        c.settle(x, "cma")
         c.allreduce(x)
 
     err = missing_rank(settled_on_cma)
@@ -219,12 +219,11 @@ def test_a_late_rank_completes_the_abandoned_call_then_a_new_communicator_works(
 def test_a_per_call_timeout_leaves_the_communicator_unusable_on_its_fast_path_too():
     """A Communicator without a timeout of its own, a size settled (served by the fast path), one call with
     ``timeout=`` that a rank misses: the next plain call must refuse too, not run on the broken communicator."""
-    from ddlkernels._tuner import tuning_calls
+    from ddlkernels.select.tuner import tuning_calls
 
     dc = ddlkernels.Communicator(COMM)
     x = rank_data(4, RANK, P, np.float64)
-    _, cands = dc._choices(x.nbytes, False, x.dtype, "sum", None)
-    for _ in range(tuning_calls(x.nbytes, len(cands)) + 1):
+    for _ in range(tuning_calls(x.nbytes, len(dc.candidates(x))) + 1):
         dc.allreduce(x)
     if RANK != ODD:
         with pytest.raises(ddlkernels.CollectiveTimeout):

@@ -13,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 import ddlkernels
-from ddlkernels._validate import check_agreement
+from ddlkernels.safety.validate import check_agreement
 from helpers import assert_close, rank_data
 
 COMM = MPI.COMM_WORLD

@@ -220,7 +220,7 @@ def test_torch_allreduce_many_and_async(comm):
     h = ddlkernels.allreduce_many_async([h.cuda() for h in hosts], "avg", comm=comm, fusion_bytes=256)
     later = h.wait()
     for o, l, r in zip(outs, later, refs):
-        # Fused buckets add elements in another order than the single allreduce (ddlkernels._fusion): the data
+        # Fused buckets add elements in another order than the single allreduce (ddlkernels.fusion): the data
         # are exact multiples of 1/16, so the sums are exact and the bits equal anyway.
         assert torch.equal(o.cpu(), r) and torch.equal(l.cpu(), r)
     CALLS[0] += 2 * len(shapes)
