@@ -16,3 +16,14 @@ def comm():
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
+
+
+def pytest_addoption(parser):
+    parser.addoption("--every-rank-count", action="store_true",
+                     help="under mpirun, run every case of each @pytest.mark.sweep test at this rank count, not "
+                          "only its share (tests/mpi/conftest.py)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "sweep: a grid of cases shared out among the rank counts 2, 3 and 4 "
+                                       "(tests/mpi/conftest.py); --every-rank-count runs them all")

@@ -17,6 +17,7 @@ from ddlkernels.tools.bench import COLLECTIVES, Collective, make_impls, run_swee
 EDGE_BYTES = lambda p: sorted({0, 4, 4 * max(p - 1, 1), 4 * (p + 1), 4 * 97, 1 << 12})  # noqa: E731
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("kind", COLLECTIVES)
 @pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("int32", "max"), ("float64", "avg"), ("bfloat16", "sum"),
                                       ("float16", "prod"), ("int64", "avg")])
