@@ -249,7 +249,7 @@ def test_wide_reduce_partial_overlap_is_numpys_result(dtype, wide_path):
             want = np.add(a.copy(), b)
             if wide_path == "compiled":
                 before = buf.copy()
-                assert loop[0](d, a, b) is False  # declined, having written nothing
+                assert loop[0](d, a, b, 1 << 62) is False  # declined, having written nothing
                 assert np.array_equal(bits(buf), bits(before))
             BE.reduce("sum", d, a, b)
         assert np.array_equal(bits(d), bits(want)), shift
@@ -259,8 +259,8 @@ def test_wide_loop_declines_mismatched_lengths_without_writing():
     from ddlkernels.kernels.host_loops import reduce as loop
 
     a, b, d = np.ones(8, np.float32), np.ones(7, np.float32), np.zeros(8, np.float32)
-    assert loop[0](d, a, b) is False and not d.any()
-    assert loop[0](d, a, a) is True and (d == 2).all()
+    assert loop[0](d, a, b, 1 << 62) is False and not d.any()
+    assert loop[0](d, a, a, 1 << 62) is True and (d == 2).all()
 
 
 def test_wide_reduce_of_what_the_loop_cannot_type_is_numpys():

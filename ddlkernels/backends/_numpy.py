@@ -36,12 +36,17 @@ _COMPILED = {"sum": 0, "prod": 1}
 _LOOP: list = []
 
 
+#: ``[STREAM_FROM]`` of ``ddlkernels.kernels.host_loops``, beside ``_LOOP``.
+_STREAM_FROM: list = []
+
+
 def _host_loop():
     if not _LOOP:
         try:
-            from ..kernels.host_loops import reduce as loop
+            from ..kernels.host_loops import STREAM_FROM, reduce as loop
         except Exception:  # noqa: BLE001 - no Numba here: numpy's loop computes the same bits
-            loop = None
+            loop, STREAM_FROM = None, None
+        _STREAM_FROM.append(STREAM_FROM)
         _LOOP.append(loop)
     return _LOOP[0]
 
@@ -122,7 +127,7 @@ class NumpyBackend(Backend):
                 loop = _LOOP[0] if _LOOP else _host_loop()
                 if loop is not None and dst.ndim == 1 and a.dtype == dst.dtype and b.dtype == dst.dtype:
                     try:
-                        if loop[_COMPILED[op]](dst, a, b):
+                        if loop[_COMPILED[op]](dst, a, b, _STREAM_FROM[0]):
                             return
                     except Exception:  # noqa: BLE001 - what Numba cannot type (0-d, read-only out): numpy's
                         pass           # ufunc computes it, or raises numpy's own error

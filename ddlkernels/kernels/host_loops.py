@@ -192,9 +192,10 @@ def _checked(d, a, b, combine, stream_from):
 
 
 # One compiled function per op, as the shared-memory loops (``ddlkernels.kernels.window_loops``): a process compiles
-# only the ops it calls (bench/results/constants.md, one compiled function per op).
+# only the ops it calls (bench/results/constants.md, one compiled function per op).  ``stream_from`` has no
+# default: Numba compiles a call that omits an argument apart from one that passes it (~3 s each, per dtype).
 @njit(cache=True, nogil=True)
-def reduce_sum(d, a, b, stream_from=STREAM_FROM):
+def reduce_sum(d, a, b, stream_from):
     """``d = a + b`` (``reduce_prod``: ``a * b``; ``reduce[op]`` for op ``SUM`` or ``PROD``); False, having
     written nothing, where the preconditions fail.  From ``stream_from`` bytes a C-contiguous ``d`` apart from
     both operands is written with non-temporal stores (``STREAM_FROM``); the bits are the same either way."""
@@ -202,7 +203,7 @@ def reduce_sum(d, a, b, stream_from=STREAM_FROM):
 
 
 @njit(cache=True, nogil=True)
-def reduce_prod(d, a, b, stream_from=STREAM_FROM):
+def reduce_prod(d, a, b, stream_from):
     return _checked(d, a, b, _mul, stream_from)
 
 
