@@ -1,6 +1,6 @@
 """Run the whole test suite: single-process tests, then the MPI tests under several rank counts.
 
-    python tests/run_suite.py [--ranks 1,2,3,4] [--quick] [pytest args...]
+    python tests/run_suite.py [--ranks 1,2,3,4] [--compile-jobs 2] [pytest args...]
 
 Each MPI run is ``mpirun -n N python -m mpi4py tests/_mpi_pytest.py tests/mpi``
 with ``MPIEXEC_TIMEOUT`` set, so a rank that fails aborts the job (through
@@ -82,9 +82,20 @@ def main(argv=None):
     ap.add_argument("--ranks", default="1,2,3,4", help="comma-separated rank counts for tests/mpi")
     ap.add_argument("--timeout", type=int, default=900, help="MPIEXEC_TIMEOUT per mpirun, seconds")
     ap.add_argument("--only", choices=["serial", "mpi"], help="run one half only")
+    ap.add_argument("--compile-jobs", type=int, default=2,
+                    help="processes compiling the CPU loops into Numba's cache first (python -m ddlkernels "
+                         "compile); 0: none, each test run compiles what it calls")
     args, rest = ap.parse_known_args(argv)
     totals = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
     failed_runs = []
+    if args.compile_jobs > 0:
+        # On a fresh clone every loop compiles in the first run that calls it: under mpirun, in every rank at
+        # once, in processes holding a whole test session (a 2-rank run ran into its 15-minute timeout so).  Once here,
+        # in lean processes side by side, it takes a few minutes; later runs find it in the cache.
+        rc, _ = run([sys.executable, "-m", "ddlkernels", "compile", "--quiet", "--jobs", str(args.compile_jobs)],
+                    dict(os.environ), "compile ahead")
+        if rc != 0:
+            failed_runs.append(f"compile ahead (exit {rc})")
     if args.only != "mpi":
         cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "tests", "--ignore=tests/mpi", *rest]
         rc, c = run(cmd, dict(os.environ), "single process")

@@ -2,6 +2,7 @@
 
   info       versions, MPI library, CUDA-awareness, backends, detected topology
   job        the main job: allreduce sweep, checked, beside MPI's own Allreduce
+  compile    the CPU loops into Numba's cache, ahead of a job's first calls
 
 Other subcommands (planner, simulator, calibration, benchmarks) register
 themselves from their modules through ``add_subcommands``.
@@ -137,6 +138,9 @@ def build_parser():
                         "(the same count for both lines of a size; in place: single calls); 0: single calls "
                         "between barriers")
     p.set_defaults(func=_job)
+    from ddlkernels.kernels.precompile import add_subcommand
+
+    add_subcommand(sub)
     for mod in _EXTENSIONS:
         try:
             m = importlib.import_module(mod)

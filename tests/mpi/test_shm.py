@@ -797,3 +797,32 @@ def test_module_level_empty_is_read_in_place_by_the_module_functions():
     if dc.last_algorithm == "shm":
         window = dc.algorithms["shm"].window()
         assert window.shared_at(a.reshape(-1))[0] > 0 and window.read_in_place()
+
+
+@needs_peers
+def test_compiling_ahead_covers_every_signature_the_window_compiles():
+    """``python -m ddlkernels compile`` (``ddlkernels.kernels.precompile``) compiles the argument types the
+    window's calls use: after whole and pieced calls of every op, reduce-scatter and allgather included, no window
+    loop holds a signature of those dtypes outside its table (else the first calls would still compile)."""
+    from ddlkernels.kernels import precompile, window_loops
+
+    want = precompile.signatures()
+    shm = ShmAllreduce(COMM, piece_bytes=64, whole_below=256)
+    be = backend_for(np.empty(0))
+    for dtype in precompile.DTYPES:
+        for op in ("sum", "prod", "max", "min"):
+            for n in (5, 301):  # under whole_below, and many pieces
+                x = rank_data(n, RANK, P, dtype)
+                full = np.empty_like(x)
+                shm.run(x, full, op, be.reduce)
+                lo, hi = _bounds(n)[RANK]
+                shard = np.empty(hi - lo, x.dtype)
+                shm.reduce_scatter(x, shard, _bounds(n), op, be.reduce)
+                shm.allgather(shard, full, _bounds(n))
+    shm.free()  # collective: on success only
+    loops = [fn for fn in want if fn.py_func.__module__ == window_loops.__name__]
+    assert len(loops) == 14, loops
+    for fn in loops:
+        held = [s for s in fn.signatures if s[0].dtype.name in precompile.DTYPES]
+        assert held, f"{fn.__name__}: not called, so this test shows nothing of it"
+        assert set(held) <= want[fn], f"{fn.__name__}: compiled {set(held) - want[fn]}, not in the table"
