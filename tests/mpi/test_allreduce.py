@@ -50,7 +50,7 @@ def assert_same_result(z, y, inputs, op, dtype, algos, what):
         assert_same_on_all_ranks(COMM, z, what)
 
 
-@pytest.mark.sweep
+@pytest.mark.sweep("dtype", "op")
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", OPS)
@@ -75,7 +75,7 @@ def test_allreduce_every_dims_and_mode(n, dtype, op):
         assert_same_result(z, y, inputs, op, dtype, (first, last_algorithm()), what)
 
 
-@pytest.mark.sweep
+@pytest.mark.sweep("dtype", "mpi_op")
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("mpi_op", ["SUM", "MAX", "MIN", "PROD"])
@@ -106,7 +106,6 @@ def test_Allreduce_is_a_drop_in_for_comm_Allreduce():
     assert np.array_equal(c.reshape(-1), a)
 
 
-@pytest.mark.sweep
 @pytest.mark.parametrize("dims", DIMS)
 @pytest.mark.parametrize("n", [0, 1, max(P - 1, 0), P + 1, 4099, 65537])
 @pytest.mark.parametrize("op", ["sum", "avg", "max"])

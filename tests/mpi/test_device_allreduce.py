@@ -77,6 +77,7 @@ def same_everywhere(bits: np.ndarray):
 SIZES = sorted({0, 1, max(P - 1, 0), P + 1, 13, 37})
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op", ["sum", "avg", "max", "min", "prod"])
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=[dtype_name(d) for d in SUPPORTED_DTYPES])
 def test_device_equals_host_bitwise(dcomm, dtype, op):

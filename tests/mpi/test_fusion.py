@@ -71,6 +71,7 @@ def test_200_tensors_10B_to_4MB_equal_per_tensor_allreduce(op="sum"):
         assert_close(got[k], COMM.allgather(xs[k]), op, np.float32, f"tensor {k}")
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op", ["sum", "avg", "max", "min", "prod"])
 @pytest.mark.parametrize("fusion_bytes", [16, 100, 4096, 1 << 26])
 def test_mixed_dtypes_and_shapes_every_op(op, fusion_bytes):

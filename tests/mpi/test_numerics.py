@@ -145,6 +145,7 @@ def _numpy_reduce(stack64, op):
     return np.multiply.reduce(stack64, axis=0)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dt", FLOATS + [np.dtype(np.float64)], ids=IDS + ["float64"])
 @pytest.mark.parametrize("op", SPECIAL_OPS)
 def test_nan_inf_propagate_as_numpy(dt, op):

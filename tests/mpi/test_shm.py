@@ -43,7 +43,7 @@ def test_this_job_is_on_one_node():
         assert dc.candidates(x) == ("shm",)  # forced
 
 
-@pytest.mark.sweep
+@pytest.mark.sweep("dtype", "op")
 @needs_peers
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=DTYPE_IDS)
@@ -70,6 +70,7 @@ def test_forced_shm_every_dtype_op_size_in_and_out_of_place(forced, n, dtype, op
         assert np.array_equal(w.view(np.uint8), y.view(np.uint8)), f"{what}: Allreduce differs"
 
 
+@pytest.mark.sweep
 @needs_peers
 @pytest.mark.parametrize("piece_bytes", [1, 8, 24, 100, 4096])
 @pytest.mark.parametrize("dtype", [np.float32, np.int64, np.float16], ids=["float32", "int64", "float16"])
@@ -143,6 +144,7 @@ def test_free_then_use_again_allocates_a_new_window():
     shm.free()
 
 
+@pytest.mark.sweep
 @needs_peers
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64, np.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("op", ["sum", "prod", "max", "min", "avg"])
@@ -291,6 +293,7 @@ def test_explicit_dims_keep_the_ring_and_timeouts_poll(forced):
     assert_close(y, COMM.allgather(x), "sum", np.float32)
 
 
+@pytest.mark.sweep
 @needs_peers
 @pytest.mark.parametrize("op", ["sum", "avg", "max", "prod"])
 @pytest.mark.parametrize("piece_bytes,whole_below", [(16, 0), (100, 0), (1 << 20, 0), (1 << 20, 1 << 20)],
@@ -516,6 +519,7 @@ def _special(dtype, n, rank):
     return np.array(_SPECIAL, dtype=np.uint32)[digits].view(np.float32).astype(dtype)
 
 
+@pytest.mark.sweep
 @needs_peers
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
