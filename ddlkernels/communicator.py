@@ -27,6 +27,7 @@ import numpy as np
 
 from . import _config
 from .algorithms import Algorithms, place
+from .algorithms.window import _gated
 from .collectives import allgather as _allgather, allreduce as _allreduce, decisions as _decisions
 from .collectives import empty as _empty, reduce_scatter as _reduce_scatter
 from .collectives.arguments import in_use, nonneg, positive, where
@@ -125,17 +126,25 @@ class Communicator:
         self.mpi_comm = comm
         if _deadline is None and self.timeout is not None:
             _deadline = Deadline("Communicator creation", comm.Get_rank(), self.timeout)
-        # Nonblocking, so that a rank that never comes is a timeout; once it completes every rank is here.
-        self.comm = duplicate(comm, _deadline)
-        self.size = self.comm.Get_size()
-        self.rank = self.comm.Get_rank()
         from .select.topology import detect
 
-        # Nodes from shared memory, racks from the rack map, link parameters from a calibrated topology file
-        # (``python -m ddlkernels calibrate``) or the documented defaults.
         params = env.topology if topology is None else topology
-        self.topology = detect(self.comm, rack_map=env.rack_map if rack_map is None else rack_map, params=params)
-        placement = place(self.comm, shm)
+
+        def made():
+            # Nonblocking, so that a rank that never comes is a timeout; once it completes every rank is here.
+            dup = duplicate(comm, _deadline)
+            # Nodes from shared memory, racks from the rack map, link parameters from a calibrated topology
+            # file (``python -m ddlkernels calibrate``) or the documented defaults.
+            topo = detect(dup, rack_map=env.rack_map if rack_map is None else rack_map, params=params)
+            return dup, topo, place(dup, shm)
+
+        # One creation of communicators at a time in this process (``_gated``, as for windows): two threads
+        # creating Communicators at once (two progress engines) deadlocked 1 run in 7 to 14 of
+        # tests/mpi/test_threads.py, each rank's two threads in the first collectives of two new communicators
+        # as if Open MPI had paired them crosswise.
+        self.comm, self.topology, placement = _gated(comm, made, _deadline, "MPI_Comm_idup's rendezvous")
+        self.size = self.comm.Get_size()
+        self.rank = self.comm.Get_rank()
         if shm is True and self.size > 1 and not placement.one_node:  # after place(): ranks may differ in shm=
             if placement.hier_node is not None:
                 placement.hier_node.Free()

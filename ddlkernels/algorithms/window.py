@@ -172,7 +172,7 @@ def _forward(r, fd, stop):
 _WINDOW_GATE = threading.Lock()
 
 
-def _gated(comm, make, deadline=None):
+def _gated(comm, make, deadline=None, what="the shared-memory window's creation"):
     """``make()``, a collective creation of MPI windows on ``comm``, while no other thread of this process
     creates one.
 
@@ -188,6 +188,8 @@ def _gated(comm, make, deadline=None):
     windows (every rank is there) and release it; else every rank that holds
     it releases it, and all retry after the same random pause, drawn in the
     same reduction, so that one communicator's ranks retry before another's.
+    The Communicator's creation goes through it too (``what`` names the
+    creation in a timeout's message).
     """
     from mpi4py import MPI
 
@@ -199,8 +201,7 @@ def _gated(comm, make, deadline=None):
         try:
             vote = np.array([0 if held else 1, random.getrandbits(20)], dtype=np.int64)
             agreed = np.empty(2, dtype=np.int64)
-            complete(comm.Iallreduce(vote, agreed, MPI.MAX), deadline,
-                     "the shared-memory window's creation (MPI_Iallreduce)")
+            complete(comm.Iallreduce(vote, agreed, MPI.MAX), deadline, f"{what} (MPI_Iallreduce)")
             if agreed[0] == 0:
                 return make()
         finally:
