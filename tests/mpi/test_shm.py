@@ -178,6 +178,7 @@ def test_fast_path_of_a_size_settled_on_shm(dtype, op):
             assert fast == ["shm"], (shape, fast)  # the fast path's plan ran, any placement
 
 
+@pytest.mark.sweep  # at one rank count of 2 or more: the candidates and trials do not depend on it (~12 s each)
 @needs_peers
 def test_the_tuner_weighs_the_window_with_spilled_results_and_either_runs_on_both_paths():
     """From SPILL_FROM bytes "shm-nt" (``run(spill=True)``) is a candidate beside "shm": every candidate
@@ -637,8 +638,9 @@ def test_shared_inputs_are_read_where_they_lie(dtype, op, shared, piece_bytes, s
     shm = ShmAllreduce(COMM, piece_bytes=piece_bytes, whole_below=0, stream_from=stream_from)
     be = backend_for(np.empty(0, dtype))
     item = np.dtype(dtype).itemsize
-    # 300_007 elements: several pieces of 1 MiB; pieces of 100 B are already ~100 pieces at 4099.
-    cases = ((1, 0), (P + 1, 3), (4099, 1)) + (((300_007, 0),) if piece_bytes >= 4096 else ())
+    # A last size of several pieces: pieces of 100 B are ~100 at 4099 elements already; of 4 KiB, 20_011 gives
+    # every rank's block more than one (2-byte items at 4 ranks); of 1 MiB, 300_007 gives 1.2-2.4 MB in all.
+    cases = ((1, 0), (P + 1, 3), (4099, 1)) + {100: (), 4096: ((20_011, 0),), 1 << 20: ((300_007, 0),)}[piece_bytes]
     for n, skip in cases:
         region = shm.empty((n + skip) * item).view(dtype)  # collective: every rank, shared or not
         mine = shared == "all" or RANK % 2 == 1
