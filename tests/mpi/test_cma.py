@@ -24,6 +24,14 @@ SIZES = sorted({0, 1, max(P - 1, 0), P + 1, 7, 13, 4097, 300_007})
 # shows that (each op compiles a loop per dtype: ~9 s a loop with two ranks compiling at once on the 2-core VM).
 DTYPES = [np.float32, np.float64, np.int32, np.int64, np.uint8]
 NUMPY_OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def op_dtype_grid(dtypes):
+    """A parametrize over every (op, dtype) of ``dtypes``, uint8 with sum only."""
+    pairs = [(op, d) for op in NUMPY_OPS for d in dtypes if d is not np.uint8 or op == "sum"]
+    return pytest.mark.parametrize("op,dtype", pairs, ids=lambda v: v if isinstance(v, str) else np.dtype(v).name)
+
+
 # push_from: never (the allgather reads the owners' blocks) or always (each folded piece written to the peers).
 PUSH = pytest.mark.parametrize("push_from", [1 << 62, 0], ids=["pull", "push"])
 
@@ -52,8 +60,7 @@ def test_probe_agrees_on_every_rank():
 @needs_cma
 @PUSH
 @pytest.mark.parametrize("piece_bytes", [8, 100, 4096, 1 << 20], ids=lambda b: f"pieces{b}B")
-@pytest.mark.parametrize("op,dtype", [(op, d) for op in NUMPY_OPS for d in DTYPES if d is not np.uint8 or op == "sum"],
-                         ids=lambda v: v if isinstance(v, str) else np.dtype(v).name)
+@op_dtype_grid(DTYPES)
 def test_every_dtype_op_size_in_and_out_of_place(piece_bytes, dtype, op, push_from):
     """The rank-order fold, bit for bit and the same on every rank, for 0, 1, p - 1, p + 1, primes and a
     size of several default pieces, pieces smaller than p elements or not a multiple of the item; the input
@@ -115,8 +122,7 @@ def test_the_fold_is_in_rank_order_where_rounding_shows(shared, dtype, op, push_
 @needs_cma
 @PUSH
 @pytest.mark.parametrize("shared", ["all", "odd ranks"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.uint8], ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("op", list(NUMPY_OPS))
+@op_dtype_grid([np.float32, np.float64, np.int32, np.uint8])
 def test_shared_inputs_are_folded_where_they_lie(shared, dtype, op, push_from):
     """An ``x`` in the window's shared memory (``empty``) is read by its peers with plain loads, not through
     the kernel: the same bits as private inputs, at any offset into the region, every rank's input shared or
@@ -127,7 +133,8 @@ def test_shared_inputs_are_folded_where_they_lie(shared, dtype, op, push_from):
     shm = ShmAllreduce(COMM, whole_below=0)
     cma = CmaAllreduce(shm, piece_bytes=4096, push_from=push_from)
     item = np.dtype(dtype).itemsize
-    for k, (n, skip) in enumerate(((1, 0), (P + 1, 3), (4099, 1), (300_007, 0))):
+    # 20_011 elements: more than one 4 KiB piece in every rank's block at 4 ranks, 1-byte items too.
+    for k, (n, skip) in enumerate(((1, 0), (P + 1, 3), (4099, 1), (20_011, 0))):
         region = shm.empty((n + skip) * item).view(dtype)  # collective: every rank, shared or not
         mine = shared == "all" or RANK % 2 == 1
         x = rank_data(n, RANK, P, dtype, salt=n % 97)
