@@ -29,7 +29,7 @@ from . import _config
 from .algorithms import Algorithms, place
 from .algorithms.window import _gated
 from .collectives import allgather as _allgather, allreduce as _allreduce, decisions as _decisions
-from .collectives import empty as _empty, reduce_scatter as _reduce_scatter
+from .collectives import empty as _empty, reduce_scatter as _reduce_scatter, streams as _streams
 from .collectives.arguments import in_use, nonneg, positive, where
 from .ring.engine import ALIGN_PAD
 from .ring.schedule import Plan
@@ -96,6 +96,7 @@ class Communicator:
     settle = _decisions.settle
     decisions = _decisions.decisions
     empty = _empty.empty
+    _device_call = _streams.device_call
 
     def __init__(self, comm=None, *, chunk_bytes=None, small_bytes=None, window=None, cuda_aware=None,
                  validate=None, timeout=None, topology=None, rack_map=None, shm=None, _deadline=None):
@@ -163,7 +164,7 @@ class Communicator:
         self.rank_ordered = rp.rank_ordered
         self._buffers: dict = {}
         self._transports: dict = {}
-        #: (backend name, device) -> event recorded at the end of the last device call (see _device_call)
+        #: (backend name, device) -> event recorded at the end of the last device call (collectives.streams)
         self._tails: dict = {}
         #: the algorithm the last allreduce, reduce_scatter or allgather ran ("mpi", "ring", "shm", ...)
         self.last_algorithm = None
@@ -319,30 +320,6 @@ class Communicator:
         from .transport.cuda_aware import cuda_aware
 
         return cuda_aware(self.comm)
-
-    def _device_call(self, be, x, stream):
-        """The caller's stream as this thread's compute stream for one call on ``x`` (device arrays).
-
-        The call waits, on that stream, for the last device call of this Communicator (on whatever stream
-        it ran): its slots, scratch and fusion buffers are reused by every call.  No host block: one event
-        recorded and one waited per call.
-        """
-        if not be.device:
-            if stream is not None:
-                raise ValueError("stream= orders device work; the arrays of this call are host arrays")
-            return contextlib.nullcontext()
-        return self._on_stream(be, be.call_stream(x, stream), be.device_id(x))
-
-    @contextlib.contextmanager
-    def _on_stream(self, be, s, device):
-        with be.using(s, device):
-            tail = self._tails.get(where(be))
-            if tail is not None:
-                be.wait(s, tail)
-            try:
-                yield s
-            finally:
-                self._tails[where(be)] = be.record(s)
 
 
 def duplicate(comm, deadline=None):

@@ -430,7 +430,7 @@ def allreduce_many(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None,
             if not b.direct and b.home is None:
                 need[b.dtype] = max(need.get(b.dtype, 0), b.count)
         # Device: the packs, reductions and unpacks on the caller's stream, after the last call of this
-        # Communicator, whose fusion buffers these are (Communicator._device_call).
+        # Communicator, whose fusion buffers these are (ddlkernels.collectives.streams).
         with scope:
             bufs = {dt: c.reusable_buffer("fusion", job.backend, dt, n) for dt, n in need.items()}
             for b in job.buckets:

@@ -24,8 +24,8 @@ import pytest
 from mpi4py import MPI
 
 import ddlkernels
-from ddlkernels import communicator as _comm
 from ddlkernels import asynchronous as _async
+from ddlkernels.collectives import streams as _streams
 from ddlkernels.transport import direct as _transport, staged as _staged
 from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name
 from stream_emulator import emulated_device
@@ -285,7 +285,7 @@ MUTATIONS = [
      ["ring-staged-long"]),
     ("aware-send-waits-for-kernels", _transport.HostTransport, "__init__", "_sync()", 0, ["ring-aware"]),
     ("aware-recv-waits-for-kernels", _transport.HostTransport, "__init__", "_sync()", 1, ["ring-aware"]),
-    ("call-waits-for-previous-call", _comm.Communicator, "_on_stream", "be.wait(s, tail)", 0,
+    ("call-waits-for-previous-call", _streams, "on_stream", "be.wait(s, tail)", 0,
      ["shards-staged", "fusion"]),
     ("progress-thread-waits-for-caller", _async.ThreadEngine, "_run", "be.wait(s, d.ready)", 0, ["async"]),
     ("caller-waits-for-progress-thread", _async._Device, "order_caller", "be.wait(be.call_stream(self.like)", 0,

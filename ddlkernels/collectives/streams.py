@@ -1,0 +1,44 @@
+"""The caller's stream for a device call, ordered after the Communicator's last device call.
+
+Worked example, two calls on CuPy arrays from two streams ``a`` and ``b``::
+
+    with a: comm.allreduce(x)   compute stream a; nothing to wait for; records E1 on a
+    with b: comm.allreduce(y)   compute stream b; b waits for E1 (the slots, scratch and
+                                fusion buffers of the first call are reused); records E2 on b
+
+No host block: one event recorded and one waited per call.  Each function
+takes the ``Communicator`` first: they are its methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from .arguments import where
+
+__all__ = ["device_call"]
+
+
+def device_call(self, be, x, stream):
+    """Context of one call on ``x``: for device arrays the caller's stream (``stream`` or the one of
+    ``x``'s library) as this thread's compute stream, after the last device call; for host arrays
+    nothing (``stream=`` is then an error)."""
+    if not be.device:
+        if stream is not None:
+            raise ValueError("stream= orders device work; the arrays of this call are host arrays")
+        return contextlib.nullcontext()
+    return on_stream(self, be, be.call_stream(x, stream), be.device_id(x))
+
+
+@contextlib.contextmanager
+def on_stream(self, be, s, device):
+    """``s`` on ``device`` as the compute stream, waiting for the tail of the last device call and
+    leaving its own (``Communicator._tails``)."""
+    with be.using(s, device):
+        tail = self._tails.get(where(be))
+        if tail is not None:
+            be.wait(s, tail)
+        try:
+            yield s
+        finally:
+            self._tails[where(be)] = be.record(s)
