@@ -36,13 +36,28 @@ Use (tests/mpi/test_stream_emulator.py)::
 
 ``emulated_device(claim_torch=True)`` also routes CPU torch tensors to the
 emulator, as if they were CUDA tensors, so the torch integration runs on it.
+
+``emulated_device(ipc=True)`` emulates CUDA IPC between the ranks of a node
+(``ddlkernels.algorithms.ipc``): "device" memory is then allocated in files
+under /dev/shm, which a peer maps (``ipc_open``) from the file's name (the
+handle) and reads and writes when *its* queued work runs; an IPC event is a
+pair of counters in such a file (records made, records run), and a stream
+that waits for a peer's event waits until the peer's process has run the
+record that was the latest when the wait was queued, as a CUDA stream waits
+for an IPC event.  A host wait that needs a peer's work spins, running its
+own ready work meanwhile (a device runs on whatever its host does), and
+fails after ``SPIN_SECONDS``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import shutil
+import tempfile
 import threading
+import time
 
 import numpy as np
 
@@ -55,17 +70,23 @@ __all__ = ["Emulator", "EmuArray", "EmuBackend", "emulated_device", "POLICIES"]
 POLICIES = ("lazy", "random", "eager")
 #: The byte new "device" and pinned memory is filled with (as float32: -2.9e-16, no value tests use).
 GARBAGE = 0xA5
+#: How long a host wait may spin on a peer's work before it is called a hang.
+SPIN_SECONDS = 60.0
 
 
 class _Op:
     """One queued operation: ``fn()`` (None for a marker or a wait), after ``prev`` (its stream's previous
-    operation) and ``deps`` (the operations of the events it waits for)."""
+    operation), ``deps`` (the operations of the events it waits for) and ``ext`` (predicates that say whether
+    a peer process has run what it waits for: IPC events)."""
 
-    __slots__ = ("fn", "stream", "prev", "deps", "done", "what")
+    __slots__ = ("fn", "stream", "prev", "deps", "ext", "done", "what")
 
-    def __init__(self, fn, stream, prev, deps, what):
-        self.fn, self.stream, self.prev, self.deps, self.what = fn, stream, prev, deps, what
+    def __init__(self, fn, stream, prev, deps, what, ext=()):
+        self.fn, self.stream, self.prev, self.deps, self.what, self.ext = fn, stream, prev, deps, what, ext
         self.done = False
+
+    def unblocked(self) -> bool:
+        return all(d.done for d in self.deps) and all(e() for e in self.ext)
 
 
 class Stream:
@@ -120,12 +141,12 @@ class Emulator:
             return s
 
     # -- queueing ------------------------------------------------------------------------
-    def enqueue(self, stream, fn, what, deps=()):
+    def enqueue(self, stream, fn, what, deps=(), ext=()):
         with self.lock:
             if stream not in self.streams:  # a stream of an earlier configuration
                 self.streams.append(stream)
             prev = stream.last if stream.last is not None and not stream.last.done else None
-            op = _Op(fn, stream, prev, tuple(d for d in deps if d is not None and not d.done), what)
+            op = _Op(fn, stream, prev, tuple(d for d in deps if d is not None and not d.done), what, tuple(ext))
             stream.queue.append(op)
             stream.last = op
             self._progress()
@@ -155,23 +176,29 @@ class Emulator:
         self.sync(self.record(stream))
 
     def drain(self):
-        """Run everything that is queued (between tests)."""
+        """Run everything that is queued (between tests), waiting for peers' IPC events as long as
+        ``SPIN_SECONDS``."""
         with self.lock:
+            t0 = time.monotonic()
             while True:
                 ready = self._ready()
-                if not ready:
+                if ready:
+                    self._run(self.rng.choice(ready))
+                    continue
+                blocked = [op for s in self.streams for op in s.queue[:1] if op.ext]
+                if not blocked or time.monotonic() - t0 > SPIN_SECONDS:
                     break
-                self._run(self.rng.choice(ready))
+                time.sleep(1e-4)  # a peer's record still to run
             left = [op for s in self.streams for op in s.queue]
             assert not left, f"operations that can never run: {[(op.stream.name, op.what) for op in left]}"
 
     # -- running -------------------------------------------------------------------------
     def _is_ready(self, op):
         q = op.stream.queue
-        return bool(q) and q[0] is op and all(d.done for d in op.deps)
+        return bool(q) and q[0] is op and op.unblocked()
 
     def _ready(self):
-        return [s.queue[0] for s in self.streams if s.queue and all(d.done for d in s.queue[0].deps)]
+        return [s.queue[0] for s in self.streams if s.queue and s.queue[0].unblocked()]
 
     def _run(self, op):
         q = op.stream.queue
@@ -212,12 +239,25 @@ class Emulator:
 
     def _force(self, target):
         """Run operations until ``target`` has run: those it needs, in a random order that respects the
-        streams and events (under "random", now and then any other ready one too)."""
+        streams and events (under "random", now and then any other ready one too).  While what it needs
+        waits for a peer's IPC event, any ready operation runs, else the host spins."""
+        t0 = None
         while not target.done:
             need = self._needed(target)
             ready = self._ready()
             mine = [op for op in ready if id(op) in need]
-            assert mine, f"{target.what} on {target.stream.name} waits for work that can never run"
+            if not mine:
+                external = [op for s in self.streams for op in s.queue[:1] if op.ext and id(op) in need]
+                assert external, f"{target.what} on {target.stream.name} waits for work that can never run"
+                t0 = time.monotonic() if t0 is None else t0
+                assert time.monotonic() - t0 < SPIN_SECONDS, (
+                    f"{target.what} on {target.stream.name} waited {SPIN_SECONDS:.0f} s for a peer's event "
+                    f"({external[0].what})")
+                if ready:
+                    self._run(self.rng.choice(ready))  # the device runs what it can while the peer catches up
+                else:
+                    time.sleep(1e-4)
+                continue
             if self.policy == "random" and self.rng.random() < 0.3:
                 mine = ready
             self._run(self.rng.choice(mine))
@@ -269,14 +309,80 @@ def _bytes(x) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
+class _SharedHeap:
+    """This process's "device" memory where peers can map it: one file under /dev/shm per allocation, its
+    name the IPC handle.  Allocations live until ``close`` (the end of the ``emulated_device`` block)."""
+
+    def __init__(self):
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.dir = tempfile.mkdtemp(prefix=f"ddl-emu-{os.getpid()}-", dir=root)
+        self.allocs: list = []  # (base address, size, path, array)
+        self.opened: dict = {}  # path -> a peer's allocation, mapped here
+        self._events = None  # this process's IPC event counters (a file of int64 pairs)
+        self._nevents = 0
+
+    def alloc(self, nbytes) -> np.ndarray:
+        path = os.path.join(self.dir, f"a{len(self.allocs)}")
+        size = max(int(nbytes), 1)
+        with open(path, "wb") as f:
+            f.truncate(size)
+        a = np.memmap(path, np.uint8, "r+", shape=(size,))
+        a[...] = GARBAGE
+        self.allocs.append((int(a.ctypes.data), size, path, a))
+        return a[: int(nbytes)]
+
+    def export(self, addr):
+        for base, size, path, _ in self.allocs:
+            if base <= addr < base + size:
+                return path.encode(), addr - base
+        return None
+
+    def open(self, key) -> np.ndarray:
+        path = key.decode()
+        a = self.opened.get(path)
+        if a is None:
+            a = self.opened[path] = np.memmap(path, np.uint8, "r+")
+        return a
+
+    def event(self):
+        """A new IPC event of this process: its counters and its handle."""
+        if self._events is None:
+            self._events = self.alloc(4096 * 16).view(np.int64).reshape(-1, 2)
+            self._events[...] = 0
+            self._events_path = self.allocs[-1][2]
+        k = self._nevents
+        self._nevents += 1
+        return self._events[k], f"{self._events_path}#{k}".encode()
+
+    def open_event(self, key):
+        path, k = key.decode().rsplit("#", 1)
+        return self.open(path.encode()).view(np.int64).reshape(-1, 2)[int(k)]
+
+    def close(self):
+        self.allocs.clear()
+        self.opened.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)  # peers' mappings outlive the names
+
+
+class IpcEvent:
+    """An emulated IPC event: ``counters`` = [records made, latest record run], in memory every rank maps."""
+
+    __slots__ = ("counters",)
+
+    def __init__(self, counters):
+        self.counters = counters
+
+
 class EmuBackend(DeviceBackend):
     """ddlkernels' device backend interface over the emulator (registered as "emu")."""
 
     name = "emu"
     claim_torch = False
+    ipc = False  # CUDA IPC between the ranks of a node (``emulated_device(ipc=True)``)
 
     def __init__(self):
         super().__init__()
+        self.heap = None  # the _SharedHeap while ``ipc``
         self.emu = Emulator()
         self._default = self.emu.stream("default")
         self._current = threading.local()  # the "library's current stream" of each thread (like CuPy's)
@@ -304,12 +410,23 @@ class EmuBackend(DeviceBackend):
         s = getattr(self._current, "s", None)
         return self._default if s is None else s
 
-    def to_device(self, host, stream=None):
-        """A new device array holding ``host`` (the copy queued on ``stream``, default the current one)."""
+    def _new(self, shape, dtype, shareable=True) -> np.ndarray:
+        """New "device" memory, filled with GARBAGE: in the shared heap while ``ipc`` (unless not
+        ``shareable``: memory CUDA IPC cannot export, as from cudaMallocAsync)."""
+        dt = storage_dtype(dtype)
+        if self.ipc and shareable:
+            n = int(np.prod(shape, dtype=np.int64))
+            return self.heap.alloc(n * dt.itemsize).view(dt).reshape(shape)
+        a = np.empty(shape, dt)
+        a.view(np.uint8)[...] = GARBAGE
+        return a
+
+    def to_device(self, host, stream=None, shareable=True):
+        """A new device array holding ``host`` (the copy queued on ``stream``, default the current one);
+        ``shareable=False``: memory peers cannot map (with ``ipc``)."""
         host = np.ascontiguousarray(host)
         snap = host.copy()
-        dev = np.empty(host.shape, storage_dtype(host.dtype))
-        dev.view(np.uint8)[...] = GARBAGE
+        dev = self._new(host.shape, host.dtype, shareable)
 
         def fn():
             dev[...] = snap.view(dev.dtype)
@@ -351,6 +468,11 @@ class EmuBackend(DeviceBackend):
         return self.emu.record(stream)
 
     def wait(self, stream, ev):
+        if isinstance(ev, IpcEvent):  # the latest record made when the wait is queued, as CUDA's
+            c, k = ev.counters, int(ev.counters[0])
+            if c[1] < k:
+                self.emu.enqueue(stream, None, "wait ipc event", ext=(lambda: c[1] >= k,))
+            return
         self.emu.wait(stream, ev)
 
     def sync(self, ev):
@@ -395,9 +517,7 @@ class EmuBackend(DeviceBackend):
         return EmuArray(a)
 
     def empty(self, n, dtype):
-        a = np.empty(int(n), storage_dtype(dtype))
-        a.view(np.uint8)[...] = GARBAGE
-        return EmuArray(a)
+        return EmuArray(self._new((int(n),), dtype))
 
     def like(self, flat, x):
         a = flat._a
@@ -423,6 +543,44 @@ class EmuBackend(DeviceBackend):
 
     def _ptr(self, buf):
         return int(_host(buf).ctypes.data)
+
+    # -- CUDA IPC (``ddlkernels.algorithms.ipc``) ---------------------------------------------
+    def ipc_export(self, buf):
+        if not self.ipc or buf.nbytes == 0:
+            return None
+        return self.heap.export(self._ptr(buf))
+
+    def ipc_open(self, key):
+        return self.heap.open(key)
+
+    def ipc_view(self, mapping, offset, count, dtype):
+        dt = np.dtype(dtype)
+        return EmuArray(mapping[offset: offset + count * dt.itemsize].view(dt))
+
+    def ipc_close(self, mapping):
+        pass  # the mapping goes with its last reference
+
+    def ipc_alloc(self, nbytes):
+        return EmuArray(self.heap.alloc(nbytes))
+
+    def ipc_event(self):
+        counters, key = self.heap.event()
+        return IpcEvent(counters), key
+
+    def ipc_open_event(self, key):
+        return IpcEvent(self.heap.open_event(key))
+
+    def record_on(self, stream, ev):
+        c = ev.counters
+        with self.emu.lock:
+            k = int(c[0]) + 1
+            c[0] = k
+
+            def fn():
+                if c[1] < k:
+                    c[1] = k
+
+            self.emu.enqueue(stream, fn, "record ipc event")
 
     # -- kernels -------------------------------------------------------------------------
     def copy(self, dst, src):
@@ -480,11 +638,13 @@ def _recognises(x) -> bool:
 
 
 @contextlib.contextmanager
-def emulated_device(seed=0, policy="lazy", claim_torch=False):
+def emulated_device(seed=0, policy="lazy", claim_torch=False, ipc=False):
     """Register the "emu" backend (first, so it may claim CPU torch tensors) for the block; yield it.
 
     Every rank must use the same ``seed`` and ``policy`` only if a test wants the same schedule everywhere;
-    the schedules of different ranks are independent anyway (each rank is its own device).
+    the schedules of different ranks are independent anyway (each rank is its own device).  ``ipc``: the
+    ranks may map each other's device memory (CUDA IPC); every rank passes the same, and a rank leaves the
+    block only when its peers no longer use its memory (a collective after the last call, e.g. ``free``).
     """
     saved = dict(_REGISTRY)
     _REGISTRY.clear()
@@ -495,6 +655,7 @@ def emulated_device(seed=0, policy="lazy", claim_torch=False):
     be = get_backend("emu")
     be.configure(seed, policy)
     EmuBackend.claim_torch = claim_torch
+    be.ipc, be.heap = ipc, (_SharedHeap() if ipc else None)
     try:
         yield be
     finally:
@@ -504,3 +665,6 @@ def emulated_device(seed=0, policy="lazy", claim_torch=False):
         finally:
             _REGISTRY.clear()
             _REGISTRY.update(saved)
+            if be.heap is not None:
+                be.heap.close()
+            be.ipc, be.heap = False, None
