@@ -19,6 +19,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NUMBA_EN
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe OMPI_MCA_rmaps_base_oversubscribe=1
 export MPIEXEC_TIMEOUT=${MPIEXEC_TIMEOUT:-600}
+RANKS=${RANKS:-2,3,4}
 t0=$(date +%s)
 
 if ! "$PY" -c "from mpi4py import MPI; MPI.Get_library_version()" >/dev/null 2>&1; then
