@@ -13,6 +13,8 @@ The variables are documented in the README:
 ``DDLKERNELS_CUDA_AWARE``      ``1``/``0`` overrides CUDA-aware MPI detection
 ``DDLKERNELS_SHM``             ``1`` always / ``0`` never / unset: measured --
                                the shared-memory allreduce on one node
+``DDLKERNELS_IPC``             ``1`` always / ``0`` never / unset: measured --
+                               the CUDA IPC allreduce of device arrays on one node
 ``DDLKERNELS_VALIDATE``        ``1`` checks arguments agree across ranks
 ``DDLKERNELS_TOPOLOGY``        link parameters for the planner: a topology file
                                written by ``python -m ddlkernels calibrate``, or
@@ -84,6 +86,7 @@ class Defaults:
         self.small_bytes = _int_env("DDLKERNELS_SMALL_BYTES", SMALL_BYTES)
         self.cuda_aware = _tristate_env("DDLKERNELS_CUDA_AWARE")
         self.shm = _tristate_env("DDLKERNELS_SHM")
+        self.ipc = _tristate_env("DDLKERNELS_IPC")
         self.validate = bool(_tristate_env("DDLKERNELS_VALIDATE"))
         self.window = WINDOW
         self.topology = os.environ.get("DDLKERNELS_TOPOLOGY") or None

@@ -61,6 +61,12 @@ class Communicator:
                  (default) makes them measured candidates, ``True`` uses the
                  window for every such call (an error if the ranks span
                  nodes), ``False`` never.  Fallback ``DDLKERNELS_SHM``.
+    ipc          the CUDA IPC allreduce (``ddlkernels.algorithms.ipc``) for
+                 device arrays when every rank shares one node: ``None``
+                 (default) makes it a measured candidate beside the ring,
+                 ``True`` runs it for every device allreduce it serves,
+                 ``False`` never (the ring, staged or CUDA-aware).  Fallback
+                 ``DDLKERNELS_IPC``.
     cuda_aware   ``True``/``False`` overrides detection of CUDA-aware MPI.
     validate     check before every collective that all ranks passed the same
                  count, dtype, op, dims and chunk, raising the same
@@ -73,8 +79,8 @@ class Communicator:
                  ranks.  See docs/reliability.md.
 
     Creating a Communicator is collective over ``comm``.  Every rank must pass
-    the same ``chunk_bytes``, ``small_bytes`` and ``shm`` (they choose the
-    algorithm; ``validate`` checks them).
+    the same ``chunk_bytes``, ``small_bytes``, ``shm`` and ``ipc`` (they choose
+    the algorithm; ``validate`` checks them).
 
     Threads: a Communicator runs one collective at a time.  A call made while
     another thread is inside a collective on it raises ``RuntimeError`` at
@@ -99,7 +105,7 @@ class Communicator:
     _device_call = _streams.device_call
 
     def __init__(self, comm=None, *, chunk_bytes=None, small_bytes=None, window=None, cuda_aware=None,
-                 validate=None, timeout=None, topology=None, rack_map=None, shm=None, _deadline=None):
+                 validate=None, timeout=None, topology=None, rack_map=None, shm=None, ipc=None, _deadline=None):
         from mpi4py import MPI
 
         if comm is None:
@@ -120,6 +126,10 @@ class Communicator:
         if shm not in (None, True, False):
             raise ValueError(f"shm must be None, True or False, got {shm!r}")
         self.shm = shm
+        ipc = env.ipc if ipc is None else ipc
+        if ipc not in (None, True, False):
+            raise ValueError(f"ipc must be None, True or False, got {ipc!r}")
+        self.ipc = ipc
         self._broken = None  # why, after a collective timed out: its messages are still in flight
         #: Held by the thread inside a collective (``_exclusive``); reentrant for allreduce_many's calls.
         self._busy = threading.RLock()
@@ -320,6 +330,7 @@ class Communicator:
         from .transport.cuda_aware import cuda_aware
 
         return cuda_aware(self.comm)
+
 
 
 def duplicate(comm, deadline=None):

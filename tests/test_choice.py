@@ -17,8 +17,8 @@ from ddlkernels.select.tuner import MPI_BELOW
 class Stub:
     """What the algorithms and the Selector ask of a Communicator of ``size`` ranks."""
 
-    def __init__(self, size, small_bytes):
-        self.size, self.small_bytes, self.comm = size, small_bytes, None
+    def __init__(self, size, small_bytes, ipc=None):
+        self.size, self.small_bytes, self.comm, self.ipc = size, small_bytes, None, ipc
 
     def rank_ordered(self, count):
         return True
@@ -26,15 +26,20 @@ class Stub:
 
 class Device:
     device = True
+    ipc = False
+
+
+class IpcDevice(Device):
+    ipc = True
 
 
 def candidates(nbytes, dtype=np.float64, op="sum", kind="allreduce", *, one_node=False, cma=False, hier=False,
-               shm=None, size=2, small_bytes=None, device=False, dims=None):
-    stub = Stub(size, small_bytes)
+               shm=None, size=2, small_bytes=None, device=False, dims=None, ipc=None):
+    stub = Stub(size, small_bytes, ipc)
     where = Placement(shm, one_node, np.arange(size) if cma else None, object() if hier else None)
     algos = Algorithms(stub, where)
     dtype = np.dtype(dtype)
-    be = Device() if device else get_backend("numpy")
+    be = {False: get_backend("numpy"), True: Device(), "ipc": IpcDevice()}[device]
     w = Work(kind, None, None, nbytes // dtype.itemsize, dtype, None if kind == "allgather" else op, be, None, dims)
     return Selector(stub, algos).candidates(kind, w)
 
@@ -82,7 +87,18 @@ def test_hier_across_nodes_of_one_size_but_not_for_half_precision_avg():
 
 
 def test_fixed_rules():
-    assert candidates(4096, one_node=True, device=True) == ("ring",)  # device arrays: the ring only
+    assert candidates(4096, one_node=True, device=True) == ("ring",)  # device arrays without CUDA IPC: the ring
+    # A backend with CUDA IPC: "ipc" beside the ring for allreduce on one node, whatever the size and op ...
+    assert candidates(4096, one_node=True, device="ipc", shm=True) == ("ring", "ipc")
+    assert candidates(4096, one_node=True, device="ipc", small_bytes=0) == ("ring",)  # a fixed path: measure nothing
+    assert candidates(4096, one_node=True, device="ipc", small_bytes=0, ipc=True) == ("ipc",)
+    assert candidates(64 << 20, op="max", one_node=True, device="ipc") == ("ring", "ipc")
+    assert candidates(4096, one_node=True, device="ipc", ipc=True) == ("ipc",)  # ... forced
+    assert candidates(4096, one_node=True, device="ipc", ipc=False) == ("ring",)  # ... never
+    assert candidates(4096, one_node=False, device="ipc", ipc=True) == ("ring",)  # ranks on several nodes
+    assert candidates(4096, one_node=True, device="ipc", dims=(2,)) == ("ring",)
+    for kind in ("reduce_scatter", "allgather"):
+        assert candidates(4096, one_node=True, device="ipc", kind=kind) == ("ring",)
     assert candidates(4096, one_node=True, dims=(2,)) == ("ring",)  # a box asked for
     assert candidates(4096, one_node=True, shm=True) == ("shm",)  # forced
     assert candidates(4096, one_node=True, shm=True, kind="allgather") == ("shm",)

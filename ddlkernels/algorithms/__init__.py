@@ -7,9 +7,11 @@ Worked example, a Communicator of 4 ranks on one node, ``shm=None``::
     Algorithms(comm, placement) asks each class of REGISTRY whether it applies:
                                   mpi, nbc, ring       always
                                   shm, shm-nt, cma     one node (cma: the probe passed)
+                                  ipc                  one node (device arrays)
                                   hier                 no: one node
-    algos.each()                [mpi, nbc, ring, shm, shm-nt, cma], the order the
-                                tuner's candidates keep (the first is the incumbent)
+    algos.each()                [mpi, nbc, ring, shm, shm-nt, cma, ipc], the order the
+                                tuner's candidates keep (the first is the incumbent;
+                                device calls ask only ring and ipc)
 
 Adding an algorithm is a module here with its ``Algorithm`` subclass and its
 place in ``REGISTRY``; ``ddlkernels.select.choice`` asks it ``serves`` and the
@@ -21,6 +23,7 @@ from __future__ import annotations
 from .base import Algorithm, Work
 from .cma import Cma, probe_pids
 from .hier import Hier, node_split, uniform_nodes
+from .ipc import Ipc
 from .mpi import Mpi, Nbc
 from .ring import Ring
 from .shm import Shm, ShmNT
@@ -29,7 +32,7 @@ from .window import one_node
 __all__ = ["REGISTRY", "Algorithm", "Algorithms", "Placement", "Work", "place"]
 
 #: Every algorithm, in the order of the tuner's candidates (the incumbent first).
-REGISTRY = (Mpi, Nbc, Ring, Shm, ShmNT, Cma, Hier)
+REGISTRY = (Mpi, Nbc, Ring, Shm, ShmNT, Cma, Ipc, Hier)
 
 
 class Placement:

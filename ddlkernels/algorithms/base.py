@@ -75,13 +75,15 @@ class Algorithm:
     ``name``: its name for the tuner, ``Communicator.last_algorithm`` and the
     argument check; ``kinds``: the collectives it computes; ``chunked``: the
     call's pipeline chunk matters to it (the argument check compares chunks
-    only then).  ``comm``: the ``Communicator`` it serves, whose state (the
-    MPI communicator, buffers, transports, plans) it uses.
+    only then); ``device``: it computes calls on device arrays (only such
+    algorithms are asked about them).  ``comm``: the ``Communicator`` it
+    serves, whose state (the MPI communicator, buffers, transports, plans) it uses.
     """
 
     name = ""
     kinds = ("allreduce",)
     chunked = False
+    device = False
 
     def __init__(self, comm, placement):
         self.comm = comm

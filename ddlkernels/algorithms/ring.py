@@ -12,8 +12,9 @@ per-rank steps from ``ddlkernels.ring.schedule`` (plain data), and
 ``ddlkernels.ring.engine`` runs them over a transport: MPI on the buffers
 themselves, or staged through pinned memory for device buffers when MPI is
 not CUDA-aware (``Communicator._transport``).  It is the algorithm of every
-device call and of every call with ``dims=``, and a tuner candidate from
-``MPI_BELOW`` bytes (below it MPI's own calls win where they compute the call).
+call with ``dims=``, the incumbent of device calls (beside "ipc" on one
+node), and a host tuner candidate from ``MPI_BELOW`` bytes (below it MPI's
+own calls win where they compute the call).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Ring(Algorithm):
     name = "ring"
     kinds = ("allreduce", "reduce_scatter", "allgather")
     chunked = True
+    device = True
 
     def serves(self, kind, w):
         if kind != "allreduce":

@@ -15,11 +15,21 @@ non-blocking stream and orders itself against the compute stream with events.
 A CUDA torch tensor becomes a CuPy array with ``cupy.from_dlpack`` (bfloat16
 through its int16 bits: CuPy has no bfloat16) and ``like`` returns a torch
 tensor sharing the result's memory (``torch.from_dlpack``).
+
+CUDA IPC (``ipc``, for ``ddlkernels.algorithms.ipc``): an array is exported
+as the handle of the cudaMalloc allocation it lies in (CuPy's pool and
+torch's caching allocator hand out pieces of larger allocations:
+``cuMemGetAddressRange`` finds the allocation) and its offset there; a
+peer's allocation is opened with lazy peer access, so ranks on different
+GPUs of a node read each other's memory directly.  Memory that legacy IPC
+cannot export (cudaMallocAsync pools, managed or VMM memory) is not
+exported: the algorithm stages it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import numpy as np
 
@@ -31,6 +41,33 @@ from ._device import DeviceBackend, pack_offsets, storage_dtype
 __all__ = ["CupyBackend"]
 
 _THREADS = 256
+
+
+_address_range = None  # the driver's cuMemGetAddressRange_v2, loaded on first use
+
+
+def _allocation_base(ptr: int) -> int:
+    """The start of the allocation holding device address ``ptr`` (in the current context)."""
+    global _address_range
+    if _address_range is None:
+        fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        fn.restype = ctypes.c_int
+        _address_range = fn
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = _address_range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise RuntimeError(f"cuMemGetAddressRange({ptr:#x}) failed: CUresult {rc}")
+    return int(base.value)
+
+
+class _PeerEvent:
+    """A peer's interprocess event opened here (a raw ``cudaEvent_t``; the peer owns it)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr):
+        self.ptr = int(ptr)
 
 
 class _StreamHandle:
@@ -47,6 +84,7 @@ class _StreamHandle:
 
 class CupyBackend(DeviceBackend):
     name = "cupy"
+    ipc = True
 
     def __init__(self):
         super().__init__()
@@ -141,7 +179,10 @@ class CupyBackend(DeviceBackend):
         return ev
 
     def wait(self, stream, ev):
-        stream.wait_event(ev)
+        if ev.__class__ is _PeerEvent:
+            self._cp.cuda.runtime.streamWaitEvent(stream.ptr, ev.ptr, 0)
+        else:
+            stream.wait_event(ev)
 
     def sync(self, ev):
         ev.synchronize()
@@ -159,6 +200,46 @@ class CupyBackend(DeviceBackend):
 
     def h2d(self, dev, host, stream):
         dev.set(host.view(dev.dtype), stream=stream)
+
+    # -- CUDA IPC (the module comment) -------------------------------------------------
+    def ipc_export(self, buf):
+        nbytes = buf.shape[0] * buf.dtype.itemsize
+        if nbytes == 0:
+            return None
+        ptr = self._ptr(buf)
+        try:
+            base = _allocation_base(ptr)
+            key = self._cp.cuda.runtime.ipcGetMemHandle(base)
+        except Exception:  # noqa: BLE001 -- memory legacy IPC cannot export: the caller stages it
+            return None
+        return key, ptr - base
+
+    def ipc_open(self, key):
+        return self._cp.cuda.runtime.ipcOpenMemHandle(key)  # cudaIpcMemLazyEnablePeerAccess
+
+    def ipc_view(self, mapping, offset, count, dtype):
+        cp, dt = self._cp, np.dtype(dtype)
+        mem = cp.cuda.UnownedMemory(int(mapping) + int(offset), int(count) * dt.itemsize, self,
+                                    self.current_device())
+        return cp.ndarray((int(count),), dt, cp.cuda.MemoryPointer(mem, 0))
+
+    def ipc_close(self, mapping):
+        self._cp.cuda.runtime.ipcCloseMemHandle(int(mapping))
+
+    def ipc_alloc(self, nbytes):
+        cp = self._cp
+        mem = cp.cuda.Memory(int(nbytes))  # its own cudaMalloc, not the pool's: exportable by itself
+        return cp.ndarray((int(nbytes),), np.uint8, cp.cuda.MemoryPointer(mem, 0))
+
+    def ipc_event(self):
+        ev = self._cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
+        return ev, self._cp.cuda.runtime.ipcGetEventHandle(ev.ptr)
+
+    def ipc_open_event(self, key):
+        return _PeerEvent(self._cp.cuda.runtime.ipcOpenEventHandle(key))
+
+    def record_on(self, stream, ev):
+        self._cp.cuda.runtime.eventRecord(ev.ptr, stream.ptr)
 
     # -- arrays ----------------------------------------------------------------------
     def _as_cupy(self, x):

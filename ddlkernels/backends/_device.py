@@ -33,6 +33,21 @@ array library's own terms:
 ``query(ev)``              whether ev has happened (no block)
 =========================  ====================================================
 
+A backend whose ``ipc`` is True also offers CUDA IPC between the processes
+of a node (``ddlkernels.algorithms.ipc``):
+
+=============================  ================================================
+``ipc_export(buf)``            (handle, byte offset) of the allocation holding
+                               ``buf``, or None where CUDA IPC cannot export it
+``ipc_open(handle)``           a peer's allocation mapped here (open once each)
+``ipc_view(m, off, n, dtype)`` a device array of ``n`` elements at ``off`` in it
+``ipc_close(m)``               unmap it
+``ipc_alloc(nbytes)``          a uint8 device buffer ``ipc_export`` accepts
+``ipc_event()``                (event, handle): an interprocess event
+``ipc_open_event(handle)``     a peer's event, for ``wait``
+``record_on(s, ev)``           record the existing event ``ev`` on stream s
+=============================  ================================================
+
 and ``pack(tensors, buf, offsets)`` / ``unpack(buf, tensors, offsets)``:
 copy a list of flat device buffers into one fusion buffer and back, in one
 kernel launch (offsets in bytes; ``pack_offsets`` computes 16-byte aligned
@@ -73,6 +88,7 @@ def pack_offsets(nbytes, align: int = 16) -> tuple[list[int], int]:
 
 class DeviceBackend(Backend):
     device = True
+    ipc = False  # the CUDA IPC methods of the module comment
 
     def __init__(self):
         # The compute stream is per thread: the progress thread of ddlkernels.asynchronous runs calls on a

@@ -50,9 +50,11 @@ def tuning(self, x, op="sum", *, collective="allreduce") -> bool:
 def candidates(self, x, op="sum", *, collective="allreduce") -> tuple:
     """The algorithms that may run ``collective(x, op)`` with default arguments, the incumbent first.
 
-    One name when a rule fixes it (device arrays: "ring"; ``shm=True``:
-    "shm"; a fixed ``small_bytes``); else the tuner measures them all
-    (``ddlkernels.select.choice``).  The same on every rank.
+    One name when a rule fixes it (``dims=``: "ring"; ``shm=True``: "shm";
+    ``ipc=True``: "ipc" for device arrays; a fixed ``small_bytes``); else
+    the tuner measures them all (``ddlkernels.select.choice``).  Device
+    arrays: "ring", and "ipc" where the ranks share a node and the backend
+    offers CUDA IPC.  The same on every rank.
     """
     return self.selector.candidates(collective, _work(self, x, op, collective))
 
@@ -69,6 +71,7 @@ def settle(self, x, algorithm, op="sum", *, collective="allreduce") -> None:
 
 
 def decisions(self) -> dict:
-    """Per collective: ``sizes``, each size bucket measured so far -> its algorithm (or "measuring"), and
-    ``fast``, each call shape with a fast-path plan -> its algorithm."""
+    """Per collective: ``sizes``, each size bucket measured so far -> its algorithm (or "measuring"),
+    ``device_sizes``, the same for device calls, and ``fast``, each call shape with a fast-path plan -> its
+    algorithm."""
     return self.selector.decisions()

@@ -58,9 +58,9 @@ __all__ = ["check_agreement", "report_local_failure", "Call", "KINDS", "PATHS"]
 KINDS = ("allreduce", "reduce_scatter", "allgather")
 #: Algorithm a rank is about to run (ddlkernels.select.choice).
 #: The ring, MPI_Allreduce, MPI_Iallreduce + Wait, the shared window (result blocks stored normally or
-#: non-temporally), the window per node + across nodes, the single copy (every name in
+#: non-temporally), the window per node + across nodes, the single copy, CUDA IPC (every name in
 #: ``ddlkernels.algorithms.REGISTRY``; new names go last, as the record stores the index).
-PATHS = ("ring", "mpi", "nbc", "shm", "hier", "shm-nt", "cma")
+PATHS = ("ring", "mpi", "nbc", "shm", "hier", "shm-nt", "cma", "ipc")
 
 _MAGIC = 0x64646C6B  # "ddlk": a record from something else is reported, not misread
 _MAX_DIMS = 7

@@ -14,11 +14,18 @@ Worked example, ``allreduce`` of 1 MiB of float32 on 2 ranks of one node, defaul
     fast_plan(...)        once settled, a FastPlan: the algorithm's prepared call, so
                           later calls of this size skip all of the above
 
-The fixed rules: device arrays and ``dims=`` run the ring (the only
-algorithm for them); ``shm=True`` runs the window for every host call; a
-fixed ``small_bytes`` runs MPI's own call below it where that computes the
-call, the ring from it.  Every rank decides alike: the candidates depend on
-the arguments every rank passes alike, and the tuner agrees on its winner.
+The fixed rules: ``dims=`` runs the ring (the only algorithm for a box);
+``ipc=True`` runs "ipc" for every device allreduce it serves; ``shm=True``
+runs the window for every host call; a fixed ``small_bytes`` runs MPI's own
+call below it where that computes the call, the ring from it (and for
+device calls the ring, unless ``ipc=True``).  Device calls
+are asked only of the algorithms that compute on device arrays (``device``:
+the ring, the incumbent, and "ipc" on one node), and have tuners of their
+own, whose trials wait for the device before the clock stops (the host
+returns before the device has finished) and which are counted, not watched:
+a watched call would have to wait for the device every time.  Every rank
+decides alike: the candidates depend on the arguments every rank passes
+alike, and the tuner agrees on its winner.
 """
 
 from __future__ import annotations
@@ -68,14 +75,25 @@ class Selector:
         self.comm, self.algorithms = comm, algorithms
         #: large settled sizes re-measured when their calls slow down, small ones after many calls
         self.tuners = {k: SizeTuner(watch=True) for k in KINDS}
+        #: device calls' (see the module comment)
+        self.device_tuners = {k: SizeTuner(watch=False) for k in KINDS}
         #: collective -> (call shape) -> FastPlan, or False where every call takes the full path
         self.plans = {k: {} for k in KINDS}
 
+    def tuner(self, kind, w) -> SizeTuner:
+        """The tuner of calls like ``w``: host and device calls are measured apart."""
+        return (self.device_tuners if w.be.device else self.tuners)[kind]
+
     def fixed(self, kind, w):
         """The algorithm's name when a rule fixes it, else None (the tuner's candidates decide)."""
-        if w.be.device or w.dims is not None:
+        if w.dims is not None:
             return "ring"
         algos, c = self.algorithms, self.comm
+        if w.be.device:
+            ipc = algos.by_name.get("ipc")
+            if c.ipc is True and ipc is not None and ipc.serves(kind, w):
+                return "ipc"
+            return "ring" if c.small_bytes is not None else None  # a fixed small_bytes measures nothing
         if algos.forced is not None:
             return algos.forced.name
         if c.small_bytes is not None:
@@ -88,7 +106,8 @@ class Selector:
         name = self.fixed(kind, w)
         if name is not None:
             return (name,)
-        return tuple(a.name for a in self.algorithms.order if a.serves(kind, w))
+        device = w.be.device
+        return tuple(a.name for a in self.algorithms.order if (a.device or not device) and a.serves(kind, w))
 
     def run(self, kind, w, body):
         """``body(algorithm)`` with the algorithm chosen for ``w`` (a ``Work``), timed for the tuner while it
@@ -97,11 +116,13 @@ class Selector:
         algos = self.algorithms.by_name
         if len(cands) == 1:
             return body(algos[cands[0]])
-        tuner, nbytes, comm = self.tuners[kind], w.nbytes, self.comm.comm
+        tuner, nbytes, comm = self.tuner(kind, w), w.nbytes, self.comm.comm
         name, trial = tuner.choose(nbytes, cands)
         if trial:
             t0 = perf_counter()
             result = body(algos[name])
+            if w.be.device:
+                w.be.synchronize()  # the call's device work, not only its launches
             tuner.record(comm, nbytes, cands, name, perf_counter() - t0, deadline=w.deadline)
         elif tuner.watched(nbytes, cands):  # every call of a watched size is timed, here or on a fast path
             t0 = perf_counter()
@@ -117,14 +138,14 @@ class Selector:
     def measuring(self, kind, w) -> bool:
         """Whether calls like ``w`` are still the tuner's trials (the same on every rank)."""
         cands = self.candidates(kind, w)
-        return len(cands) > 1 and self.tuners[kind].decided(w.nbytes, cands) is None
+        return len(cands) > 1 and self.tuner(kind, w).decided(w.nbytes, cands) is None
 
     def settle(self, kind, w, name) -> None:
         """Fix the algorithm of calls like ``w`` without measuring (every rank must do the same)."""
         cands = self.candidates(kind, w)
         if name not in cands:
             raise ValueError(f"{kind} of {w.nbytes} bytes: {name!r} is not one of its algorithms here {cands}")
-        self.tuners[kind].settle(w.nbytes, cands, name)
+        self.tuner(kind, w).settle(w.nbytes, cands, name)
         self.plans[kind].clear()
 
     def fast_plan(self, kind, key, w, shape=None):
@@ -156,7 +177,7 @@ class Selector:
             plans.clear()
 
     def decisions(self) -> dict:
-        """Per collective: ``sizes`` (size range -> settled algorithm or "measuring") and ``fast`` (the call
-        shapes that have a fast-path plan -> its algorithm)."""
-        return {k: {"sizes": self.tuners[k].decisions(),
+        """Per collective: ``sizes`` (size range -> settled algorithm or "measuring"), ``device_sizes`` (the
+        same for device calls) and ``fast`` (the call shapes that have a fast-path plan -> its algorithm)."""
+        return {k: {"sizes": self.tuners[k].decisions(), "device_sizes": self.device_tuners[k].decisions(),
                     "fast": {key: p.algorithm for key, p in self.plans[k].items() if p}} for k in KINDS}

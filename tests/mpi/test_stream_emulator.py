@@ -18,6 +18,7 @@ results.  A mutation that no workload catches fails its test.
 import contextlib
 import inspect
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from mpi4py import MPI
 
 import ddlkernels
 from ddlkernels import asynchronous as _async
+from ddlkernels.algorithms import ipc as _ipc
 from ddlkernels.collectives import streams as _streams
 from ddlkernels.transport import direct as _transport, staged as _staged
 from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name
@@ -201,6 +203,28 @@ def long_workload(be, c):
     return bad
 
 
+def ipc_workload(be, c):
+    """The CUDA IPC allreduce (device memory the peers map): in and out of place on two caller streams in
+    turn, the input overwritten right after each call, results read at the end through their streams."""
+    c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+    a, b = be.new_stream(), be.new_stream()
+    pending = []
+    for k, n in enumerate(SIZES + [2 * P + 3]):
+        s = a if k % 2 else b
+        x = data(n, np.float32, salt=k)
+        with be.current(s):
+            d = be.to_device(x)
+            out = c.allreduce(d, "sum", out=None if k % 3 else d)
+            if out is not d:
+                be.write(d, np.zeros_like(x))  # the caller reuses its input at once
+        pending.append((s, out, c.allreduce(x, "sum")))
+    if R % 2:  # the even ranks' devices run first: a read of an odd rank's input before it is written shows
+        time.sleep(0.2)
+    bad = sum(not np.array_equal(be.to_host(o, s), ref) for s, o, ref in pending)
+    c.free()
+    return bad
+
+
 WORKLOADS = {
     "ring-staged": lambda be: ring_workload(be, comm_for(False)),
     "ring-staged-long": lambda be: long_workload(be, comm_for(False)),
@@ -210,11 +234,12 @@ WORKLOADS = {
     "fusion": lambda be: fusion_workload(be, comm_for(False)),
     "async": lambda be: async_workload(be, comm_for(False)),
     "torch": lambda be: torch_workload(be, comm_for(False)),
+    "ipc": lambda be: ipc_workload(be, None),
 }
 
 
 def run(workload, policy, seed):
-    with emulated_device(seed=1000 * seed + R, policy=policy) as be:
+    with emulated_device(seed=1000 * seed + R, policy=policy, ipc=workload == "ipc") as be:
         return WORKLOADS[workload](be)
 
 
@@ -292,6 +317,12 @@ MUTATIONS = [
      ["async"]),
     ("pool-buffer-waits-for-last-unpack", _async._Pool, "take", "backend.wait(backend.compute_stream(), ev)", 0,
      ["async"]),
+    ("ipc-reads-wait-for-peers-inputs", _ipc.Ipc, "allreduce", "be.wait(s, d.event(_unpack(recs, q, _READY)))", 0,
+     ["ipc"]),
+    ("ipc-result-waits-for-peers-writes", _ipc.Ipc, "allreduce", "be.wait(s, d.event(_unpack(recs, q, _DONE)))", 0,
+     ["ipc"]),
+    ("ipc-inputs-ready-recorded", _ipc.Ipc, "allreduce", "be.record_on(s, d.ready)", 0, ["ipc"]),
+    ("ipc-writes-done-recorded", _ipc.Ipc, "allreduce", "be.record_on(s, d.done)", 0, ["ipc"]),
 ]
 
 

@@ -63,10 +63,12 @@ def assert_bitwise(got: np.ndarray, ref: np.ndarray, what: str):
 
 @pytest.fixture(scope="module", params=["chunk-1MiB", "chunk-64B"])
 def comm(request):
+    # ipc=False: the ring alone (test_ipc_device.py checks the CUDA IPC allreduce).
     if request.param == "chunk-64B":
-        c = ddlkernels.Communicator(COMM, chunk_bytes=64, window=2, small_bytes=0, shm=False, cuda_aware=False)
+        c = ddlkernels.Communicator(COMM, chunk_bytes=64, window=2, small_bytes=0, shm=False, cuda_aware=False,
+                                    ipc=False)
     else:
-        c = ddlkernels.Communicator(COMM, small_bytes=0, shm=False, cuda_aware=False)
+        c = ddlkernels.Communicator(COMM, small_bytes=0, shm=False, cuda_aware=False, ipc=False)
     yield c
     c.free()
 

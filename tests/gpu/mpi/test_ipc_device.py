@@ -1,0 +1,135 @@
+"""The CUDA IPC allreduce (ddlkernels.algorithms.ipc) on real device memory, every rank on the one GPU.
+
+Every rank's CuPy arrays and CUDA torch tensors are read and written by its
+peers through CUDA IPC handles; the result must be the rank-order fold
+(``((x0 op x1) op x2) ...``, "avg" scaling in the last step) computed on the
+host by the numpy backend, bit for bit, and the same on every rank.  Edge
+sizes, every op and dtype, in and out of place, misaligned views, memory of
+CuPy's asynchronous pool (which legacy IPC cannot export: the algorithm
+stages it), torch's caching allocator, and the tuner's choice between the
+ring and IPC.  Never the simulator (tests/gpu/gpu_env.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import gpu_env as G
+import ddlkernels
+from ddlkernels._dtypes import BFLOAT16, SUPPORTED_DTYPES, dtype_name
+from ddlkernels.backends import get_backend
+
+pytestmark = [G.needs_device, pytest.mark.skipif(MPI.COMM_WORLD.Get_size() < 2, reason="IPC needs 2 ranks or more")]
+cp = G.cp
+COMM = MPI.COMM_WORLD
+P, R = COMM.Get_size(), COMM.Get_rank()
+OPS = ("sum", "avg", "max", "min", "prod")
+SIZES = sorted({1, 3, max(P - 1, 1), P + 1, 4097, 1000003})
+CUPY_DTYPES = [d for d in SUPPORTED_DTYPES if d != BFLOAT16]
+NP = get_backend("numpy")
+CALLS = G.CALLS
+
+
+def data(n, dtype, salt=0):
+    """Unique per rank and element, with rounding in every op (the fold's order shows in the bits)."""
+    rng = np.random.default_rng([R, n, salt])
+    dt = np.dtype(dtype)
+    if dt.kind == "i":
+        return rng.integers(-1000, 1000, n).astype(dt)
+    return (1 + rng.uniform(-0.5, 0.5, n)).astype(dt)  # products neither overflow nor underflow
+
+
+def fold(x, op):
+    xs = COMM.allgather(x)
+    redop, avg_p = ("sum", P) if op == "avg" else (op, None)
+    out = np.empty_like(x)
+    with np.errstate(all="ignore"):
+        NP.reduce(redop, out, xs[0], xs[1], avg_p=avg_p if P == 2 else None)
+        for q in range(2, P):
+            NP.reduce(redop, out, out, xs[q], avg_p=avg_p if q == P - 1 else None)
+    return out
+
+
+def check(got: np.ndarray, want: np.ndarray, what: str):
+    gb, wb = got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)
+    assert np.array_equal(gb, wb), f"{what}: differs from the rank-order fold"
+    assert len(set(COMM.allgather(gb.tobytes()))) == 1, f"{what}: ranks hold different bits"
+
+
+@pytest.fixture(scope="module")
+def comm():
+    c = ddlkernels.Communicator(COMM, shm=False, cuda_aware=False, ipc=True)
+    yield c
+    c.free()
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", CUPY_DTYPES, ids=[dtype_name(d) for d in CUPY_DTYPES])
+def test_cupy_every_op_size_in_and_out_of_place(comm, dtype, op):
+    for n in SIZES:
+        x = data(n, dtype, salt=1)
+        want = fold(x, op)
+        d = cp.asarray(x)
+        got = comm.allreduce(d, op)
+        assert comm.last_algorithm == "ipc"
+        check(cp.asnumpy(got), want, f"n={n}")
+        check(cp.asnumpy(d), x, f"n={n}: the input")
+        whole = cp.empty(n + 1, d.dtype)
+        m = whole[1:]  # not on a 16-byte boundary, at an offset into its allocation
+        m.set(x)
+        comm.allreduce(m, op, out=m)
+        check(cp.asnumpy(m), want, f"n={n} in place, misaligned")
+        CALLS[0] += 2
+
+
+def test_memory_ipc_cannot_export_is_staged(comm):
+    """Arrays from CuPy's stream-ordered pool (cudaMallocAsync: no legacy IPC handle) give the same bits."""
+    x = data(300007, np.float32, salt=2)
+    want = fold(x, "sum")
+    pool = cp.cuda.MemoryAsyncPool()
+    with cp.cuda.using_allocator(pool.malloc):
+        d = cp.asarray(x)
+        out = cp.empty_like(d)
+    comm.allreduce(d, "sum", out=out)
+    check(cp.asnumpy(out), want, "async-pool input and output")
+    comm.allreduce(d, "sum", out=d)
+    check(cp.asnumpy(d), want, "async-pool in place")
+    CALLS[0] += 2
+
+
+@pytest.mark.parametrize("tdtype", ["float16", "bfloat16", "float32"])
+def test_torch_tensors_on_a_stream_of_their_own(comm, tdtype):
+    torch = G.torch_cuda()
+    npdt = BFLOAT16 if tdtype == "bfloat16" else np.dtype(tdtype)
+    s = torch.cuda.Stream()
+    for n in (P + 1, 1000003):
+        x = data(n, npdt, salt=3)
+        want = fold(x, "avg")
+        cpu = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if tdtype == "bfloat16" else torch.from_numpy(x)
+        with torch.cuda.stream(s):
+            t = cpu.to("cuda") * 1  # a kernel on s produces the input
+            got = comm.allreduce(t, "avg")
+            g = got.cpu()
+        bits = (lambda v: v.view(torch.int16).numpy()) if tdtype == "bfloat16" else (lambda v: v.numpy())
+        check(bits(g), want.view(np.int16) if tdtype == "bfloat16" else want, f"torch {tdtype} n={n}")
+        CALLS[0] += 1
+
+
+def test_the_tuner_chooses_between_ring_and_ipc():
+    c = ddlkernels.Communicator(COMM, shm=False, cuda_aware=False)
+    x = data(1 << 20, np.float32, salt=4)
+    want = fold(x, "sum")
+    d = cp.asarray(x)
+    assert c.candidates(d) == ("ring", "ipc")
+    seen = set()
+    while c.tuning(d):
+        check(cp.asnumpy(c.allreduce(d, "sum")), want, "during the trials")
+        seen.add(c.last_algorithm)
+        CALLS[0] += 1
+    assert seen == {"ring", "ipc"}
+    sizes = c.decisions()["allreduce"]["device_sizes"]
+    if R == 0:
+        print(f"\ntuner, {P} ranks, 4 MiB float32 on the device: {sizes}")
+    c.free()

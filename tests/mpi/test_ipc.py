@@ -1,0 +1,183 @@
+"""The CUDA IPC allreduce (ddlkernels.algorithms.ipc) on the stream emulator's device, with IPC between ranks.
+
+Each rank's "device" memory lies in files the peers map, IPC events are
+counters in them, and every copy and kernel runs late, in a random legal
+order (tests/stream_emulator.py): a peer's read of an input not yet written,
+or a result read before a peer's write into it, shows as wrong bits.  What
+this cannot show is anything of CUDA itself (handles, peer access, the
+kernels on a GPU): tests/gpu/run_on_device.sh checks that on a device.
+"""
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import ddlkernels
+from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name
+from ddlkernels.algorithms import ipc as ipc_module
+from ddlkernels.backends import get_backend
+from ddlkernels.select.tuner import tuning_calls
+from helpers import rank_data
+from stream_emulator import emulated_device
+
+COMM = MPI.COMM_WORLD
+P, R = COMM.Get_size(), COMM.Get_rank()
+pytestmark = pytest.mark.skipif(P < 2, reason="one rank has no peer to map")
+NP = get_backend("numpy")
+SIZES = sorted({0, 1, max(P - 1, 1), P + 1, 13, 4099})
+OPS = ("sum", "avg", "prod", "max", "min")
+
+
+def fold(xs, op):
+    """The rank-order fold the algorithm promises: ((x0 op x1) op x2) ..., "avg" scaling in the last step."""
+    redop, avg_p = ("sum", P) if op == "avg" else (op, None)
+    out = np.empty_like(xs[0])
+    with np.errstate(all="ignore"):
+        NP.reduce(redop, out, xs[0], xs[1], avg_p=avg_p if P == 2 else None)
+        for q in range(2, P):
+            NP.reduce(redop, out, out, xs[q], avg_p=avg_p if q == P - 1 else None)
+    return out
+
+
+def same_bits(a, b) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def wrong_anywhere(bad: int) -> int:
+    return COMM.allreduce(bad, op=MPI.SUM)
+
+
+def placed(be, x, at, shareable=True):
+    """``x`` on the device ``at`` elements into a larger allocation (written on the current stream)."""
+    whole = be.to_device(np.zeros(x.size + at + 3, x.dtype), shareable=shareable)
+    d = whole[at: at + x.size]
+    be.write(d, x)
+    return d
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("policy", ["lazy", "random"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=dtype_name)
+def test_every_dtype_op_size_bitwise_in_and_out_of_place(dtype, op, policy):
+    """The rank-order fold's bits on every rank, for 0, 1, p - 1, p + 1, a prime and several shards per rank,
+    in and out of place, on a caller stream that is not the default; the input, overwritten on that stream
+    right after the call, is read by the peers before it changes; the input of an out-of-place call is left
+    as it was."""
+    bad = []
+    with emulated_device(seed=31 * R + len(op), policy=policy, ipc=True) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+        s = be.new_stream()
+        with be.current(s):
+            for n in SIZES:
+                x = rank_data(n, R, P, dtype, salt=n)
+                want = fold(COMM.allgather(x), op) if n else x.copy()
+                for inplace in (False, True):
+                    d = be.to_device(x)
+                    got = c.allreduce(d, op, out=d if inplace else None)
+                    assert c.last_algorithm == "ipc"
+                    if R % 2:  # even ranks' devices run first: an early read of a peer's memory shows
+                        time.sleep(0.002)
+                    if not inplace:
+                        kept = be.to_host(d)
+                        be.write(d, np.zeros_like(x))
+                        bad += [] if same_bits(kept, x) else [f"n={n}: input modified"]
+                    if not same_bits(be.to_host(got), want):
+                        bad.append(f"n={n} {'in place' if inplace else 'out of place'}")
+        c.free()
+    assert wrong_anywhere(len(bad)) == 0, f"rank {R}: {bad}"
+
+
+@pytest.mark.parametrize("policy", ["lazy", "random"])
+def test_any_offset_and_memory_peers_cannot_map(policy):
+    """Inputs and outputs at odd element offsets into their allocations, and in memory CUDA IPC cannot export
+    (the algorithm's stage): the same bits, in place and out of place, every mix on every rank."""
+    bad = []
+    with emulated_device(seed=7 + R, policy=policy, ipc=True) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+        for dtype in (np.float32, np.float16):
+            for n in (P + 1, 1001):
+                x = rank_data(n, R, P, dtype, salt=3)
+                want = fold(COMM.allgather(x), "sum")
+                for src_ok, dst_ok in ((True, True), (False, True), (True, False), (False, False)):
+                    # The mix differs between ranks: a rank's choice of stage is its own.
+                    src_ok, dst_ok = (src_ok, dst_ok) if R % 2 == 0 else (dst_ok, src_ok)
+                    d = placed(be, x, 1 + R, shareable=src_ok)
+                    out = placed(be, np.zeros_like(x), 3, shareable=dst_ok)
+                    c.allreduce(d, "sum", out=out)
+                    bad += [] if same_bits(be.to_host(out), want) else [f"{n} {dtype.__name__} {src_ok},{dst_ok}"]
+                    bad += [] if same_bits(be.to_host(d), x) else [f"{n} input modified"]
+                    c.allreduce(d, "sum", out=d)
+                    bad += [] if same_bits(be.to_host(d), want) else [f"{n} {dtype.__name__} {src_ok} in place"]
+        c.free()
+    assert wrong_anywhere(len(bad)) == 0, f"rank {R}: {bad}"
+
+
+def test_peers_allocations_are_opened_once_and_the_least_recent_closed(monkeypatch):
+    """Calls on the same buffers open each peer allocation once; with a cap of 2 open mappings and new
+    buffers every call, older mappings are closed and every result is still right."""
+    with emulated_device(seed=3 + R, policy="lazy", ipc=True) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+        x = rank_data(257, R, P, np.float64, salt=1)
+        want = fold(COMM.allgather(x), "sum")
+        d, out = be.to_device(x), be.to_device(np.zeros_like(x))
+        algo = c.algorithms["ipc"]
+        for k in range(4):
+            c.allreduce(d, "sum", out=out)
+            assert same_bits(be.to_host(out), want), k
+            if k == 0:
+                first = algo.mapped()
+        assert first == 2 * (P - 1) and algo.mapped() == first, (first, algo.mapped())
+        monkeypatch.setattr(ipc_module, "MAPPED", 2)
+        c.free()
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+        for k in range(5):
+            got = c.allreduce(be.to_device(x), "sum")
+            assert same_bits(be.to_host(got), want), k
+        held = [len(dv.mapped.maps) for dv in c.algorithms["ipc"]._devices.values()]
+        assert held and max(held) <= max(2, 2 * (P - 1)), held  # this call's own are never closed
+        assert c.algorithms["ipc"].mapped() > 2 * (P - 1)  # new buffers: new opens
+        c.free()
+
+
+def test_the_tuner_measures_ipc_beside_the_ring_for_device_arrays():
+    """``ipc=None``: device allreduce has the candidates ("ring", "ipc") where the backend offers IPC, and
+    ("ring",) where it does not or with ``ipc=False``; the trials run both, each computing the right result,
+    and the size settles on one of them, the same on every rank."""
+    x = rank_data(3000, R, P, np.float32, salt=9)
+    want = fold(COMM.allgather(x), "sum")
+    with emulated_device(seed=R, policy="random", ipc=True) as be:
+        c = ddlkernels.Communicator(COMM, shm=False)
+        d = be.to_device(x)
+        assert c.candidates(d) == ("ring", "ipc")
+        assert ddlkernels.Communicator(COMM, shm=False, ipc=False).candidates(d) == ("ring",)
+        seen = []
+        for k in range(tuning_calls(x.nbytes, 2) + 2):
+            assert same_bits(be.to_host(c.allreduce(d, "sum")), want), k
+            seen.append(c.last_algorithm)
+        assert set(seen) == {"ring", "ipc"} and not c.tuning(d)
+        sizes = c.decisions()["allreduce"]["device_sizes"]
+        assert list(sizes.values()) in (["ring"], ["ipc"]), sizes
+        assert COMM.allgather(sizes) == [sizes] * P
+        c.free()
+    with emulated_device(seed=R, policy="lazy") as be:  # a backend without IPC
+        c = ddlkernels.Communicator(COMM, shm=False)
+        assert c.candidates(be.to_device(x)) == ("ring",)
+        c.free()
+
+
+def test_under_a_deadline_and_validation():
+    """With ``timeout=`` and ``validate=True`` the exchanges wait under the deadline: the same bits."""
+    with emulated_device(seed=R, policy="lazy", ipc=True) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=True, validate=True, timeout=60)
+        x = rank_data(999, R, P, np.int32, salt=2)
+        got = c.allreduce(be.to_device(x), "max")
+        assert c.last_algorithm == "ipc" and same_bits(be.to_host(got), fold(COMM.allgather(x), "max"))
+        c.free()
+
+
+def test_ipc_setting_is_checked():
+    with pytest.raises(ValueError, match="ipc must be None, True or False"):
+        ddlkernels.Communicator(COMM, ipc="yes")
