@@ -137,3 +137,20 @@ def test_header_says_how_an_iteration_is_timed_per_placement():
                   "--no-progress", "--impls", "ddlkernels,mpi")
     assert "back-to-back calls lasting" not in inplace
     assert "# in place: an iteration is one call" in inplace
+
+
+def test_device_sweep_times_nothing_without_a_gpu():
+    """Without a CUDA device the device sweep says why and exits 2, with no line of numbers (never a host
+    stand-in); with one it is tests/gpu/run_on_device.sh's last step."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            pytest.skip("a CUDA device is here: tests/gpu/run_on_device.sh runs the sweep")
+    except Exception:  # noqa: BLE001 -- no CuPy or no driver: the case under test
+        pass
+    proc = subprocess.run([sys.executable, "bench/sweeps/device_allreduce.py", "--sizes", "4K"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no GPU to measure on" in proc.stdout and "nothing was timed" in proc.stdout
+    assert "busbw" not in proc.stdout and "##" not in proc.stdout

@@ -6,7 +6,9 @@
 #
 # Runs the kernels of both device backends in one process, then the collectives under
 # mpirun -n 2, 3 and 4 (every rank on the GPU; with several GPUs each rank still uses the
-# current one), never in the Numba simulator.  Logs go to $OUT/gpu-tests (or $TMPDIR).  Exits
+# current one), never in the Numba simulator; then the device sweep (bench/sweeps/device_allreduce.py:
+# ddlkernels beside the hand-rolled loop, gloo, NCCL where it can run) at 2 and 4 ranks, its JSON
+# beside the logs.  Logs go to $OUT/gpu-tests (or $TMPDIR).  Exits
 # non-zero on any failure, on any skipped test (a skip here means the device was not used),
 # and when no device is visible.  RANKS=2,4 picks other rank counts.
 set -uo pipefail
@@ -56,7 +58,7 @@ step() {  # step NAME COMMAND...: run, log, and keep pytest's last line
     echo "=== $name: $*"
     "$@" 2>&1 | tee "$LOGDIR/$name.log"
     local rc=${PIPESTATUS[0]}
-    local last=$(grep -E "[0-9]+ (passed|failed|skipped|error)" "$LOGDIR/$name.log" | tail -1 | sed 's/=//g; s/^ *//')
+    local last=$(grep -E "[0-9]+ (passed|failed|skipped|error)|wrong elements in all" "$LOGDIR/$name.log" | tail -1 | sed 's/=//g; s/^ *//')
     local calls=$(grep -E "^device collectives:" "$LOGDIR/$name.log" | tail -1 | sed 's/.*, \([0-9]*\) on all ranks/\1/')
     if [ "$rc" -ne 0 ] || grep -qE "[0-9]+ (failed|error)" <<<"$last" || grep -qE "[0-9]+ skipped" <<<"$last"; then
         FAILED=1
@@ -68,6 +70,10 @@ step() {  # step NAME COMMAND...: run, log, and keep pytest's last line
 step kernels "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu --ignore=tests/gpu/mpi
 for n in ${RANKS//,/ }; do
     step "mpirun-n$n" "$MPIRUN" -n "$n" "$PY" -m mpi4py tests/_mpi_pytest.py -q -rs tests/gpu/mpi
+done
+for n in 2 4; do
+    step "device-sweep-n$n" "$MPIRUN" -n "$n" "$PY" bench/sweeps/device_allreduce.py --sizes 1M,64M,256M \
+        --json "$LOGDIR/device_allreduce_np$n.json"
 done
 
 echo
