@@ -45,8 +45,10 @@ pair of counters in such a file (records made, records run), and a stream
 that waits for a peer's event waits until the peer's process has run the
 record that was the latest when the wait was queued, as a CUDA stream waits
 for an IPC event.  A host wait that needs a peer's work spins, running its
-own ready work meanwhile (a device runs on whatever its host does), and
-fails after ``SPIN_SECONDS``.
+own ready work meanwhile, and fails after ``SPIN_SECONDS``; and since a GPU
+runs whatever its host does (blocked in MPI, say), each process's device
+thread runs a record of its own as soon as a peer waits for it, with the
+work queued before it, and nothing else.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class Emulator:
 
     def __init__(self, seed=0, policy="lazy"):
         self.lock = threading.RLock()  # the progress thread and the caller's thread both queue work
+        self.idle = threading.Condition(self.lock)  # a spinning wait lets the other threads in
         self.configure(seed, policy)
         self._count = 0
 
@@ -188,7 +191,7 @@ class Emulator:
                 blocked = [op for s in self.streams for op in s.queue[:1] if op.ext]
                 if not blocked or time.monotonic() - t0 > SPIN_SECONDS:
                     break
-                time.sleep(1e-4)  # a peer's record still to run
+                self.idle.wait(1e-4)  # a peer's record still to run
             left = [op for s in self.streams for op in s.queue]
             assert not left, f"operations that can never run: {[(op.stream.name, op.what) for op in left]}"
 
@@ -256,7 +259,7 @@ class Emulator:
                 if ready:
                     self._run(self.rng.choice(ready))  # the device runs what it can while the peer catches up
                 else:
-                    time.sleep(1e-4)
+                    self.idle.wait(1e-4)  # the lock released: this process's other threads go on
                 continue
             if self.policy == "random" and self.rng.random() < 0.3:
                 mine = ready
@@ -347,7 +350,7 @@ class _SharedHeap:
     def event(self):
         """A new IPC event of this process: its counters and its handle."""
         if self._events is None:
-            self._events = self.alloc(4096 * 16).view(np.int64).reshape(-1, 2)
+            self._events = self.alloc(4096 * 24).view(np.int64).reshape(-1, 3)
             self._events[...] = 0
             self._events_path = self.allocs[-1][2]
         k = self._nevents
@@ -356,7 +359,7 @@ class _SharedHeap:
 
     def open_event(self, key):
         path, k = key.decode().rsplit("#", 1)
-        return self.open(path.encode()).view(np.int64).reshape(-1, 2)[int(k)]
+        return self.open(path.encode()).view(np.int64).reshape(-1, 3)[int(k)]
 
     def close(self):
         self.allocs.clear()
@@ -365,12 +368,45 @@ class _SharedHeap:
 
 
 class IpcEvent:
-    """An emulated IPC event: ``counters`` = [records made, latest record run], in memory every rank maps."""
+    """An emulated IPC event: ``counters`` = [records made, latest record run, latest record a peer waits
+    for], in memory every rank maps; the owner keeps its records' operations (``records``: record -> op)."""
 
-    __slots__ = ("counters",)
+    __slots__ = ("counters", "records")
 
     def __init__(self, counters):
         self.counters = counters
+        self.records: dict = {}
+
+
+class _DeviceThread(threading.Thread):
+    """The owner's device, running on its own when a peer waits for one of its IPC events.
+
+    A GPU runs queued work whatever its host does, so a peer may wait for
+    a record while this process's host is blocked in MPI; the emulator's
+    device otherwise runs only when its host calls in.  This thread runs
+    (with what it needs) the record a peer asks for, and nothing else, so
+    work nobody waits for still runs late.
+    """
+
+    def __init__(self, backend):
+        super().__init__(name="emulated device", daemon=True)
+        self.be, self.stop, self.error = backend, threading.Event(), None
+
+    def run(self):
+        emu = self.be.emu
+        while not self.stop.wait(5e-4):
+            try:
+                with emu.lock:
+                    for ev in self.be.ipc_events:
+                        c = ev.counters
+                        asked = [k for k in ev.records if k >= c[2] and c[2] > c[1]]
+                        if asked:
+                            emu._force(ev.records[min(asked)])
+                        for k in [k for k in ev.records if k <= c[1]]:
+                            del ev.records[k]
+            except AssertionError as exc:  # a peer that never came: the host's own wait reports it too
+                self.error = exc
+                return
 
 
 class EmuBackend(DeviceBackend):
@@ -383,6 +419,7 @@ class EmuBackend(DeviceBackend):
     def __init__(self):
         super().__init__()
         self.heap = None  # the _SharedHeap while ``ipc``
+        self.ipc_events: list = []  # this process's IPC events (``ipc_event``)
         self.emu = Emulator()
         self._default = self.emu.stream("default")
         self._current = threading.local()  # the "library's current stream" of each thread (like CuPy's)
@@ -470,8 +507,16 @@ class EmuBackend(DeviceBackend):
     def wait(self, stream, ev):
         if isinstance(ev, IpcEvent):  # the latest record made when the wait is queued, as CUDA's
             c, k = ev.counters, int(ev.counters[0])
+
+            def happened():
+                if c[1] >= k:
+                    return True
+                if c[2] < k:
+                    c[2] = k  # asks the owner's device thread for it
+                return False
+
             if c[1] < k:
-                self.emu.enqueue(stream, None, "wait ipc event", ext=(lambda: c[1] >= k,))
+                self.emu.enqueue(stream, None, "wait ipc event", ext=(happened,))
             return
         self.emu.wait(stream, ev)
 
@@ -565,7 +610,9 @@ class EmuBackend(DeviceBackend):
 
     def ipc_event(self):
         counters, key = self.heap.event()
-        return IpcEvent(counters), key
+        ev = IpcEvent(counters)
+        self.ipc_events.append(ev)
+        return ev, key
 
     def ipc_open_event(self, key):
         return IpcEvent(self.heap.open_event(key))
@@ -580,7 +627,7 @@ class EmuBackend(DeviceBackend):
                 if c[1] < k:
                     c[1] = k
 
-            self.emu.enqueue(stream, fn, "record ipc event")
+            ev.records[k] = self.emu.enqueue(stream, fn, "record ipc event")
 
     # -- kernels -------------------------------------------------------------------------
     def copy(self, dst, src):
@@ -655,7 +702,10 @@ def emulated_device(seed=0, policy="lazy", claim_torch=False, ipc=False):
     be = get_backend("emu")
     be.configure(seed, policy)
     EmuBackend.claim_torch = claim_torch
-    be.ipc, be.heap = ipc, (_SharedHeap() if ipc else None)
+    be.ipc, be.heap, be.ipc_events = ipc, (_SharedHeap() if ipc else None), []
+    device = _DeviceThread(be) if ipc else None
+    if device is not None:
+        device.start()
     try:
         yield be
     finally:
@@ -663,8 +713,11 @@ def emulated_device(seed=0, policy="lazy", claim_torch=False, ipc=False):
         try:
             be.emu.drain()
         finally:
+            if device is not None:
+                device.stop.set()
+                device.join()
             _REGISTRY.clear()
             _REGISTRY.update(saved)
             if be.heap is not None:
                 be.heap.close()
-            be.ipc, be.heap = False, None
+            be.ipc, be.heap, be.ipc_events = False, None, []
