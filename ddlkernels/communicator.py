@@ -95,6 +95,7 @@ class Communicator:
     # The collectives (ddlkernels.collectives), and what the tuner chose.
     allreduce = _allreduce.allreduce
     Allreduce = _allreduce.Allreduce
+    allreduce_buffer = _allreduce.allreduce_buffer
     reduce_scatter = _reduce_scatter.reduce_scatter
     allgather = _allgather.allgather
     tuning = _decisions.tuning

@@ -99,6 +99,10 @@ def test_fixed_rules():
     assert candidates(4096, one_node=True, device="ipc", dims=(2,)) == ("ring",)
     for kind in ("reduce_scatter", "allgather"):
         assert candidates(4096, one_node=True, device="ipc", kind=kind) == ("ring",)
+    # Across nodes of one size: the hierarchical allreduce (IPC inside each node) beside the ring ...
+    assert candidates(4096, hier=True, device="ipc") == ("ring", "hier")
+    assert candidates(4096, hier=True, device=True) == ("ring",)  # ... where the backend has CUDA IPC
+    assert candidates(4096, np.float16, op="avg", hier=True, device="ipc") == ("ring",)  # one rounding
     assert candidates(4096, one_node=True, dims=(2,)) == ("ring",)  # a box asked for
     assert candidates(4096, one_node=True, shm=True) == ("shm",)  # forced
     assert candidates(4096, one_node=True, shm=True, kind="allgather") == ("shm",)

@@ -22,12 +22,20 @@ and 2,3 on node B::
     across: ranks 0 and 2 allreduce shard 0; ranks 1 and 3 shard 1
     gather: every rank copies both shards of its node into its output
 
+Device arrays take the same three steps with CUDA IPC inside the node
+(``ddlkernels.algorithms.ipc.IpcNode``: the reduce-scatter reads the node's
+peers' memory in place, the allgather writes into it) and the device ring
+across nodes (CUDA-aware MPI or staged), where the backend offers CUDA IPC:
+the box's first dimension is the node, as PowerAI DDL's.
+
 Each element is summed within a node in local-rank order, then across nodes
 by one allreduce whose result is the same bits on every rank that computes
 it; the allgather only copies, so every rank ends with the same bits.  The
 order differs from the flat ring's, as the tuner's other choices do.
 "avg" is the sum scaled once at the end (float16 and bfloat16 excepted:
-their backend scales before the one rounding, so they take the other paths).
+their backend scales before the one rounding, so they take the other paths);
+on the device the scale is the reduce kernel's "avg" with -0 as the other
+operand (x + -0 is x, bit for bit, -0 included).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from .._dtypes import is_half, scale_inplace
 from ..ring.schedule import split
 from ..safety.deadline import complete
 from .base import Algorithm, pack_segments
+from .ipc import IpcNode
 from .shm import ShmAllreduce
 
 __all__ = ["Hier", "HierAllreduce", "node_split", "uniform_nodes"]
@@ -60,6 +69,13 @@ def uniform_nodes(comm, node) -> bool:
     return min(sizes) == max(sizes) >= 2 and k < comm.Get_size()
 
 
+def _negative_zero(dtype):
+    """-0 of a device backend's storage ``dtype`` (uint16 there holds bfloat16's bits), 0 for integers."""
+    if dtype == np.uint16:
+        return np.uint16(0x8000)
+    return dtype.type(-0.0) if dtype.kind == "f" else dtype.type(0)
+
+
 class HierAllreduce:
     """The hierarchical allreduce of ``comm`` whose node split is ``node`` (collective to create and free).
 
@@ -74,7 +90,8 @@ class HierAllreduce:
         self.node = node
         self.k = node.Get_size()
         self.local = node.Get_rank()
-        self.shm = ShmAllreduce(node)
+        self._shm = None  # the node's window (host arrays), made by the first host call (collective)
+        self.ipc = IpcNode(node)  # the node's CUDA IPC (device arrays)
         # The ranks holding the same shard on every node, in global rank order.
         cross = comm.Split(color=self.local, key=comm.Get_rank())
         try:
@@ -84,9 +101,17 @@ class HierAllreduce:
         self._bounds = {}
         self._shards = {}
 
+    @property
+    def shm(self) -> ShmAllreduce:
+        if self._shm is None:
+            self._shm = ShmAllreduce(self.node)
+        return self._shm
+
     def free(self) -> None:
-        """Release the window and the communicators (collective)."""
-        self.shm.free()
+        """Release the window, the IPC state and the communicators (collective)."""
+        if self._shm is not None:
+            self._shm.free()
+        self.ipc.free()
         self.cross.free()
         self.node.Free()
         self._shards.clear()
@@ -101,11 +126,40 @@ class HierAllreduce:
             self._bounds[n] = b
         return b
 
-    def _shard(self, dtype, count):
-        buf = self._shards.get(dtype)
-        if buf is None or buf.shape[0] < count:
-            buf = self._shards[dtype] = np.empty(max(count, 1), dtype)
-        return buf[:count]
+    def _shard(self, dtype, count, be=None, fill=None):
+        """This rank's shard buffer (host, or on ``be``'s current device), grown as needed and reused; a new
+        one filled with ``fill`` (host memory copied in on the compute stream) when given."""
+        key = (dtype,) if be is None else (be.name, be.current_device(), dtype, fill)
+        got = self._shards.get(key)  # (buffer, the pinned memory it was filled from or None)
+        if got is None or got[0].shape[0] < count:
+            n = max(count, 1)
+            host = None
+            if be is None:
+                buf = np.empty(n, dtype)
+            else:
+                buf = be.empty(n, dtype)
+                if fill is not None:  # the pinned copy lives as long as the buffer: the copy is asynchronous
+                    host = be.pinned(n * dtype.itemsize)
+                    host.view(dtype)[...] = fill
+                    be.h2d(buf, host, be.compute_stream())
+            got = self._shards[key] = (buf, host)
+        return got[0][:count]
+
+    def run_device(self, be, src, dst, dtype, op, avg_p=None, deadline=None) -> None:
+        """``run`` for flat device buffers of the backend ``be`` (one with CUDA IPC) holding ``dtype``, on its
+        compute stream."""
+        n = src.shape[0]
+        bounds = self.bounds(n)
+        lo, hi = bounds[self.local]
+        shard = self._shard(src.dtype, hi - lo, be)
+        self.ipc.reduce_scatter(be, src, shard, bounds, op, deadline=deadline)
+        self.cross.allreduce_buffer(be, shard, dtype, op, deadline)
+        if avg_p is not None and hi > lo:
+            # The "avg" kernel's sum with -0 is the shard itself, then scaled as scale_inplace scales.
+            be.reduce("sum", shard, shard, self._shard(src.dtype, hi - lo, be, _negative_zero(src.dtype)),
+                      avg_p=avg_p)
+        # Nobody reads src after the reduce-scatter's last barrier: an in-place call may now overwrite it.
+        self.ipc.allgather(be, shard, dst, bounds, deadline=deadline)
 
     def run(self, src, dst, op, reduce, avg_p=None, deadline=None) -> None:
         """``dst = op over all ranks of src`` (1-D host arrays of one dtype; ``src is dst`` allowed).
@@ -134,6 +188,7 @@ class Hier(Algorithm):
     split is ``placement.hier_node``; "avg" of float16 and bfloat16 excepted, see the module comment)."""
 
     name = "hier"
+    device = True
 
     def __init__(self, comm, placement):
         super().__init__(comm, placement)
@@ -145,7 +200,8 @@ class Hier(Algorithm):
         return placement.hier_node is not None
 
     def serves(self, kind, w):
-        return kind == "allreduce" and not w.be.device and not (w.avg and is_half(w.dtype))
+        return (kind == "allreduce" and (not w.be.device or getattr(w.be, "ipc", False) and w.dims is None)
+                and not (w.avg and is_half(w.dtype)))
 
     def allreduce(self, w):
         pack_segments(w)  # its reduce-scatter reads one buffer
@@ -155,8 +211,11 @@ class Hier(Algorithm):
             # collectives that set it up.
             complete(c.comm.Ibarrier(), w.deadline, "the hierarchical allreduce's setup (MPI_Ibarrier)")
             self._hier = HierAllreduce(c.comm, self.node, lambda cross: type(c)(cross, shm=False))
-        self._hier.run(w.src, w.dst, w.redop, w.be.reduce, avg_p=self.comm.size if w.avg else None,
-                       deadline=w.deadline)
+        avg_p = self.comm.size if w.avg else None
+        if w.be.device:
+            self._hier.run_device(w.be, w.src, w.dst, w.dtype, w.redop, avg_p=avg_p, deadline=w.deadline)
+        else:
+            self._hier.run(w.src, w.dst, w.redop, w.be.reduce, avg_p=avg_p, deadline=w.deadline)
 
     def free(self):
         if self._hier is not None:

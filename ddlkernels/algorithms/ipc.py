@@ -42,7 +42,7 @@ from ..safety.deadline import complete
 from .base import Algorithm
 from .window_shards import cuts
 
-__all__ = ["Ipc", "Mapped", "MAPPED", "KEY_BYTES"]
+__all__ = ["Ipc", "IpcNode", "Mapped", "MAPPED", "KEY_BYTES"]
 
 #: Peers' allocations kept open per rank; past it the least recently used is closed (a job whose buffers are new
 #: every call would otherwise map without bound).
@@ -143,21 +143,24 @@ class _Device:
         return st
 
 
-class Ipc(Algorithm):
-    name = "ipc"
-    kinds = ("allreduce",)
-    device = True
+class IpcNode:
+    """The CUDA IPC collectives of the ranks of one node: ``comm`` (mpi4py), every rank of which shares the
+    node.  Every call is collective over ``comm`` and runs on the backend's compute stream.  ``bounds``:
+    every rank's ``(lo, hi)`` of the whole buffer, in rank order.
+    """
 
-    def __init__(self, comm, placement):
-        super().__init__(comm, placement)
+    def __init__(self, comm):
+        self.comm = comm
+        self.p, self.me = comm.Get_size(), comm.Get_rank()
         self._devices: dict = {}  # (backend name, device) -> _Device
+        self._acc: dict = {}  # (backend name, device, dtype) -> the fold's device buffer (grows; reused)
 
-    @classmethod
-    def probe(cls, comm, placement):
-        return placement.one_node and comm.ipc is not False
-
-    def serves(self, kind, w):
-        return kind == "allreduce" and w.be.device and getattr(w.be, "ipc", False) and w.dims is None
+    def _scratch(self, be, dtype, count):
+        key = (be.name, be.current_device(), dtype)
+        buf = self._acc.get(key)
+        if buf is None or buf.shape[0] < count:
+            buf = self._acc[key] = be.empty(max(int(count), 1), dtype)
+        return buf[:count]
 
     def _device(self, be) -> _Device:
         key = (be.name, be.current_device())
@@ -166,7 +169,8 @@ class Ipc(Algorithm):
             d = self._devices[key] = _Device(be)
         return d
 
-    def _exported(self, be, d, buf, tag):
+    @staticmethod
+    def _exported(be, d, buf, tag):
         """(array peers use, its handle, offset): ``buf`` itself where it can be exported, else the stage
         ``tag`` (the caller copies into or out of it)."""
         got = be.ipc_export(buf)
@@ -175,73 +179,164 @@ class Ipc(Algorithm):
         stage, key, off = d.stage(tag, buf.nbytes)
         return stage[: buf.nbytes].view(buf.dtype), key, off
 
-    def allreduce(self, w):
-        be, c = w.be, self.comm
-        p, me, n = c.size, c.rank, w.count
-        if n == 0:
-            return
+    def _call(self, be, src, dst, deadline, what, body):
+        """One collective in which peers read ``src`` and write ``dst`` (None: they touch none):
+        ``body(mine_in, mine_out, peer)`` queues its kernels and copies, ``peer(q, role, lo, hi, dtype)``
+        being rank q's input (``_SRC``) or output (``_DST``) elements ``[lo, hi)``."""
+        p, me = self.p, self.me
         d = self._device(be)
         s = be.compute_stream()
-        src, dst = w.src, w.dst
-        inplace = src is dst
-        dt, item = dst.dtype, dst.dtype.itemsize
-        # Where peers read my input and write my result.
-        mine_in, in_key, in_off = self._exported(be, d, src, "src")
-        if mine_in is not src:
-            be.copy(mine_in, src)
-        if inplace:
-            mine_out, out_key, out_off = mine_in, in_key, in_off
-        else:
-            mine_out, out_key, out_off = self._exported(be, d, dst, "dst")
-        be.record_on(s, d.ready)
         rec = np.zeros(1, _RECORD)
-        for i, k in ((_SRC, in_key), (_DST, out_key), (_READY, d.ready_key), (_DONE, d.done_key)):
-            _pack(rec, 0, i, k)
-        rec["off"][0] = (in_off, out_off)
+        mine_in = mine_out = None
+        if src is not None:
+            mine_in, key, off = self._exported(be, d, src, "src")
+            if mine_in is not src:
+                be.copy(mine_in, src)
+            _pack(rec, 0, _SRC, key)
+            rec["off"][0, _SRC] = off
+        if dst is not None:
+            if dst is src:
+                mine_out = mine_in
+                rec["key"][0, _DST], rec["len"][0, _DST], rec["off"][0, _DST] = (
+                    rec["key"][0, _SRC], rec["len"][0, _SRC], rec["off"][0, _SRC])
+            else:
+                mine_out, key, off = self._exported(be, d, dst, "dst")
+                _pack(rec, 0, _DST, key)
+                rec["off"][0, _DST] = off
+        _pack(rec, 0, _READY, d.ready_key)
+        _pack(rec, 0, _DONE, d.done_key)
+        be.record_on(s, d.ready)
         recs = np.empty(p, _RECORD)
-        complete(c.comm.Iallgather(rec.view(np.uint8), recs.view(np.uint8)), w.deadline,
-                 "the IPC allreduce's exchange of handles (MPI_Iallgather)")
+        complete(self.comm.Iallgather(rec.view(np.uint8), recs.view(np.uint8)), deadline,
+                 f"the IPC {what}'s exchange of handles (MPI_Iallgather)")
+        roles = [r for r, buf in ((_SRC, src), (_DST, dst)) if buf is not None]
         d.mapped.reap()
-        d.mapped.retire({_unpack(recs, q, i) for q in range(p) if q != me for i in (_SRC, _DST)}, s)
+        d.mapped.retire({_unpack(recs, q, r) for q in range(p) if q != me for r in roles}, s)
         # Barrier 1 passed: every peer has recorded "ready" after the work that wrote its input.
         for q in range(p):
             if q != me:
                 be.wait(s, d.event(_unpack(recs, q, _READY)))
 
-        def peer(q, which, lo, hi):
-            return be.ipc_view(d.mapped.get(_unpack(recs, q, which)),
-                               int(recs["off"][q, which]) + lo * item, hi - lo, dt)
+        def peer(q, role, lo, hi, dtype):
+            dt = np.dtype(dtype)
+            return be.ipc_view(d.mapped.get(_unpack(recs, q, role)), int(recs["off"][q, role]) + lo * dt.itemsize,
+                               hi - lo, dt)
 
-        c_ = cuts(n, p)
-        lo, hi = c_[me], c_[me + 1]
-        if hi > lo:
-            xs = [mine_in[lo:hi] if q == me else peer(q, _SRC, lo, hi) for q in range(p)]
-            acc = c.reusable_buffer("ipc-shard", be, dt, hi - lo)
-            avg_p = p if w.avg else None
-            be.reduce(w.redop, acc, xs[0], xs[1], avg_p=avg_p if p == 2 else None)
-            for q in range(2, p):
-                be.reduce(w.redop, acc, acc, xs[q], avg_p=avg_p if q == p - 1 else None)
-            for k in range(1, p + 1):  # my own output last; the peers' in turn from the next rank on
-                q = (me + k) % p
-                be.copy(mine_out[lo:hi] if q == me else peer(q, _DST, lo, hi), acc)
+        body(mine_in, mine_out, peer)
         be.record_on(s, d.done)
-        complete(c.comm.Ibarrier(), w.deadline, "the IPC allreduce's last barrier (MPI_Ibarrier)")
+        complete(self.comm.Ibarrier(), deadline, f"the IPC {what}'s last barrier (MPI_Ibarrier)")
         # Barrier 2 passed: every peer has recorded "done" after its last read of my input and write of my output.
         for q in range(p):
             if q != me:
                 be.wait(s, d.event(_unpack(recs, q, _DONE)))
-        if mine_out is not dst:
+        if dst is not None and mine_out is not dst:
             be.copy(dst, mine_out)
+
+    def _fold(self, be, mine_in, peer, lo, hi, redop, avg_p):
+        """My shard ``[lo, hi)`` of every rank's input, folded in rank order into a scratch buffer."""
+        p, me, dt = self.p, self.me, mine_in.dtype
+        xs = [mine_in[lo:hi] if q == me else peer(q, _SRC, lo, hi, dt) for q in range(p)]
+        acc = self._scratch(be, dt, hi - lo)
+        if p == 1:
+            be.copy(acc, xs[0])
+            return acc
+        be.reduce(redop, acc, xs[0], xs[1], avg_p=avg_p if p == 2 else None)
+        for q in range(2, p):
+            be.reduce(redop, acc, acc, xs[q], avg_p=avg_p if q == p - 1 else None)
+        return acc
+
+    def _push(self, be, shard, mine_out, peer, lo, hi):
+        """``shard`` into every rank's output at ``[lo, hi)``: the peers' in turn from the next rank on, mine last."""
+        p, me = self.p, self.me
+        for k in range(1, p + 1):
+            q = (me + k) % p
+            be.copy(mine_out[lo:hi] if q == me else peer(q, _DST, lo, hi, shard.dtype), shard)
+
+    def allreduce(self, be, src, dst, redop, avg_p=None, deadline=None) -> None:
+        """``dst`` = every rank's ``src`` folded in rank order ("avg": ``redop`` "sum" and ``avg_p``, scaling in
+        the last step); ``src is dst`` in place."""
+        n = dst.shape[0]
+        if n == 0:
+            return
+        c = cuts(n, self.p)
+        lo, hi = c[self.me], c[self.me + 1]
+
+        def body(mine_in, mine_out, peer):
+            if hi > lo:
+                self._push(be, self._fold(be, mine_in, peer, lo, hi, redop, avg_p), mine_out, peer, lo, hi)
+
+        self._call(be, src, dst, deadline, "allreduce", body)
+
+    def reduce_scatter(self, be, src, shard, bounds, redop, avg_p=None, deadline=None) -> None:
+        """``shard`` (this rank's, a buffer apart from ``src``) = elements ``bounds[me]`` of every rank's
+        ``src``, folded in rank order."""
+        lo, hi = bounds[self.me]
+
+        def body(mine_in, mine_out, peer):
+            if hi > lo:
+                be.copy(shard, self._fold(be, mine_in, peer, lo, hi, redop, avg_p))
+
+        if bounds[-1][1] > 0:
+            self._call(be, src, None, deadline, "reduce_scatter", body)
+
+    def allgather(self, be, shard, dst, bounds, deadline=None) -> None:
+        """Every rank's ``shard`` into its ``bounds`` of every rank's ``dst`` (``shard`` apart from ``dst``)."""
+        lo, hi = bounds[self.me]
+
+        def body(mine_in, mine_out, peer):
+            if hi > lo:
+                self._push(be, shard, mine_out, peer, lo, hi)
+
+        if bounds[-1][1] > 0:
+            self._call(be, None, dst, deadline, "allgather", body)
 
     def mapped(self) -> int:
         """How many peers' allocations this rank has opened so far, over its devices (for tests and reports)."""
         return sum(d.mapped.opened for d in self._devices.values())
 
-    def free(self):
+    def free(self) -> None:
         for d in self._devices.values():
             d.be.synchronize()
             d.mapped.close()
         self._devices.clear()
+        self._acc.clear()
+
+    def held(self) -> list:
+        return list(self._devices.values()) + list(self._acc.values())
+
+
+class Ipc(Algorithm):
+    name = "ipc"
+    kinds = ("allreduce",)
+    device = True
+
+    def __init__(self, comm, placement):
+        super().__init__(comm, placement)
+        self._node = None
+
+    @property
+    def node(self) -> IpcNode:
+        if self._node is None:
+            self._node = IpcNode(self.comm.comm)
+        return self._node
+
+    @classmethod
+    def probe(cls, comm, placement):
+        return placement.one_node and comm.ipc is not False
+
+    def serves(self, kind, w):
+        return kind == "allreduce" and w.be.device and getattr(w.be, "ipc", False) and w.dims is None
+
+    def allreduce(self, w):
+        self.node.allreduce(w.be, w.src, w.dst, w.redop, self.comm.size if w.avg else None, w.deadline)
+
+    def mapped(self) -> int:
+        """How many peers' allocations this rank has opened so far (for tests and reports)."""
+        return 0 if self._node is None else self._node.mapped()
+
+    def free(self):
+        if self._node is not None:
+            self._node.free()
 
     def held(self):
-        return list(self._devices.values())
+        return [] if self._node is None else self._node.held()

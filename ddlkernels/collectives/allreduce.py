@@ -16,6 +16,7 @@ Each function takes the ``Communicator`` first: they are its methods.
 
 from __future__ import annotations
 
+import contextlib
 from time import perf_counter
 
 import numpy as np
@@ -27,7 +28,7 @@ from ..backends import backend_for, get_backend
 from .arguments import (apart, backend_input_numpy, buffer_spec, check_out, flat_input, host_overlap, in_use,
                         prepare, size)
 
-__all__ = ["allreduce", "Allreduce", "allreduce_segments"]
+__all__ = ["allreduce", "Allreduce", "allreduce_segments", "allreduce_buffer"]
 
 
 def allreduce(self, x, op="sum", *, out=None, dims=None, chunk_bytes=None, backend=None, validate=None,
@@ -199,6 +200,26 @@ def allreduce_segments(self, segments, out, op="sum", *, dims=None, chunk_bytes=
             with call:
                 run(self, w)
     return out
+
+
+def allreduce_buffer(self, be, buf, dtype, op, deadline=None):
+    """Reduce ``buf`` in place: a flat buffer of the backend ``be`` holding ``dtype`` (a device backend's
+    bfloat16 as its uint16 bits), on the caller's compute stream.
+
+    For an algorithm that runs part of its call on another Communicator (``hier``'s step across nodes),
+    with what is left of its ``deadline`` as the timeout; validation as this Communicator's.
+    """
+    opname = normalize_op(op)
+    with self._exclusive("allreduce"):
+        call = self._call("allreduce", None, None if deadline is None else deadline.remaining())
+        w = Work("allreduce", buf, buf, buf.shape[0], dtype, opname, be, max(1, self.chunk_bytes // dtype.itemsize),
+                 call=call)
+        with self._device_call(be, buf, be.compute_stream()) if be.device else contextlib.nullcontext():
+            if call is None:
+                run(self, w)
+            else:
+                with call:
+                    run(self, w)
 
 
 def Allreduce(self, sendbuf, recvbuf, op=None, *, validate=None, timeout=None):

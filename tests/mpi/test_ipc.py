@@ -136,7 +136,7 @@ def test_peers_allocations_are_opened_once_and_the_least_recent_closed(monkeypat
         for k in range(5):
             got = c.allreduce(be.to_device(x), "sum")
             assert same_bits(be.to_host(got), want), k
-        held = [len(dv.mapped.maps) for dv in c.algorithms["ipc"]._devices.values()]
+        held = [len(dv.mapped.maps) for dv in c.algorithms["ipc"].node._devices.values()]
         assert held and max(held) <= max(2, 2 * (P - 1)), held  # this call's own are never closed
         assert c.algorithms["ipc"].mapped() > 2 * (P - 1)  # new buffers: new opens
         c.free()
@@ -181,3 +181,45 @@ def test_under_a_deadline_and_validation():
 def test_ipc_setting_is_checked():
     with pytest.raises(ValueError, match="ipc must be None, True or False"):
         ddlkernels.Communicator(COMM, ipc="yes")
+
+
+K = next((k for k in range(2, P) if P % k == 0), None)  # ranks per made-up node (tests/mpi/test_hier.py)
+
+
+@pytest.mark.sweep
+@pytest.mark.skipif(K is None, reason=f"{P} ranks cannot be split into 2+ nodes of 2+ ranks each")
+@pytest.mark.parametrize("policy", ["lazy", "random"])
+@pytest.mark.parametrize("placement", ["block", "round robin"])
+def test_hierarchical_over_ipc_inside_made_up_nodes(placement, policy):
+    """The hierarchical allreduce on device arrays (ddlkernels.algorithms.hier): IPC inside each node of K
+    ranks, the device ring across nodes: every dtype and op ("avg" of float16/bfloat16 excepted, not a
+    candidate), 0, 1, p - 1, p + 1, a prime and several shards, in and out of place: the reduction within
+    rounding, the same bits on every rank, the input left as it was."""
+    from ddlkernels._dtypes import is_half
+    from ddlkernels.algorithms.hier import HierAllreduce
+    from helpers import assert_close, assert_same_on_all_ranks
+
+    color = R // K if placement == "block" else R % (P // K)
+    with emulated_device(seed=17 + R, policy=policy, ipc=True) as be:
+        node = COMM.Split(color=color, key=R)
+        h = HierAllreduce(COMM, node, lambda cross: ddlkernels.Communicator(cross, shm=False, ipc=False))
+        for dtype in SUPPORTED_DTYPES:
+            for op in OPS:
+                if op == "avg" and is_half(np.dtype(dtype)):
+                    continue
+                redop, avg_p = ("sum", P) if op == "avg" else (op, None)
+                for n in SIZES:
+                    x = rank_data(n, R, P, dtype, salt=n)
+                    inputs = COMM.allgather(x)
+                    what = f"hier {placement} n={n} {dtype_name(dtype)} {op}"
+                    d, out = be.to_device(x), be.to_device(np.zeros_like(x))
+                    h.run_device(be, be.flat(d), be.flat(out), np.dtype(dtype), redop, avg_p=avg_p)
+                    if R % 2:
+                        time.sleep(0.001)
+                    y = be.to_host(out)
+                    assert same_bits(be.to_host(d), x), f"{what}: input modified"
+                    assert_close(y, inputs, op, dtype, what)
+                    assert_same_on_all_ranks(COMM, y, what)
+                    h.run_device(be, be.flat(d), be.flat(d), np.dtype(dtype), redop, avg_p=avg_p)
+                    assert same_bits(be.to_host(d), y), f"{what}: in place"
+        h.free()

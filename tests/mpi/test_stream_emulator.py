@@ -317,12 +317,12 @@ MUTATIONS = [
      ["async"]),
     ("pool-buffer-waits-for-last-unpack", _async._Pool, "take", "backend.wait(backend.compute_stream(), ev)", 0,
      ["async"]),
-    ("ipc-reads-wait-for-peers-inputs", _ipc.Ipc, "allreduce", "be.wait(s, d.event(_unpack(recs, q, _READY)))", 0,
+    ("ipc-reads-wait-for-peers-inputs", _ipc.IpcNode, "_call", "be.wait(s, d.event(_unpack(recs, q, _READY)))", 0,
      ["ipc"]),
-    ("ipc-result-waits-for-peers-writes", _ipc.Ipc, "allreduce", "be.wait(s, d.event(_unpack(recs, q, _DONE)))", 0,
+    ("ipc-result-waits-for-peers-writes", _ipc.IpcNode, "_call", "be.wait(s, d.event(_unpack(recs, q, _DONE)))", 0,
      ["ipc"]),
-    ("ipc-inputs-ready-recorded", _ipc.Ipc, "allreduce", "be.record_on(s, d.ready)", 0, ["ipc"]),
-    ("ipc-writes-done-recorded", _ipc.Ipc, "allreduce", "be.record_on(s, d.done)", 0, ["ipc"]),
+    ("ipc-inputs-ready-recorded", _ipc.IpcNode, "_call", "be.record_on(s, d.ready)", 0, ["ipc"]),
+    ("ipc-writes-done-recorded", _ipc.IpcNode, "_call", "be.record_on(s, d.done)", 0, ["ipc"]),
 ]
 
 
