@@ -20,8 +20,8 @@ runs the window for every host call; a fixed ``small_bytes`` runs MPI's own
 call below it where that computes the call, the ring from it (and for
 device calls the ring, unless ``ipc=True``).  Device calls
 are asked only of the algorithms that compute on device arrays (``device``:
-the ring, the incumbent, and "ipc" on one node), and have tuners of their
-own, whose trials wait for the device before the clock stops (the host
+the ring, the incumbent; where the backend offers CUDA IPC, "ipc" on one
+node and "hier" across nodes), and have tuners of their own, whose trials wait for the device before the clock stops (the host
 returns before the device has finished) and which are counted, not watched:
 a watched call would have to wait for the device every time.  Every rank
 decides alike: the candidates depend on the arguments every rank passes
