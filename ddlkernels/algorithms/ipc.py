@@ -4,9 +4,9 @@ Worked example, allreduce of 8 float32 on 2 ranks (one GPU or two), shards [0, 4
 
     both    record "ready" on the caller's stream, then exchange where their x and out
             lie (IPC handle of the allocation, offset): one small allgather (barrier 1)
-    rank 0  its stream waits for rank 1's "ready"; folds x0[0:4] op x1[0:4] into a
-            shard buffer, reading x1 in rank 1's memory; copies the shard into
-            out0[0:4] and into rank 1's out1[0:4]
+    rank 0  its stream waits for rank 1's "ready"; folds x0[0:4] op x1[0:4] into
+            out0[0:4] (in place: into a scratch shard, then copied there), reading
+            x1 in rank 1's memory; copies it into rank 1's out1[0:4]
     rank 1  the same for [4:8]
     both    record "done"; barrier 2; the stream waits for the peers' "done":
             out holds the whole result on every rank
@@ -17,9 +17,11 @@ and writes it into every rank's output, so every rank gets the same bits.
 The host never waits for the device: it records events, queues waits,
 kernels and copies, and the two barriers order each rank's record of an IPC
 event before any peer's wait on it (a wait waits for the latest record).
-Each byte is read once by the reduce-scatter and written once per rank by
-the allgather, device to device; no host memory, no MPI message but the
-two small ones.
+Each input byte is read once by the reduce-scatter and each result written
+once per rank by the allgather, device to device; no host memory, no MPI
+message but the two small ones.  The fold is the pairwise reduce kernel, so
+from 3 ranks each step also reads and writes the partial result once more
+(a kernel folding every rank's shard in one pass would not).
 
 Buffers.  A peer's allocation is opened once and kept (``Mapped``, least
 recently used closed past ``MAPPED``), as NCCL keeps registered buffers: a
@@ -73,16 +75,18 @@ class Mapped:
     def __init__(self, be, limit=None):
         self.be, self.limit = be, MAPPED if limit is None else limit
         self.maps: OrderedDict = OrderedDict()
-        self.closing: list = []  # (mappings, an event recorded after their last use)
+        self.closing: dict = {}  # handle -> (mapping, an event recorded after its last use)
         self.opened = 0  # how many opens this process made (a test sees the reuse)
 
     def get(self, key):
         m = self.maps.get(key)
-        if m is None:
+        if m is not None:
+            self.maps.move_to_end(key)
+        elif key in self.closing:  # needed again before it was closed: a handle is opened once at a time
+            m = self.maps[key] = self.closing.pop(key)[0]
+        else:
             m = self.maps[key] = self.be.ipc_open(key)
             self.opened += 1
-        else:
-            self.maps.move_to_end(key)
         return m
 
     def excess(self, keys) -> int:
@@ -93,27 +97,23 @@ class Mapped:
         """Take the least recently used out of use until this call's ``keys`` fit under the limit (never one
         of them); they are closed once the work queued on ``stream`` so far has run (every earlier call's
         work: each device call waits for the last one)."""
-        old = [self.maps.pop(k) for k in [k for k in self.maps if k not in keys][: max(0, self.excess(keys))]]
+        old = [k for k in self.maps if k not in keys][: max(0, self.excess(keys))]
         if old:
-            self.closing.append((old, self.be.record(stream)))
+            ev = self.be.record(stream)
+            for k in old:
+                self.closing[k] = (self.maps.pop(k), ev)
 
     def reap(self) -> None:
         """Close the retired mappings whose last use has run."""
-        left = []
-        for old, ev in self.closing:
-            if self.be.query(ev):
-                for m in old:
-                    self.be.ipc_close(m)
-            else:
-                left.append((old, ev))
-        self.closing = left
+        for k in [k for k, (_, ev) in self.closing.items() if self.be.query(ev)]:
+            self.be.ipc_close(self.closing.pop(k)[0])
 
     def close(self) -> None:
         """Close every mapping (the caller has synchronized the work that used them)."""
-        for m in [m for old, _ in self.closing for m in old] + list(self.maps.values()):
+        for m in [m for m, _ in self.closing.values()] + list(self.maps.values()):
             self.be.ipc_close(m)
         self.maps.clear()
-        self.closing = []
+        self.closing.clear()
 
 
 class _Device:
@@ -232,11 +232,12 @@ class IpcNode:
         if dst is not None and mine_out is not dst:
             be.copy(dst, mine_out)
 
-    def _fold(self, be, mine_in, peer, lo, hi, redop, avg_p):
-        """My shard ``[lo, hi)`` of every rank's input, folded in rank order into a scratch buffer."""
+    def _fold(self, be, mine_in, peer, lo, hi, redop, avg_p, into=None):
+        """My shard ``[lo, hi)`` of every rank's input, folded in rank order into ``into`` (apart from every
+        input) or else a scratch buffer; returns where."""
         p, me, dt = self.p, self.me, mine_in.dtype
         xs = [mine_in[lo:hi] if q == me else peer(q, _SRC, lo, hi, dt) for q in range(p)]
-        acc = self._scratch(be, dt, hi - lo)
+        acc = self._scratch(be, dt, hi - lo) if into is None else into
         if p == 1:
             be.copy(acc, xs[0])
             return acc
@@ -245,10 +246,11 @@ class IpcNode:
             be.reduce(redop, acc, acc, xs[q], avg_p=avg_p if q == p - 1 else None)
         return acc
 
-    def _push(self, be, shard, mine_out, peer, lo, hi):
-        """``shard`` into every rank's output at ``[lo, hi)``: the peers' in turn from the next rank on, mine last."""
+    def _push(self, be, shard, mine_out, peer, lo, hi, mine=True):
+        """``shard`` into every rank's output at ``[lo, hi)`` (with ``mine``, my own too, last): the peers' in
+        turn from the next rank on."""
         p, me = self.p, self.me
-        for k in range(1, p + 1):
+        for k in range(1, p + (1 if mine else 0)):
             q = (me + k) % p
             be.copy(mine_out[lo:hi] if q == me else peer(q, _DST, lo, hi, shard.dtype), shard)
 
@@ -263,7 +265,11 @@ class IpcNode:
 
         def body(mine_in, mine_out, peer):
             if hi > lo:
-                self._push(be, self._fold(be, mine_in, peer, lo, hi, redop, avg_p), mine_out, peer, lo, hi)
+                # Out of place my output's shard is apart from every input: the fold lands there, no copy.  In
+                # place it is my input, which the fold still reads: a scratch buffer, then copied.
+                direct = mine_out is not mine_in
+                shard = self._fold(be, mine_in, peer, lo, hi, redop, avg_p, mine_out[lo:hi] if direct else None)
+                self._push(be, shard, mine_out, peer, lo, hi, mine=not direct)
 
         self._call(be, src, dst, deadline, "allreduce", body)
 
@@ -274,7 +280,7 @@ class IpcNode:
 
         def body(mine_in, mine_out, peer):
             if hi > lo:
-                be.copy(shard, self._fold(be, mine_in, peer, lo, hi, redop, avg_p))
+                self._fold(be, mine_in, peer, lo, hi, redop, avg_p, shard)
 
         if bounds[-1][1] > 0:
             self._call(be, src, None, deadline, "reduce_scatter", body)
@@ -290,9 +296,10 @@ class IpcNode:
         if bounds[-1][1] > 0:
             self._call(be, None, dst, deadline, "allgather", body)
 
-    def mapped(self) -> int:
-        """How many peers' allocations this rank has opened so far, over its devices (for tests and reports)."""
-        return sum(d.mapped.opened for d in self._devices.values())
+    def mapped(self, now=False) -> int:
+        """How many peers' allocations this rank has opened so far, or with ``now`` holds open in use, over
+        its devices (for tests and reports)."""
+        return sum(len(d.mapped.maps) if now else d.mapped.opened for d in self._devices.values())
 
     def free(self) -> None:
         for d in self._devices.values():
@@ -330,9 +337,9 @@ class Ipc(Algorithm):
     def allreduce(self, w):
         self.node.allreduce(w.be, w.src, w.dst, w.redop, self.comm.size if w.avg else None, w.deadline)
 
-    def mapped(self) -> int:
-        """How many peers' allocations this rank has opened so far (for tests and reports)."""
-        return 0 if self._node is None else self._node.mapped()
+    def mapped(self, now=False) -> int:
+        """``IpcNode.mapped``: peers' allocations opened so far, or with ``now`` open in use."""
+        return 0 if self._node is None else self._node.mapped(now)
 
     def free(self):
         if self._node is not None:
