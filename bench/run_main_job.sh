@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set everything up in .venv (idempotent) and run the main job: 4 ranks
 # allreduce a sweep of sizes (4 KiB .. 64 MiB float32), check every result,
-# and print an nccl-tests-style table beside MPI's own Allreduce.
+# and print an nccl-tests-style table beside MPI's own Allreduce -- or, where
+# every rank has a GPU (CuPy), the same on GPU buffers beside the hand-rolled
+# D2H + MPI + H2D loop, gloo and NCCL (--device host/cuda to choose).
 # Extra arguments go to `python -m ddlkernels job` (e.g. -b 1M -e 256M).
 set -euo pipefail
 cd "$(dirname "$0")/.."

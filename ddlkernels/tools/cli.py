@@ -70,6 +70,39 @@ def _thread_level(level):
             MPI.THREAD_MULTIPLE: "multiple"}.get(level, str(level))
 
 
+def _job_device(args, comm, cp, dtypes, ops, sizes):
+    """The main job on GPU buffers (``ddlkernels.tools.bench.device``)."""
+    import json
+
+    from ddlkernels.tools.bench import comment
+    from ddlkernels.tools.bench.device import gpu_name, sweep, table
+
+    if ops != ["sum"] or args.inplace or args.csv:
+        raise SystemExit("job on GPU buffers: out of place, -o sum, no --csv (its peers' lines are sums); "
+                         "--device host runs the host sweep with every option")
+    rank0 = comm.Get_rank() == 0
+    if rank0:
+        print(comment(f"ddlkernels allreduce on GPU buffers ({gpu_name(cp)}), {comm.Get_size()} ranks, beside the "
+                      f"hand-rolled D2H + MPI_Allreduce + H2D loop, gloo, NCCL where every rank has its own GPU, "
+                      f"host arrays and a device copy; median of {args.iters} after {args.warmup} warmup, slowest "
+                      f"rank; busbw = bytes/t x 2(p-1)/p"), flush=True)
+    wrong, everything = 0, []
+    for dt in dtypes:
+        rows, missing = sweep(comm, cp, sizes, dt, args.iters, args.warmup)
+        wrong += sum(m["wrong"] for r in rows for m in r["lines"].values())
+        everything.append({"dtype": dt, "missing": missing, "rows": rows})
+        if rank0:
+            print(f"\n# {dt}" + "".join(f"; {name}: not run ({why})" for name, why in missing.items()))
+            print(table(rows), flush=True)
+    if rank0:
+        print(f"\n# wrong elements in all: {wrong}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpu": gpu_name(cp), "ranks": comm.Get_size(), "runs": everything}, f, indent=1)
+    if wrong:
+        sys.exit(1)
+
+
 def _job(args):
     from mpi4py import MPI
 
@@ -79,6 +112,18 @@ def _job(args):
 
     dtypes, ops, sizes = expand_nccl_arguments(args)
     comm = MPI.COMM_WORLD
+    where = "host (numpy) buffers (--device host)"
+    if args.device != "host":
+        from ddlkernels.tools.bench.device import gpu_everywhere
+
+        cp, why = gpu_everywhere(comm)  # collective
+        if cp is not None:
+            return _job_device(args, comm, cp, dtypes, ops, sizes)
+        if args.device == "cuda":
+            if comm.Get_rank() == 0:
+                print(f"job --device cuda: no GPU on every rank ({why}); nothing was timed", flush=True)
+            sys.exit(2)
+        where = f"host (numpy) buffers: no GPU here ({why})"
     impls = [ALLREDUCE_IMPLS["ddlkernels"], ALLREDUCE_IMPLS["MPI_Allreduce"]]
     rows = []
     for dt in dtypes:  # nccl-tests' order: every type, then within it every op
@@ -90,9 +135,9 @@ def _job(args):
     if comm.Get_rank() == 0:
         if args.csv != "-":
             print(comment(
-                f"ddlkernels allreduce vs MPI_Allreduce: {comm.Get_size()} ranks, type {args.dtype}, op {args.op}, "
-                f"{'in place' if args.inplace else 'out of place'}, {args.iters} iterations (median), time = slowest "
-                f"rank; busbw = algbw * 2(p-1)/p"))
+                f"ddlkernels allreduce vs MPI_Allreduce: {comm.Get_size()} ranks, {where}, type {args.dtype}, op "
+                f"{args.op}, {'in place' if args.inplace else 'out of place'}, {args.iters} iterations (median), "
+                f"time = slowest rank; busbw = algbw * 2(p-1)/p"))
             print(comment(
                 "path: which algorithm ddlkernels ran, as its size tuner chose (ring: its multi-dimensional ring; "
                 "shm: its shared-memory allreduce, shm-nt: the same with its results written to memory; cma: single "
@@ -133,6 +178,10 @@ def build_parser():
     # against the ring; below that its 2 x 17 trial calls finish in the first batched iteration.
     add_nccl_arguments(p, iters=10, warmup=14)
     p.add_argument("--inplace", action="store_true", help="in place (default: out of place)")
+    p.add_argument("--device", choices=("auto", "host", "cuda"), default="auto",
+                   help="buffers: cuda = CuPy arrays on each rank's GPU, beside the hand-rolled D2H + MPI + H2D "
+                        "loop, gloo and NCCL; host = numpy arrays beside MPI_Allreduce; auto (default): cuda where "
+                        "every rank has a GPU, else host (the header says which)")
     p.add_argument("--min-sample-ms", type=float, default=2.0,
                    help="time back-to-back calls, enough for about this many ms per iteration, as nccl-tests does "
                         "(the same count for both lines of a size; in place: single calls); 0: single calls "

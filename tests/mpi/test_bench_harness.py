@@ -248,6 +248,26 @@ def test_job_speaks_nccl_tests(comm, capsys, tmp_path):
         (line, b, "half", "avg", "0") for b in ("1024", "4096") for line in ("ddlkernels", "MPI_Allreduce")]
 
 
+def test_job_says_which_buffers_and_refuses_a_gpu_it_does_not_have(comm, capsys):
+    """Without a GPU on every rank ``job`` (``--device auto``) runs on host buffers and its header says why;
+    ``--device cuda`` exits 2 having timed nothing (tests/gpu/run_on_device.sh runs the GPU side)."""
+    from ddlkernels.tools.bench.device import gpu_everywhere
+    from ddlkernels.tools.cli import main
+
+    cp, why = gpu_everywhere(comm)
+    if cp is not None:
+        pytest.skip("a GPU on every rank: the job runs on it (tests/gpu/run_on_device.sh)")
+    main(["job", "-b", "1K", "-e", "1K", "-n", "2", "-w", "1", "--min-sample-ms", "0"])
+    out = capsys.readouterr().out
+    if comm.Get_rank() == 0:
+        assert "host (numpy) buffers: no GPU here (" in " ".join(ln.lstrip("# ") for ln in out.splitlines())
+    with pytest.raises(SystemExit) as exc:
+        main(["job", "--device", "cuda", "-b", "1K", "-e", "1K"])
+    assert exc.value.code == 2
+    out = capsys.readouterr().out
+    assert ("nothing was timed" in out and "busbw" not in out) if comm.Get_rank() == 0 else out == ""
+
+
 def test_bench_csv_to_stdout_replaces_the_table(comm, capsys):
     from ddlkernels.tools import bench_cli as _cli_bench
 
