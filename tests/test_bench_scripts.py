@@ -139,9 +139,9 @@ def test_header_says_how_an_iteration_is_timed_per_placement():
     assert "# in place: an iteration is one call" in inplace
 
 
-def test_device_sweep_times_nothing_without_a_gpu():
-    """Without a CUDA device the device sweep says why and exits 2, with no line of numbers (never a host
-    stand-in); with one it is tests/gpu/run_on_device.sh's last step."""
+def test_device_benchmarks_time_nothing_without_a_gpu():
+    """Without a CUDA device the device sweep and kernel benchmark say why and exit 2, with no line of
+    numbers (never a host stand-in); with one tests/gpu/run_on_device.sh runs them."""
     try:
         import cupy
 
@@ -149,8 +149,9 @@ def test_device_sweep_times_nothing_without_a_gpu():
             pytest.skip("a CUDA device is here: tests/gpu/run_on_device.sh runs the sweep")
     except Exception:  # noqa: BLE001 -- no CuPy or no driver: the case under test
         pass
-    proc = subprocess.run([sys.executable, "bench/sweeps/device_allreduce.py", "--sizes", "4K"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "no GPU to measure on" in proc.stdout and "nothing was timed" in proc.stdout
-    assert "busbw" not in proc.stdout and "##" not in proc.stdout
+    for script in ("bench/sweeps/device_allreduce.py", "bench/kernels/device_kernels.py"):
+        proc = subprocess.run([sys.executable, script, "--sizes", "4K"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2, script + proc.stdout + proc.stderr
+        assert "no GPU to measure on" in proc.stdout and "nothing was timed" in proc.stdout, script
+        assert "GB/s" not in proc.stdout and "##" not in proc.stdout, script

@@ -1,0 +1,157 @@
+"""The CUDA kernels on a GPU beside torch and CuPy built-ins, in one run: GB/s, host time per launch, results checked.
+
+    python bench/kernels/device_kernels.py [--sizes 64M,256M,512M] [-n 20] [--json r.json]
+
+* reduce ``dst = a + b`` (ddlkernels' CuPy backend, kernels/reduce.cu) against ``torch.add(out=)``,
+  ``cupy.add(out=)`` and a device copy (``cupy.copyto``), for float32, float16 and bfloat16 (CuPy has
+  no bfloat16: torch only), out of place and in place (``dst`` is ``a``), aligned and one element off
+  a 16-byte boundary; GB/s of bytes moved, as STREAM counts them (reduce 3 x size, copy 2 x size),
+  median of ``-n`` runs timed with CUDA events;
+* host time per launch: 1000 back-to-back 1 MiB launches of each, divided by 1000 (the device
+  synchronized after, not between);
+* pack: 182 tensors of a ResNet-like mix of sizes (about 62 MiB) into one buffer against ``torch.cat``.
+
+Every ddlkernels result is compared with torch's, bit for bit (one addition rounds alike in
+every library); any difference makes the run exit 1.  Needs CuPy, torch and a CUDA device;
+exits 2 without, having timed nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import numpy as np  # noqa: E402
+
+from ddlkernels.tools.bench import parse_size  # noqa: E402
+
+
+def _gpu():
+    try:
+        import cupy as cp
+        import torch
+
+        if cp.cuda.runtime.getDeviceCount() < 1 or not torch.cuda.is_available():
+            return None, None, "no CUDA device (CuPy or torch)"
+        return cp, torch, None
+    except Exception as exc:  # noqa: BLE001 -- no CuPy, torch or driver: the reason is the message
+        return None, None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def _events_ms(cp, fn, iters):
+    """Median milliseconds of ``fn()`` over ``iters`` runs, each between two CUDA events on the null stream
+    (torch's default stream and CuPy's current one here)."""
+    times = []
+    fn()
+    for _ in range(iters):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+    return float(np.median(times))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="64M,256M,512M", help="bytes per array, comma list (K/M/G)")
+    ap.add_argument("-n", "--iters", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    cp, torch, why = _gpu()
+    if cp is None:
+        print(f"device_kernels: no GPU to measure on ({why}); nothing was timed", flush=True)
+        return 2
+    from ddlkernels.backends import get_backend
+
+    be = get_backend("cupy")
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["name"]
+    gpu = name.decode() if isinstance(name, bytes) else str(name)
+    tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    rows, wrong = [], 0
+    print(f"# {gpu}; median of {args.iters} runs, CUDA events; GB/s = bytes moved / time (reduce 3x, copy 2x)")
+    print(f"{'case':<40} {'ddlkernels':>11} {'torch.add':>10} {'cp.add':>8} {'copy':>8} {'ddl/torch':>10}")
+    for size in [parse_size(s) for s in args.sizes.split(",")]:
+        for dname in ("float32", "float16", "bfloat16"):
+            n = size // torch.tensor([], dtype=tdt[dname]).element_size()
+            for off in (0, 1):
+                for inplace in (False, True):
+                    ta = torch.rand(n + off, device="cuda").to(tdt[dname])[off:]
+                    tb = torch.rand(n + off, device="cuda").to(tdt[dname])[off:]
+                    tout = torch.empty_like(ta)
+                    view = (lambda t: cp.from_dlpack(t.view(torch.int16)).view(np.uint16)) if dname == "bfloat16" \
+                        else cp.from_dlpack
+                    a, b, out = view(ta), view(tb), view(tout)
+                    dst = a if inplace else out
+                    keep = ta.clone()
+                    ref = torch.add(ta, tb)
+                    be.reduce("sum", dst, a, b)
+                    got = ta if inplace else tout
+                    wrong += int((got.view(torch.int16) != ref.view(torch.int16)).sum().item()) if dname != "float32" \
+                        else int((got.view(torch.int32) != ref.view(torch.int32)).sum().item())
+                    if inplace:
+                        ta.copy_(keep)
+                    ms = {"ddlkernels": _events_ms(cp, lambda: be.reduce("sum", dst, a, b), args.iters),
+                          "torch.add": _events_ms(cp, lambda: torch.add(ta, tb, out=ta if inplace else tout),
+                                                  args.iters)}
+                    if dname != "bfloat16":
+                        ms["cp.add"] = _events_ms(cp, lambda: cp.add(a, b, out=dst), args.iters)
+                    ms["copy"] = _events_ms(cp, lambda: cp.copyto(out, a), args.iters)
+                    gbs = {k: (2 if k == "copy" else 3) * size / (v * 1e-3) / 1e9 for k, v in ms.items()}
+                    case = f"reduce {size >> 20}M {dname} {'in place' if inplace else 'out'}{' +1' if off else ''}"
+                    rows.append({"case": case, "GBps": gbs})
+                    print(f"{case:<40} {gbs['ddlkernels']:>11.0f} {gbs['torch.add']:>10.0f} "
+                          f"{gbs.get('cp.add', float('nan')):>8.0f} {gbs['copy']:>8.0f} "
+                          f"{gbs['ddlkernels'] / gbs['torch.add']:>10.3f}", flush=True)
+    # Host time per launch, 1 MiB float32.
+    n = (1 << 20) // 4
+    a, b, out = cp.random.rand(n, dtype=np.float32), cp.random.rand(n, dtype=np.float32), cp.empty(n, np.float32)
+    ta, tb, tout = (torch.as_tensor(x, device="cuda") for x in (a, b, out))
+    launches = {"ddlkernels": lambda: be.reduce("sum", out, a, b), "cp.add": lambda: cp.add(a, b, out=out),
+                "torch.add": lambda: torch.add(ta, tb, out=tout)}
+    host_us = {}
+    for k, fn in launches.items():
+        fn()
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            fn()
+        host_us[k] = (time.perf_counter() - t0) / 1000 * 1e6
+        cp.cuda.Device().synchronize()
+    print("\n# host time per launch, 1 MiB float32, 1000 back to back: "
+          + ", ".join(f"{k} {v:.1f} us" for k, v in host_us.items())
+          + f"; ddlkernels / cp.add {host_us['ddlkernels'] / host_us['cp.add']:.2f}")
+    # Pack: a ResNet-50-like mix of 182 tensors.
+    rng = np.random.default_rng(0)
+    counts = [int(c) for c in rng.choice([64, 256, 2048, 4096, 36864, 147456, 589824, 2359296], 182)]
+    tensors = [cp.random.rand(c, dtype=np.float32) for c in counts]
+    from ddlkernels.backends._device import pack_offsets
+
+    offs, total = pack_offsets([t.nbytes for t in tensors])
+    buf = cp.empty(total // 4, np.float32)
+    tts = [torch.as_tensor(t, device="cuda") for t in tensors]
+    be.pack(tensors, buf)
+    for t, o in zip(tensors, offs):
+        wrong += int(cp.count_nonzero(buf[o // 4: o // 4 + t.size] != t))
+    pack_ms = _events_ms(cp, lambda: be.pack(tensors, buf), args.iters)
+    cat_ms = _events_ms(cp, lambda: torch.cat(tts), args.iters)
+    nbytes = sum(t.nbytes for t in tensors)
+    print(f"# pack of {len(tensors)} tensors ({nbytes / 2**20:.0f} MiB): ddlkernels {2 * nbytes / pack_ms / 1e6:.0f} GB/s, "
+          f"torch.cat {2 * nbytes / cat_ms / 1e6:.0f} GB/s, ratio {cat_ms / pack_ms:.2f}")
+    print(f"\nwrong elements in all: {wrong}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu, "reduce": rows, "host_us_per_launch": host_us,
+                       "pack": {"tensors": len(tensors), "bytes": nbytes, "ms": pack_ms, "torch_cat_ms": cat_ms},
+                       "wrong": wrong}, f, indent=1)
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
