@@ -223,3 +223,20 @@ def test_hierarchical_over_ipc_inside_made_up_nodes(placement, policy):
                     h.run_device(be, be.flat(d), be.flat(d), np.dtype(dtype), redop, avg_p=avg_p)
                     assert same_bits(be.to_host(d), y), f"{what}: in place"
         h.free()
+
+
+def test_fusion_and_the_progress_thread_run_it_too():
+    """allreduce_many (pack, the IPC allreduce of the bucket, unpack) and allreduce_async (the progress
+    thread's own stream) on ipc=True: the rank-order fold of each array, bit for bit."""
+    with emulated_device(seed=5 + R, policy="random", ipc=True) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+        hosts = [rank_data(n, R, P, np.float32, salt=n) for n in (3, P + 1, 700, 1)]
+        wants = [fold(COMM.allgather(h), "avg") for h in hosts]
+        outs = ddlkernels.allreduce_many([be.to_device(h) for h in hosts], "avg", comm=c, fusion_bytes=256)
+        assert c.last_algorithm == "ipc"
+        h = ddlkernels.allreduce_async(be.to_device(hosts[2]), "avg", comm=c)
+        late = h.wait()
+        for o, want in zip(outs, wants):
+            assert same_bits(be.to_host(o), want)
+        assert same_bits(be.to_host(late), wants[2])
+        c.free()
