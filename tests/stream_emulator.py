@@ -40,8 +40,8 @@ emulator, as if they were CUDA tensors, so the torch integration runs on it.
 ``emulated_device(ipc=True)`` emulates CUDA IPC between the ranks of a node
 (``ddlkernels.algorithms.ipc``): "device" memory is then allocated in files
 under /dev/shm, which a peer maps (``ipc_open``) from the file's name (the
-handle) and reads and writes when *its* queued work runs; an IPC event is a
-pair of counters in such a file (records made, records run), and a stream
+handle) and reads and writes when *its* queued work runs; an IPC event is
+counters in such a file (records made, run, and asked for by a peer), and a stream
 that waits for a peer's event waits until the peer's process has run the
 record that was the latest when the wait was queued, as a CUDA stream waits
 for an IPC event.  A host wait that needs a peer's work spins, running its
