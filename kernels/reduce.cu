@@ -40,10 +40,25 @@
 //   * 1-D grid of any size: the loops are grid-stride, so correctness does
 //     not depend on the launch shape; no shared memory, no __syncthreads.
 //
+// The fold kernels (the CUDA IPC allreduce's reduce-scatter, which folds one
+// shard of every rank's input in rank order):
+//
+//       ddl_fold_<op>_<t>(T* dst, unsigned long long n, ARG arg, int k,
+//                         const T* s0, ..., const T* s7)
+//
+//   dst[i] = ((s0[i] op s1[i]) op s2[i]) ... op s(k-1)[i], 2 <= k <= 8: the
+//   bits of k - 1 launches of ddl_reduce_<op>_<t> in a row (each step stored
+//   to T; avg sums and scales in the last step only), in one pass that reads
+//   every operand once and writes dst once, where the chain of launches reads
+//   and writes the partial result k - 2 times more.  s0 is either exactly dst
+//   or does not overlap it (a longer fold continues with dst as s0); no other
+//   operand overlaps dst; operands past k are ignored (pass any pointer).
+//   128-bit accesses when every pointer has dst's offset modulo 16.
+//
 // Use
 //   Loaded by CuPy's RawModule (ddlkernels/backends/_cupy.py): one reduction
 //   per received chunk of a ring step, the fused avg scale on the owner's last
-//   step.  The same file compiles on its own with
+//   step; the fold kernels by the CUDA IPC allreduce (reduce_many).  The same file compiles on its own with
 //       nvcc -std=c++17 -arch=sm_90 -cubin kernels/reduce.cu
 //   and, through tests/cuda_host/cuda_host.h, with g++ for the host test
 //   harness, which runs every (block, thread) of the grid on the CPU.
@@ -208,6 +223,70 @@ __device__ __forceinline__ void reduce_grid(T* dst, const T* a, const T* __restr
     for (u64 i = head + nvec * V + tid; i < n; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
 }
 
+// ---- the fold of k operands --------------------------------------------------------
+// Step: the operator of every step but the last; Last: of the last (OpAvg for avg).
+template <class T> struct FoldSum { typedef OpSum<T> Step; typedef OpSum<T> Last; };
+template <class T> struct FoldProd { typedef OpProd<T> Step; typedef OpProd<T> Last; };
+template <class T> struct FoldMax { typedef OpMax<T> Step; typedef OpMax<T> Last; };
+template <class T> struct FoldMin { typedef OpMin<T> Step; typedef OpMin<T> Last; };
+template <class T> struct FoldAvg { typedef OpSum<T> Step; typedef OpAvg<T> Last; };
+
+template <class T, class Step, class Last, class ARG>
+__device__ __forceinline__ T fold_step(T acc, T x, int j, int k, ARG arg) {
+    return j == k - 1 ? Last::apply(acc, x, arg) : Step::apply(acc, x, arg);
+}
+
+template <class T, class Step, class Last, class ARG>
+__device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, u64 n, ARG arg) {
+    const int V = 16 / sizeof(T);
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    const u64 off = (u64)dst & 15;
+    // Every loop over the operands runs to 8 with a test of k, fully unrolled: s is then indexed by
+    // constants and stays in registers (a variable index would put it in a stack frame).
+    bool vec = true;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) vec = vec && (j >= k || ((u64)s[j] & 15) == off);
+    u64 head = n;
+    if (vec) {
+        head = ((16 - off) & 15) / sizeof(T);
+        if (head > n) head = n;
+    }
+    for (u64 i = tid; i < head; i += stride) {
+        T acc = s[0][i];
+#pragma unroll
+        for (int j = 1; j < 8; ++j)
+            if (j < k) acc = fold_step<T, Step, Last, ARG>(acc, s[j][i], j, k, arg);
+        dst[i] = acc;
+    }
+    if (!vec) return;
+    const u64 nvec = (n - head) / V;
+    uint4* dv = reinterpret_cast<uint4*>(dst + head);
+    for (u64 i = tid; i < nvec; i += stride) {
+        // The operands' addresses come from an array, which loses their global state space: __ldcg / __ldg
+        // name it, so the accesses stay 128-bit global ones.  s0 may be dst (a coherent load), the others
+        // are read-only for the kernel (the non-coherent cache).
+        Vec16<T> acc, x;
+        acc.u = __ldcg(reinterpret_cast<const uint4*>(s[0] + head) + i);
+#pragma unroll
+        for (int j = 1; j < 8; ++j) {
+            if (j < k) {
+                x.u = __ldg(reinterpret_cast<const uint4*>(s[j] + head) + i);
+#pragma unroll
+                for (int v = 0; v < V; ++v) acc.v[v] = fold_step<T, Step, Last, ARG>(acc.v[v], x.v[v], j, k, arg);
+            }
+        }
+        dv[i] = acc.u;
+    }
+    for (u64 i = head + nvec * V + tid; i < n; i += stride) {
+        T acc = s[0][i];
+#pragma unroll
+        for (int j = 1; j < 8; ++j)
+            if (j < k) acc = fold_step<T, Step, Last, ARG>(acc, s[j][i], j, k, arg);
+        dst[i] = acc;
+    }
+}
+
 }  // namespace ddl
 
 // ---- the exported kernels (unmangled names for RawModule.get_function) ----------
@@ -236,3 +315,21 @@ __device__ __forceinline__ void reduce_grid(T* dst, const T* a, const T* __restr
     }
 
 DDL_REDUCE_KERNELS(DDL_DEFINE_REDUCE)
+
+#define DDL_FOLD_KERNELS(X)                            \
+    DDL_REDUCE_DTYPES(X, sum, FoldSum)                 \
+    DDL_REDUCE_DTYPES(X, prod, FoldProd)               \
+    DDL_REDUCE_DTYPES(X, max, FoldMax)                 \
+    DDL_REDUCE_DTYPES(X, min, FoldMin)                 \
+    DDL_REDUCE_DTYPES(X, avg, FoldAvg)
+
+#define DDL_DEFINE_FOLD(OPNAME, OPF, SUF, T, ARG)                                                   \
+    extern "C" __global__ void ddl_fold_##OPNAME##_##SUF(T* dst, unsigned long long n, ARG arg, int k, \
+                                                          const T* s0, const T* s1, const T* s2,       \
+                                                          const T* s3, const T* s4, const T* s5,       \
+                                                          const T* s6, const T* s7) {                  \
+        const T* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};                                             \
+        ddl::fold_grid<T, typename ddl::OPF<T>::Step, typename ddl::OPF<T>::Last, ARG>(dst, s, k, n, arg); \
+    }
+
+DDL_FOLD_KERNELS(DDL_DEFINE_FOLD)

@@ -27,7 +27,7 @@ import _kernel_ref as K  # noqa: E402
 from ddlkernels.kernels import numba_cuda as N  # noqa: E402
 from ddlkernels.kernels.sources import SOURCES, kernel_dir  # noqa: E402
 
-REDUCE = {f"ddl_reduce_{op}_{K.SUFFIX[dt]}" for op in K.OPS for dt in K.DTYPES}
+REDUCE = {f"ddl_{kind}_{op}_{K.SUFFIX[dt]}" for kind in ("reduce", "fold") for op in K.OPS for dt in K.DTYPES}
 EXPECTED = {"reduce.cu": REDUCE, "pack.cu": {"ddl_pack", "ddl_unpack"}}
 ROOT = Path(__file__).resolve().parent.parent
 

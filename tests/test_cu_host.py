@@ -109,6 +109,107 @@ def test_reduce_in_place_two_operand(harness, dtype, op):
             assert ok, f"{name} in place n={n} off={off}: first mismatch at {bad}"
 
 
+def test_every_fold_kernel_is_listed(harness):
+    assert set(harness.fold_kernels()) == {f"ddl_fold_{op}_{K.SUFFIX[dt]}" for op in K.OPS for dt in K.DTYPES}
+
+
+@pytest.mark.parametrize("op", K.OPS)
+@pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
+def test_fold_is_the_chain_of_two_operand_reductions(harness, dtype, op):
+    """ddl_fold: the bits of k - 1 two-operand reductions in a row ("avg" scaling in the last only), for k = 2,
+    3, 5 and 8 operands, on the vector path (with and without a scalar head), mixed alignments (all scalar),
+    every launch shape, dst as its own first operand (a fold continued), nothing written outside [0, n)."""
+    name = f"ddl_fold_{op}_{K.SUFFIX[dtype]}"
+    v = 16 // dtype.itemsize
+    for n in (0, 1, v + 1, 67, 257):
+        for k in (2, 3, 5, 8):
+            ops = [K.make_pair(dtype, n, seed=7 * n + j, op=op)[j % 2] for j in range(k)]
+            ref = np.empty_like(ops[0])
+            with np.errstate(all="ignore"):
+                be = K.NumpyBackend()
+                last = (lambda j: j == k - 1)
+                step = (lambda out, a, b, j: be.reduce("sum", out, a, b, avg_p=k if last(j) else None)
+                        if op == "avg" else be.reduce(op, out, a, b))
+                step(ref, ops[0], ops[1], 1)
+                for j in range(2, k):
+                    step(ref, ref, ops[j], j)
+            arg = K.kernel_arg(dtype, op, k)
+            for offs in ((0,) * (k + 1), (1,) * (k + 1), (v - 1,) * (k + 1), (1,) * k + (0,)):
+                for grid, block, rev in LAUNCHES:
+                    wd, d = aligned(n, dtype, offs[0])
+                    srcs = []
+                    for j in range(k):
+                        _, s = aligned(n, dtype, offs[j + 1])
+                        s[:] = ops[j]
+                        srcs.append(s)
+                    before = K.bits_view(wd).copy()
+                    harness.fold(name, d, srcs, arg, grid, block, rev)
+                    ok, _, bad = K.compare(d, ref, op)
+                    assert ok, f"{name} k={k} n={n} offs={offs} launch={grid}x{block}: first mismatch at {bad}"
+                    gb = K.bits_view(wd)
+                    assert (gb[:GUARD] == before[:GUARD]).all() and (gb[GUARD + n:] == before[GUARD + n:]).all()
+                    assert all((K.bits_view(s) == K.bits_view(o)).all() for s, o in zip(srcs, ops)), "input modified"
+            # dst as the first operand: a fold continued from a partial result.
+            _, d = aligned(n, dtype, 1)
+            d[:] = ops[0]
+            rest = []
+            for j in range(1, k):
+                _, s = aligned(n, dtype, 1)
+                s[:] = ops[j]
+                rest.append(s)
+            harness.fold(name, d, [d] + rest, arg, 2, 32, True)
+            ok, _, bad = K.compare(d, ref, op)
+            assert ok, f"{name} k={k} n={n} in place: first mismatch at {bad}"
+
+
+class _FoldingBackend:
+    """What ``DeviceBackend.reduce_many`` asks of a device backend, with the fold kernels run by the host
+    harness on numpy arrays (the CuPy backend launches the same kernels on a GPU)."""
+
+    def __init__(self, harness):
+        self.h, self.launches = harness, []
+
+    def _launch_fold(self, name, dst, srcs, n, arg):
+        self.launches.append((name, len(srcs)))
+        self.h.fold(name, dst, srcs, float(arg))
+
+    def _ptr(self, x):
+        return x.ctypes.data
+
+    def overlaps(self, x, y):
+        return x.ctypes.data < y.ctypes.data + y.nbytes and y.ctypes.data < x.ctypes.data + x.nbytes
+
+
+@pytest.mark.parametrize("op", K.OPS)
+@pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
+def test_reduce_many_launches_folds_of_8_with_the_chains_bits(harness, dtype, op):
+    """``DeviceBackend.reduce_many`` over 2 to 17 operands: groups of up to 8, each after the first folding
+    onto the partial result, "avg" scaling only in the last launch: the bits of the pairwise chain."""
+    from ddlkernels.backends._device import DeviceBackend
+
+    for k in (2, 8, 9, 15, 17):
+        n = 37
+        ops = [K.make_pair(dtype, n, seed=k + j, op=op)[j % 2] for j in range(k)]
+        ref = ops[0].copy()
+        with np.errstate(all="ignore"):
+            for j in range(1, k):  # the chain: ref = ref op ops[j], "avg" scaling in the last step
+                K.reference(op if op != "avg" or j == k - 1 else "sum", ref, ops[j], k, dst=ref)
+        want, left = [min(k, 8)], k - min(k, 8)  # launches: 8 operands, then the partial result and 7 more
+        while left:
+            want.append(1 + min(7, left))
+            left -= min(7, left)
+        be = _FoldingBackend(harness)
+        store = (lambda a: a.view(np.uint16)) if dtype == K.BFLOAT16 else (lambda a: a)
+        dst = np.empty_like(ops[0])
+        DeviceBackend.reduce_many(be, "sum" if op == "avg" else op, store(dst), [store(o) for o in ops],
+                                  avg_p=k if op == "avg" else None)
+        ok, _, bad = K.compare(dst, ref, op)
+        assert ok, f"{op} {K.SUFFIX[dtype]} k={k}: first mismatch at {bad}"
+        assert [m for _, m in be.launches] == want
+        assert all(("avg" in name) == (op == "avg" and i == len(be.launches) - 1) for i, (name, _) in
+                   enumerate(be.launches))
+
+
 def _tensors(rng_seed):
     """Byte arrays of awkward lengths at awkward offsets (all alignments mod 16)."""
     lens = [0, 1, 3, 16, 17, 31, 64, 100, 255, 1000, 7, 2]

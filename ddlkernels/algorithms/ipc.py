@@ -19,9 +19,9 @@ kernels and copies, and the two barriers order each rank's record of an IPC
 event before any peer's wait on it (a wait waits for the latest record).
 Each input byte is read once by the reduce-scatter and each result written
 once per rank by the allgather, device to device; no host memory, no MPI
-message but the two small ones.  The fold is the pairwise reduce kernel, so
-from 3 ranks each step also reads and writes the partial result once more
-(a kernel folding every rank's shard in one pass would not).
+message but the two small ones.  The fold is one kernel over up to 8 ranks'
+shards (``reduce_many``: kernels/reduce.cu's ddl_fold), which reads each
+once, with the bits of the pairwise chain.
 
 Buffers.  A peer's allocation is opened once and kept (``Mapped``, least
 recently used closed past ``MAPPED``), as NCCL keeps registered buffers: a
@@ -240,10 +240,8 @@ class IpcNode:
         acc = self._scratch(be, dt, hi - lo) if into is None else into
         if p == 1:
             be.copy(acc, xs[0])
-            return acc
-        be.reduce(redop, acc, xs[0], xs[1], avg_p=avg_p if p == 2 else None)
-        for q in range(2, p):
-            be.reduce(redop, acc, acc, xs[q], avg_p=avg_p if q == p - 1 else None)
+        else:
+            be.reduce_many(redop, acc, xs, avg_p=avg_p)
         return acc
 
     def _push(self, be, shard, mine_out, peer, lo, hi, mine=True):

@@ -308,6 +308,14 @@ class CupyBackend(DeviceBackend):
         self._function("reduce.cu", name)((blocks,), (_THREADS,), (dst, a, b, np.uint64(n), arg),
                                            stream=self._cp.cuda.get_current_stream())
 
+    def _launch_fold(self, name, dst, srcs, n, arg):
+        vec = 16 // dst.dtype.itemsize
+        blocks = max(1, min(-(-n // (_THREADS * vec)), 4096))
+        ptrs = list(srcs) + [srcs[0]] * (8 - len(srcs))
+        self._function("reduce.cu", name)((blocks,), (_THREADS,),
+                                           (dst, np.uint64(n), arg, np.int32(len(srcs)), *ptrs),
+                                           stream=self._cp.cuda.get_current_stream())
+
     def pack(self, tensors, buf, offsets=None):
         """Copy flat device buffers ``tensors`` into ``buf`` at byte ``offsets`` (default 16-byte aligned), one launch."""
         return self._table_copy("ddl_pack", tensors, buf, offsets)

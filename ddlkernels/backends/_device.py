@@ -206,6 +206,42 @@ class DeviceBackend(Backend):
             a = self._dup(a)
         self._launch_reduce(f"ddl_reduce_{kop}_{suf}", dst, a, b, n, arg)
 
+    def reduce_many(self, op, dst, srcs, *, avg_p=None):
+        """``dst = ((srcs[0] op srcs[1]) op srcs[2]) ...`` ("avg": ``op`` "sum" and ``avg_p``, scaling in the
+        last step): the bits of that chain of ``reduce`` calls.  ``srcs[0]`` is ``dst`` or apart from it, the
+        others apart from it.  A backend with fold kernels (``_launch_fold``: kernels/reduce.cu's ddl_fold)
+        reads each operand once and writes ``dst`` once per 8 operands, where the chain reads and writes the
+        partial result at every step."""
+        if len(srcs) < 2:
+            raise ValueError(f"reduce_many needs 2 operands or more, got {len(srcs)}")
+        launch = getattr(self, "_launch_fold", None)
+        n = dst.shape[0]
+        apart = launch is not None and n and all(
+            s.shape[0] == n and s.dtype == dst.dtype and not self.overlaps(s, dst) for s in srcs[1:]) and (
+            self._ptr(srcs[0]) == self._ptr(dst) or not self.overlaps(srcs[0], dst)) and srcs[0].shape[0] == n
+        if not apart:  # the chain itself (and its argument checks)
+            last = len(srcs) - 1
+            self.reduce(op, dst, srcs[0], srcs[1], avg_p=avg_p if last == 1 else None)
+            for j in range(2, len(srcs)):
+                self.reduce(op, dst, dst, srcs[j], avg_p=avg_p if j == last else None)
+            return
+        if op not in _REDUCE_OPS or (avg_p is not None and op != "sum"):
+            raise ValueError(f"reduce_many: op {op!r} with avg_p={avg_p!r}")
+        suf = suffix_of(dst.dtype)
+        argt = ARG_TYPES[suf]
+        rest = list(srcs)
+        group = [rest.pop(0)]
+        while rest:
+            group += [rest.pop(0) for _ in range(min(8 - len(group), len(rest)))]
+            final = not rest
+            if final and avg_p is not None:
+                p = int(avg_p)
+                kop, arg = "avg", (argt(p) if suf.startswith("i") else argt(1.0 / p))
+            else:
+                kop, arg = op, argt(0)
+            launch(f"ddl_fold_{kop}_{suf}", dst, group, n, arg)
+            group = [dst]  # the next 7 operands fold onto the partial result
+
     def _dup(self, x):
         y = self.empty(x.shape[0], x.dtype)
         self.copy(y, x)

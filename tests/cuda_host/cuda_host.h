@@ -52,6 +52,12 @@ static inline T __ldg(const T* p) {
     return *p;
 }
 
+// Cache-global load (coherent at L2): on the host, a load.
+template <class T>
+static inline T __ldcg(const T* p) {
+    return *p;
+}
+
 // Cache-hinted store (write-back, the default policy): on the host, a store.
 template <class T>
 static inline void __stwb(T* p, T v) {

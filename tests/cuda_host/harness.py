@@ -50,6 +50,12 @@ class Harness:
         ]
         self._r.host_reduce.restype = ctypes.c_int
         self._r.host_reduce_name.restype = ctypes.c_char_p
+        self._r.host_fold.argtypes = [
+            ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_double,
+        ]
+        self._r.host_fold.restype = ctypes.c_int
+        self._r.host_fold_name.restype = ctypes.c_char_p
         for f in (self._p.host_pack, self._p.host_unpack):
             f.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int,
                           ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
@@ -65,6 +71,20 @@ class Harness:
         assert a.size == n and b.size == n
         rc = self._r.host_reduce(name.encode(), grid, block, int(reverse),
                                  dst.ctypes.data, a.ctypes.data, b.ctypes.data, n, float(arg))
+        if rc != 0:
+            raise KeyError(name)
+
+    def fold_kernels(self) -> list[str]:
+        """Names of every fold kernel reduce.cu defines (its DDL_FOLD_KERNELS list)."""
+        return [self._r.host_fold_name(i).decode() for i in range(self._r.host_fold_count())]
+
+    def fold(self, name, dst: np.ndarray, srcs, arg: float, grid=3, block=32, reverse=False):
+        """Run fold kernel ``name``: dst = srcs[0] op srcs[1] op ... (2 to 8 numpy arrays, any offsets)."""
+        n = dst.size
+        assert 2 <= len(srcs) <= 8 and all(s.size == n for s in srcs)
+        ptrs = np.array([s.ctypes.data for s in srcs] + [srcs[0].ctypes.data] * (8 - len(srcs)), np.uint64)
+        rc = self._r.host_fold(name.encode(), grid, block, int(reverse), dst.ctypes.data, ptrs.ctypes.data,
+                               len(srcs), n, float(arg))
         if rc != 0:
             raise KeyError(name)
 
