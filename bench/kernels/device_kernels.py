@@ -9,6 +9,8 @@
   median of ``-n`` runs timed with CUDA events;
 * host time per launch: 1000 back-to-back 1 MiB launches of each, divided by 1000 (the device
   synchronized after, not between);
+* the fold of 4 operands (the CUDA IPC allreduce's reduce-scatter at 4 ranks): one ``ddl_fold`` launch
+  against the chain of 3 reduce launches it replaces, the same bits;
 * pack: 182 tensors of a ResNet-like mix of sizes (about 62 MiB) into one buffer against ``torch.cat``.
 
 Every ddlkernels result is compared with torch's, bit for bit (one addition rounds alike in
@@ -109,6 +111,23 @@ def main(argv=None):
                     print(f"{case:<40} {gbs['ddlkernels']:>11.0f} {gbs['torch.add']:>10.0f} "
                           f"{gbs.get('cp.add', float('nan')):>8.0f} {gbs['copy']:>8.0f} "
                           f"{gbs['ddlkernels'] / gbs['torch.add']:>10.3f}", flush=True)
+    # The IPC allreduce's fold of 4 ranks' shards: one ddl_fold launch (reduce_many) against the chain of 3.
+    n = (64 << 20) // 4
+    xs = [cp.random.rand(n, dtype=np.float32) for _ in range(4)]
+    fdst, cdst = cp.empty(n, np.float32), cp.empty(n, np.float32)
+
+    def chain():
+        be.reduce("sum", cdst, xs[0], xs[1])
+        be.reduce("sum", cdst, cdst, xs[2])
+        be.reduce("sum", cdst, cdst, xs[3])
+
+    be.reduce_many("sum", fdst, xs)
+    chain()
+    wrong += int(cp.count_nonzero(fdst.view(np.uint32) != cdst.view(np.uint32)))
+    fold_ms = _events_ms(cp, lambda: be.reduce_many("sum", fdst, xs), args.iters)
+    chain_ms = _events_ms(cp, chain, args.iters)
+    print(f"\n# fold of 4 x 64 MiB float32: ddl_fold {fold_ms:.3f} ms, 3 chained reduces {chain_ms:.3f} ms "
+          f"({chain_ms / fold_ms:.2f}x)")
     # Host time per launch, 1 MiB float32.
     n = (1 << 20) // 4
     a, b, out = cp.random.rand(n, dtype=np.float32), cp.random.rand(n, dtype=np.float32), cp.empty(n, np.float32)
@@ -148,6 +167,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu, "reduce": rows, "host_us_per_launch": host_us,
+                       "fold4_ms": fold_ms, "chain3_ms": chain_ms,
                        "pack": {"tensors": len(tensors), "bytes": nbytes, "ms": pack_ms, "torch_cat_ms": cat_ms},
                        "wrong": wrong}, f, indent=1)
     return 1 if wrong else 0
