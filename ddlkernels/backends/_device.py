@@ -216,10 +216,10 @@ class DeviceBackend(Backend):
             raise ValueError(f"reduce_many needs 2 operands or more, got {len(srcs)}")
         launch = getattr(self, "_launch_fold", None)
         n = dst.shape[0]
-        apart = launch is not None and n and all(
-            s.shape[0] == n and s.dtype == dst.dtype and not self.overlaps(s, dst) for s in srcs[1:]) and (
-            self._ptr(srcs[0]) == self._ptr(dst) or not self.overlaps(srcs[0], dst)) and srcs[0].shape[0] == n
-        if not apart:  # the chain itself (and its argument checks)
+        apart = launch is not None and n and all(s.shape[0] == n and s.dtype == dst.dtype for s in srcs) and all(
+            not self.overlaps(s, dst) for s in srcs[1:]) and (
+            self._ptr(srcs[0]) == self._ptr(dst) or not self.overlaps(srcs[0], dst))
+        if not apart:  # the chain itself (which checks the arguments and copies an overlapping operand)
             last = len(srcs) - 1
             self.reduce(op, dst, srcs[0], srcs[1], avg_p=avg_p if last == 1 else None)
             for j in range(2, len(srcs)):
