@@ -86,6 +86,19 @@ def pack_offsets(nbytes, align: int = 16) -> tuple[list[int], int]:
     return offs, pos
 
 
+def _kernel_op(op, suf, avg_p):
+    """(the kernel's op name, its last argument) for ``op`` on storage suffix ``suf``; with ``avg_p`` "avg"
+    and 1/p in the accumulation type (ARG_TYPES: the numpy backend's acc_dtype(dtype).type(1.0 / p), bit for
+    bit), p itself for integers."""
+    argt = ARG_TYPES[suf]
+    if avg_p is None:
+        return op, argt(0)
+    p = int(avg_p)
+    if p < 1:
+        raise ValueError(f"avg_p must be >= 1, got {avg_p!r}")
+    return "avg", argt(p) if suf.startswith("i") else argt(1.0 / p)
+
+
 class DeviceBackend(Backend):
     device = True
     ipc = False  # the CUDA IPC methods of the module comment
@@ -187,17 +200,7 @@ class DeviceBackend(Backend):
         suf = suffix_of(dst.dtype)
         if n == 0:
             return
-        argt = ARG_TYPES[suf]
-        if avg_p is None:
-            arg, kop = argt(0), op
-        else:
-            p = int(avg_p)
-            if p < 1:
-                raise ValueError(f"avg_p must be >= 1, got {avg_p!r}")
-            # ARG_TYPES is the accumulation type: this is the numpy backend's
-            # acc_dtype(dtype).type(1.0 / p), bit for bit.
-            arg = argt(p) if suf.startswith("i") else argt(1.0 / p)
-            kop = "avg"
+        kop, arg = _kernel_op(op, suf, avg_p)
         # Kernel preconditions: b never overlaps dst; a is dst or disjoint.
         # The engine never breaks them; a caller that does gets a copy.
         if self.overlaps(b, dst):
@@ -228,17 +231,11 @@ class DeviceBackend(Backend):
         if op not in _REDUCE_OPS or (avg_p is not None and op != "sum"):
             raise ValueError(f"reduce_many: op {op!r} with avg_p={avg_p!r}")
         suf = suffix_of(dst.dtype)
-        argt = ARG_TYPES[suf]
         rest = list(srcs)
         group = [rest.pop(0)]
         while rest:
             group += [rest.pop(0) for _ in range(min(8 - len(group), len(rest)))]
-            final = not rest
-            if final and avg_p is not None:
-                p = int(avg_p)
-                kop, arg = "avg", (argt(p) if suf.startswith("i") else argt(1.0 / p))
-            else:
-                kop, arg = op, argt(0)
+            kop, arg = _kernel_op(op, suf, None if rest else avg_p)  # "avg" scales in the last launch only
             launch(f"ddl_fold_{kop}_{suf}", dst, group, n, arg)
             group = [dst]  # the next 7 operands fold onto the partial result
 
