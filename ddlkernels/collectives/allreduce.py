@@ -16,7 +16,6 @@ Each function takes the ``Communicator`` first: they are its methods.
 
 from __future__ import annotations
 
-import contextlib
 from time import perf_counter
 
 import numpy as np
@@ -214,7 +213,7 @@ def allreduce_buffer(self, be, buf, dtype, op, deadline=None):
         call = self._call("allreduce", None, None if deadline is None else deadline.remaining())
         w = Work("allreduce", buf, buf, buf.shape[0], dtype, opname, be, max(1, self.chunk_bytes // dtype.itemsize),
                  call=call)
-        with self._device_call(be, buf, be.compute_stream()) if be.device else contextlib.nullcontext():
+        with self._device_call(be, buf, None):  # the calling algorithm's stream (``call_stream``)
             if call is None:
                 run(self, w)
             else:
