@@ -195,14 +195,12 @@ class IpcNode:
             _pack(rec, 0, _SRC, key)
             rec["off"][0, _SRC] = off
         if dst is not None:
-            if dst is src:
+            if dst is src:  # in place: my output lies where my input does (or in its stage)
                 mine_out = mine_in
-                rec["key"][0, _DST], rec["len"][0, _DST], rec["off"][0, _DST] = (
-                    rec["key"][0, _SRC], rec["len"][0, _SRC], rec["off"][0, _SRC])
             else:
                 mine_out, key, off = self._exported(be, d, dst, "dst")
-                _pack(rec, 0, _DST, key)
-                rec["off"][0, _DST] = off
+            _pack(rec, 0, _DST, key)
+            rec["off"][0, _DST] = off
         _pack(rec, 0, _READY, d.ready_key)
         _pack(rec, 0, _DONE, d.done_key)
         be.record_on(s, d.ready)
