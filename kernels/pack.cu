@@ -29,8 +29,12 @@
 //     (grid-stride).  No shared memory, no __syncthreads.
 //
 // Use
-//   Loaded by CuPy's RawModule (ddlkernels/backends/_cupy.py, Backend.pack /
-//   Backend.unpack) for fused allreduce of a list of tensors.  Compiles on
+//   Loaded by the CuPy backend (ddlkernels/backends/_cupy.py, Backend.pack /
+//   Backend.unpack) for fused allreduce of a list of tensors.  It cuts every
+//   tensor into entries of at most 64 KiB (_device.pack_pieces) and launches
+//   one block per entry, gridDim = (1, entries): blocks get equal work however
+//   the sizes differ, where one row per tensor left a long tensor to the few
+//   blocks of gridDim.x.  Compiles on
 //   its own with  nvcc -std=c++17 -arch=sm_90 -cubin kernels/pack.cu  and
 //   with g++ through tests/cuda_host/cuda_host.h (host test harness).
 

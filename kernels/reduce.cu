@@ -56,7 +56,7 @@
 //   128-bit accesses when every pointer has dst's offset modulo 16.
 //
 // Use
-//   Loaded by CuPy's RawModule (ddlkernels/backends/_cupy.py): one reduction
+//   Loaded by the CuPy backend (ddlkernels/backends/_cupy.py): one reduction
 //   per received chunk of a ring step, the fused avg scale on the owner's last
 //   step; the fold kernels by the CUDA IPC allreduce (reduce_many).  The same file compiles on its own with
 //       nvcc -std=c++17 -arch=sm_90 -cubin kernels/reduce.cu
@@ -289,7 +289,7 @@ __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, u64 
 
 }  // namespace ddl
 
-// ---- the exported kernels (unmangled names for RawModule.get_function) ----------
+// ---- the exported kernels (unmangled names for Module.get_function) ----------
 // X-macro: (op name, functor, dtype suffix, storage type, argument type).  The
 // host test harness reuses the list to build its table of kernels.
 #define DDL_REDUCE_DTYPES(X, OPNAME, OPF)              \

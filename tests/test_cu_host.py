@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_host"))
 import _kernel_ref as K  # noqa: E402
 import harness as H  # noqa: E402
 
+from ddlkernels.backends._device import pack_pieces  # noqa: E402
+
 pytestmark = pytest.mark.skipif(H.gxx() is None or not (H.CUDA_INCLUDE / "cuda_fp16.h").exists(),
                                 reason="needs g++ and the CUDA toolkit headers (cuda_fp16.h)")
 
@@ -251,3 +253,51 @@ def test_pack_unpack(harness, pad, grid, block, rev):
         assert (d == t).all()
         start = d.ctypes.data - d.base.ctypes.data
         assert (d.base[:start] == 0xEE).all() and (d.base[start + d.size:] == 0xEE).all(), "write outside a tensor"
+
+
+def test_pack_pieces_rows():
+    """Every tensor is covered once, in order, by rows of at most ``piece`` bytes that keep its alignment."""
+    rng = np.random.default_rng(5)
+    sizes = [0, 1, 15, 16, 17, 47, 48, 49, 96, 1000, 0, 3]
+    ptrs = [int(x) for x in rng.integers(1 << 20, 1 << 40, len(sizes))]
+    offs = [int(x) for x in rng.integers(0, 1 << 20, len(sizes))]
+    rows = pack_pieces(ptrs, sizes, offs, piece=48).view(np.int64)
+    k = 0
+    for p, n, o in zip(ptrs, sizes, offs):
+        done = 0
+        while done < n:
+            assert tuple(rows[k]) == (p + done, min(48, n - done), o + done)
+            done, k = done + 48, k + 1
+    assert k == rows.shape[0]
+    assert pack_pieces([], [], []).shape == (0, 3)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pack_pieces(ptrs, sizes, offs, piece=40)
+
+
+@pytest.mark.parametrize("piece", [16, 48, 1 << 16])
+@pytest.mark.parametrize("grid", [(1, 1), (1, 5), (1, 4096)])
+def test_pack_unpack_pieces(harness, piece, grid):
+    """The backend's launch: the tensors cut into pieces (one block per row), each tensor longer than a piece
+    and at every alignment, dense and 16-byte aligned packing."""
+    tensors = _tensors(piece) + [_tensors(7)[9]]  # 1000 bytes: 63 pieces of 16 bytes
+    for pad in (1, 16):
+        offsets, pos = [], 5
+        for t in tensors:
+            pos = -(-pos // pad) * pad
+            offsets.append(pos)
+            pos += t.size
+        raw = np.zeros(pos + 64, np.uint8)
+        buf = raw[(-raw.ctypes.data) % 16:][:pos]
+        table = pack_pieces([t.ctypes.data for t in tensors], [t.size for t in tensors], offsets, piece)
+        harness.pack(table, buf, grid, 64, grid[1] == 5)
+        for t, o in zip(tensors, offsets):
+            assert (buf[o:o + t.size] == t).all()
+        dests = _tensors(99) + [_tensors(98)[9]]
+        for d in dests:
+            d.base[:] = 0xEE
+        table = pack_pieces([d.ctypes.data for d in dests], [d.size for d in dests], offsets, piece)
+        harness.unpack(table, buf, grid, 64, False)
+        for t, d in zip(tensors, dests):
+            assert (d == t).all()
+            start = d.ctypes.data - d.base.ctypes.data
+            assert (d.base[:start] == 0xEE).all() and (d.base[start + d.size:] == 0xEE).all()

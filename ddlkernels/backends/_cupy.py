@@ -28,6 +28,7 @@ exported: the algorithm stages it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 
@@ -36,11 +37,12 @@ import numpy as np
 from .._dtypes import BFLOAT16
 from ..kernels.sources import compile_source
 from . import BackendUnavailable
-from ._device import DeviceBackend, pack_offsets, storage_dtype
+from ._device import DeviceBackend, pack_offsets, pack_pieces, storage_dtype
 
 __all__ = ["CupyBackend"]
 
 _THREADS = 256
+_TABLES = 64  # pack tables kept, one per (stream, tensors, offsets): pack and unpack of a bucket share one
 
 
 _address_range = None  # the driver's cuMemGetAddressRange_v2, loaded on first use
@@ -99,6 +101,7 @@ class CupyBackend(DeviceBackend):
         self._modules: dict = {}  # (device, source) -> loaded cupy.cuda.function.Module
         self._functions: dict = {}  # (device, kernel name) -> cupy.cuda.function.Function
         self._external: dict = {}  # (stream handle, device) -> cupy.cuda.ExternalStream
+        self._tables = collections.OrderedDict()  # pack tables, least recently used first (_pack_table)
 
     # -- kernels' modules -------------------------------------------------------------
     def _function(self, source, name):
@@ -332,14 +335,32 @@ class CupyBackend(DeviceBackend):
         for n, o in zip(sizes, offsets):
             if o < 0 or o + n > nbuf:
                 raise ValueError(f"tensor of {n} bytes at offset {o} does not fit a {nbuf}-byte buffer")
-        if tensors:
-            table = np.array([[self._ptr(t), n, o] for t, n, o in zip(tensors, sizes, offsets)], dtype=np.uint64)
-            # A synchronous copy: the host table is a temporary, and an
-            # asynchronous H2D copy could read it after it is freed.
-            d_table = self._cp.empty(table.shape, dtype=np.uint64)
-            d_table.set(table)
-            blocks = max(1, min(-(-max(sizes) // (_THREADS * 16)), 64))
-            self._function("pack.cu", name)((blocks, min(len(tensors), 65535)), (_THREADS,),
-                                            (d_table, np.int32(len(tensors)), buf),
+        if any(sizes):
+            table = self._pack_table([self._ptr(t) for t in tensors], sizes, offsets)
+            rows = table.shape[0]  # one block per piece (PIECE_BYTES); gridDim.y past 65535 wraps in the kernel
+            self._function("pack.cu", name)((1, min(rows, 65535)), (_THREADS,),
+                                            (table, np.int32(rows), buf),
                                             stream=self._cp.cuda.get_current_stream())
         return list(offsets)
+
+    def _pack_table(self, ptrs, sizes, offsets):
+        """The device copy of ``pack_pieces``' table, kept per stream: a training loop packs the same
+        tensors every step, so the table is uploaded once, not once per launch.  Kept per stream
+        because CuPy's pool hands an evicted table's memory to the next allocation on its stream only,
+        which runs after every kernel queued there that reads it."""
+        cp = self._cp
+        stream = cp.cuda.get_current_stream()
+        key = (stream.ptr, self.current_device(), np.array([ptrs, sizes, offsets], dtype=np.int64).tobytes())
+        hit = self._tables.get(key)
+        if hit is not None:
+            self._tables.move_to_end(key)
+            return hit[0]
+        host = pack_pieces(ptrs, sizes, offsets)
+        table = cp.empty(host.shape, dtype=np.uint64)
+        # From pageable memory the copy takes the bytes before it returns (no device-wide sync, unlike
+        # the synchronous copy); the cache holds the host table too.
+        table.set(host, stream=stream)
+        self._tables[key] = (table, host)
+        if len(self._tables) > _TABLES:
+            self._tables.popitem(last=False)
+        return table

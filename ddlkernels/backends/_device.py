@@ -51,7 +51,10 @@ of a node (``ddlkernels.algorithms.ipc``):
 and ``pack(tensors, buf, offsets)`` / ``unpack(buf, tensors, offsets)``:
 copy a list of flat device buffers into one fusion buffer and back, in one
 kernel launch (offsets in bytes; ``pack_offsets`` computes 16-byte aligned
-ones so every tensor takes the 128-bit path of kernels/pack.cu).
+ones so every tensor takes the 128-bit path of kernels/pack.cu).  The CuPy
+backend hands the kernel a table of ``pack_pieces``: every tensor cut into
+pieces of at most 64 KiB, one block each, so a long tensor spreads over the
+whole GPU instead of the few blocks a launch per tensor would give it.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ from .._dtypes import BFLOAT16
 from ..kernels.numba_cuda import ARG_TYPES, suffix_of
 from . import Backend
 
-__all__ = ["DeviceBackend", "storage_dtype", "pack_offsets"]
+__all__ = ["DeviceBackend", "storage_dtype", "pack_offsets", "pack_pieces", "PIECE_BYTES"]
 
 _REDUCE_OPS = ("sum", "prod", "max", "min")
 
@@ -84,6 +87,32 @@ def pack_offsets(nbytes, align: int = 16) -> tuple[list[int], int]:
         offs.append(pos)
         pos += int(n)
     return offs, pos
+
+
+#: the most bytes one entry of a pack table (one block of kernels/pack.cu) copies: 256 threads
+#: move it in 16 steps of 128-bit words; 64 MiB of tensors make 1024 entries.
+PIECE_BYTES = 1 << 16
+
+
+def pack_pieces(ptrs, nbytes, offsets, piece: int = PIECE_BYTES) -> np.ndarray:
+    """The table of kernels/pack.cu (rows of address, length, byte offset in the buffer; uint64) for tensors
+    at device addresses ``ptrs`` of ``nbytes`` bytes at ``offsets`` of the buffer, each cut into pieces of
+    at most ``piece`` bytes.  ``piece`` is a multiple of 16, so a piece keeps its tensor's address and
+    offset modulo 16 (the kernel's 128-bit path); empty tensors have no row.
+
+    Example, piece 64 KiB: a 100 KiB tensor at 0x7f00_0000 packed at offset 4096 gives rows
+    (0x7f00_0000, 65536, 4096) and (0x7f01_0000, 36864, 69632)."""
+    if piece <= 0 or piece % 16:
+        raise ValueError(f"piece must be a positive multiple of 16, got {piece}")
+    ptrs, n, off = (np.asarray(v, dtype=np.int64).reshape(-1) for v in (ptrs, nbytes, offsets))
+    counts = -(-n // piece)  # 0 for an empty tensor
+    which = np.repeat(np.arange(n.shape[0]), counts)
+    start = (np.arange(which.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)) * piece
+    table = np.empty((which.shape[0], 3), dtype=np.int64)
+    table[:, 0] = ptrs[which] + start
+    table[:, 1] = np.minimum(n[which] - start, piece)
+    table[:, 2] = off[which] + start
+    return table.view(np.uint64)
 
 
 def _kernel_op(op, suf, avg_p):

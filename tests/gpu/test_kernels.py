@@ -114,7 +114,7 @@ def test_subnormals_survive(be):
 
 
 def _tensors(seed):
-    """Many tensors of many sizes and dtypes: odd byte lengths, one larger than a launch's 64-block row."""
+    """Many tensors of many sizes and dtypes: odd byte lengths, several longer than one block's 64 KiB piece."""
     rng = np.random.default_rng(seed)
     sizes = [1, 3, 7, 16, 17, 255, 1001, 4099, 65537, (64 * 256 * 16) * 3 + 5] + list(rng.integers(1, 20000, 172))
     dts = [np.uint8, np.float16, np.float32, np.float64, np.int32, np.int64]
@@ -150,6 +150,34 @@ def test_pack_unpack_many_large_and_odd(be, offsets):
     be.unpack(buf, outs, offs)
     for h, o in zip(hosts, outs):
         assert np.array_equal(to_host(be.name, o, np.uint8), h.view(np.uint8))
+
+
+def test_cupy_pack_table_uploaded_once_per_stream():
+    """Packing the same tensors again reuses the device table (it holds addresses, so new contents still
+    pack); another stream, or other offsets, get a table of their own."""
+    from ddlkernels.backends import get_backend
+
+    be = get_backend("cupy")
+    hosts = _tensors(11)
+    devs = [be.flat(cp.asarray(h)) for h in hosts]
+    buf = cp.zeros(sum(-(-h.nbytes // 16) * 16 for h in hosts) + 64, cp.uint8)
+    be._tables.clear()
+    offs = be.pack(devs, buf)
+    for d in devs:
+        d += 1
+    be.pack(devs, buf)
+    be.unpack(buf, devs, offs)
+    assert len(be._tables) == 1
+    b = cp.asnumpy(buf)
+    for d, o in zip(devs, offs):
+        assert np.array_equal(b[o:o + d.nbytes], cp.asnumpy(d).view(np.uint8))
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        out = cp.zeros_like(buf)
+        be.pack(devs, out)
+        s.synchronize()
+    assert len(be._tables) == 2
+    assert np.array_equal(cp.asnumpy(out), b)
 
 
 def test_cupy_kernels_come_from_our_nvrtc_compile():
