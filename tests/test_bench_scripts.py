@@ -139,6 +139,15 @@ def test_header_says_how_an_iteration_is_timed_per_placement():
     assert "# in place: an iteration is one call" in inplace
 
 
+def test_chunk_cost_counts_chunks_and_fits_their_cost():
+    """Host arrays: one row per chunk size with the chunks a rank sends, the slope row, every result checked."""
+    out = run("bench/studies/chunk_cost.py", "--bytes", "100K", "--chunks", "4K,10K,64K", "-n", "2", "-w", "1")
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if not ln.startswith("#")}
+    # 25600 float32 in 2 blocks of 12800: chunks of 1024, 2560 and 16384 elements, 2 (p - 1) = 2 steps
+    assert [rows[c][1] for c in ("4K", "10K", "64K")] == ["26", "10", "2"], out
+    assert "us per chunk (slope)" in out and "wrong elements in all: 0" in out, out
+
+
 def test_device_benchmarks_time_nothing_without_a_gpu():
     """Without a CUDA device the device sweep and kernel benchmark say why and exit 2, with no line of
     numbers (never a host stand-in); with one tests/gpu/run_on_device.sh runs them."""
@@ -149,8 +158,10 @@ def test_device_benchmarks_time_nothing_without_a_gpu():
             pytest.skip("a CUDA device is here: tests/gpu/run_on_device.sh runs the sweep")
     except Exception:  # noqa: BLE001 -- no CuPy or no driver: the case under test
         pass
-    for script in ("bench/sweeps/device_allreduce.py", "bench/kernels/device_kernels.py"):
-        proc = subprocess.run([sys.executable, script, "--sizes", "4K"], cwd=ROOT, capture_output=True, text=True,
+    for script, *args in (("bench/sweeps/device_allreduce.py", "--sizes", "4K"),
+                          ("bench/kernels/device_kernels.py", "--sizes", "4K"),
+                          ("bench/studies/chunk_cost.py", "--device", "cuda", "--bytes", "4K")):
+        proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2, script + proc.stdout + proc.stderr
         assert "no GPU to measure on" in proc.stdout and "nothing was timed" in proc.stdout, script

@@ -7,9 +7,9 @@
 # Runs the kernels of both device backends in one process, then the collectives under
 # mpirun -n 2, 3 and 4 (every rank on the GPU; with several GPUs each rank still uses the
 # current one), never in the Numba simulator; then the kernels beside torch and CuPy
-# (bench/kernels/device_kernels.py) and the device sweep (bench/sweeps/device_allreduce.py:
-# ddlkernels beside the hand-rolled loop, gloo, NCCL where it can run) at 2 and 4 ranks, their
-# JSON beside the logs.  Logs go to $OUT/gpu-tests (or $TMPDIR).  Exits
+# (bench/kernels/device_kernels.py), the cost of a staged chunk (bench/studies/chunk_cost.py)
+# and the device sweep (bench/sweeps/device_allreduce.py: ddlkernels beside the hand-rolled
+# loop, gloo, NCCL where it can run) at 2 and 4 ranks, their JSON beside the logs.  Logs go to $OUT/gpu-tests (or $TMPDIR).  Exits
 # non-zero on any failure, on any skipped test (a skip here means the device was not used),
 # and when no device is visible.  RANKS=2,4 picks other rank counts.
 set -uo pipefail
@@ -73,6 +73,7 @@ for n in ${RANKS//,/ }; do
     step "mpirun-n$n" "$MPIRUN" -n "$n" "$PY" -m mpi4py tests/_mpi_pytest.py -q -rs tests/gpu/mpi
 done
 step device-kernels "$PY" bench/kernels/device_kernels.py --json "$LOGDIR/device_kernels.json"
+step chunk-cost-n2 "$MPIRUN" -n 2 "$PY" bench/studies/chunk_cost.py --device cuda --json "$LOGDIR/chunk_cost_np2.json"
 for n in 2 4; do
     step "device-sweep-n$n" "$MPIRUN" -n "$n" "$PY" bench/sweeps/device_allreduce.py --sizes 1M,64M,256M \
         --json "$LOGDIR/device_allreduce_np$n.json"
