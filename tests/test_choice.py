@@ -87,22 +87,26 @@ def test_hier_across_nodes_of_one_size_but_not_for_half_precision_avg():
 
 
 def test_fixed_rules():
-    assert candidates(4096, one_node=True, device=True) == ("ring",)  # device arrays without CUDA IPC: the ring
-    # A backend with CUDA IPC: "ipc" beside the ring for allreduce on one node, whatever the size and op ...
-    assert candidates(4096, one_node=True, device="ipc", shm=True) == ("ring", "ipc")
+    # Device arrays: the ring, and "host" (pieces reduced by the host's algorithms through pinned memory) ...
+    assert candidates(4096, one_node=True, device=True) == ("ring", "host")
+    assert candidates(4096, device=True) == ("ring", "host")
+    assert candidates(4096, one_node=True, device=True, size=1) == ("ring",)  # ... from 2 ranks
+    # A backend with CUDA IPC: "ipc" beside them for allreduce on one node, whatever the size and op ...
+    assert candidates(4096, one_node=True, device="ipc", shm=True) == ("ring", "ipc", "host")
     assert candidates(4096, one_node=True, device="ipc", small_bytes=0) == ("ring",)  # a fixed path: measure nothing
     assert candidates(4096, one_node=True, device="ipc", small_bytes=0, ipc=True) == ("ipc",)
-    assert candidates(64 << 20, op="max", one_node=True, device="ipc") == ("ring", "ipc")
+    assert candidates(64 << 20, op="max", one_node=True, device="ipc") == ("ring", "ipc", "host")
     assert candidates(4096, one_node=True, device="ipc", ipc=True) == ("ipc",)  # ... forced
-    assert candidates(4096, one_node=True, device="ipc", ipc=False) == ("ring",)  # ... never
-    assert candidates(4096, one_node=False, device="ipc", ipc=True) == ("ring",)  # ranks on several nodes
+    assert candidates(4096, one_node=True, device="ipc", ipc=False) == ("ring", "host")  # ... never
+    assert candidates(4096, one_node=False, device="ipc", ipc=True) == ("ring", "host")  # ranks on several nodes
     assert candidates(4096, one_node=True, device="ipc", dims=(2,)) == ("ring",)
     for kind in ("reduce_scatter", "allgather"):
         assert candidates(4096, one_node=True, device="ipc", kind=kind) == ("ring",)
-    # Across nodes of one size: the hierarchical allreduce (IPC inside each node) beside the ring ...
-    assert candidates(4096, hier=True, device="ipc") == ("ring", "hier")
-    assert candidates(4096, hier=True, device=True) == ("ring",)  # ... where the backend has CUDA IPC
-    assert candidates(4096, np.float16, op="avg", hier=True, device="ipc") == ("ring",)  # one rounding
+    # Across nodes of one size: the hierarchical allreduce (IPC inside each node) beside them ...
+    assert candidates(4096, hier=True, device="ipc") == ("ring", "hier", "host")
+    assert candidates(4096, hier=True, device=True) == ("ring", "host")  # ... where the backend has CUDA IPC
+    assert candidates(4096, hier=True, device="ipc", ipc=False) == ("ring", "host")  # ... and IPC is not off
+    assert candidates(4096, np.float16, op="avg", hier=True, device="ipc") == ("ring", "host")  # one rounding
     assert candidates(4096, one_node=True, dims=(2,)) == ("ring",)  # a box asked for
     assert candidates(4096, one_node=True, shm=True) == ("shm",)  # forced
     assert candidates(4096, one_node=True, shm=True, kind="allgather") == ("shm",)

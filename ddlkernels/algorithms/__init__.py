@@ -9,9 +9,10 @@ Worked example, a Communicator of 4 ranks on one node, ``shm=None``::
                                   shm, shm-nt, cma     one node (cma: the probe passed)
                                   ipc                  one node (device arrays)
                                   hier                 no: one node
-    algos.each()                [mpi, nbc, ring, shm, shm-nt, cma, ipc], the order the
-                                tuner's candidates keep (the first is the incumbent;
-                                device calls ask only ring and ipc)
+                                  host                 2 ranks or more (device arrays)
+    algos.each()                [mpi, nbc, ring, shm, shm-nt, cma, ipc, host], the order
+                                the tuner's candidates keep (the first is the incumbent;
+                                device calls ask only ring, ipc and host)
 
 Adding an algorithm is a module here with its ``Algorithm`` subclass and its
 place in ``REGISTRY``; ``ddlkernels.select.choice`` asks it ``serves`` and the
@@ -23,6 +24,7 @@ from __future__ import annotations
 from .base import Algorithm, Work
 from .cma import Cma, probe_pids
 from .hier import Hier, node_split, uniform_nodes
+from .host import Host
 from .ipc import Ipc
 from .mpi import Mpi, Nbc
 from .ring import Ring
@@ -32,7 +34,7 @@ from .window import one_node
 __all__ = ["REGISTRY", "Algorithm", "Algorithms", "Placement", "Work", "place"]
 
 #: Every algorithm, in the order of the tuner's candidates (the incumbent first).
-REGISTRY = (Mpi, Nbc, Ring, Shm, ShmNT, Cma, Ipc, Hier)
+REGISTRY = (Mpi, Nbc, Ring, Shm, ShmNT, Cma, Ipc, Hier, Host)
 
 
 class Placement:

@@ -200,7 +200,8 @@ class Hier(Algorithm):
         return placement.hier_node is not None
 
     def serves(self, kind, w):
-        return (kind == "allreduce" and (not w.be.device or getattr(w.be, "ipc", False) and w.dims is None)
+        device_ok = getattr(w.be, "ipc", False) and w.dims is None and self.comm.ipc is not False
+        return (kind == "allreduce" and (not w.be.device or device_ok)
                 and not (w.avg and is_half(w.dtype)))
 
     def allreduce(self, w):

@@ -60,7 +60,7 @@ KINDS = ("allreduce", "reduce_scatter", "allgather")
 #: The ring, MPI_Allreduce, MPI_Iallreduce + Wait, the shared window (result blocks stored normally or
 #: non-temporally), the window per node + across nodes, the single copy, CUDA IPC (every name in
 #: ``ddlkernels.algorithms.REGISTRY``; new names go last, as the record stores the index).
-PATHS = ("ring", "mpi", "nbc", "shm", "hier", "shm-nt", "cma", "ipc")
+PATHS = ("ring", "mpi", "nbc", "shm", "hier", "shm-nt", "cma", "ipc", "host")
 
 _MAGIC = 0x64646C6B  # "ddlk": a record from something else is reported, not misread
 _MAX_DIMS = 7

@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 import ddlkernels
 from ddlkernels import asynchronous as _async
-from ddlkernels.algorithms import ipc as _ipc
+from ddlkernels.algorithms import host as _host, ipc as _ipc
 from ddlkernels.collectives import streams as _streams
 from ddlkernels.transport import direct as _transport, staged as _staged
 from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name
@@ -225,6 +225,35 @@ def ipc_workload(be, c):
     return bad
 
 
+def host_workload(be, c):
+    """The "host" algorithm in pieces of 16 bytes (its 3 pinned slots reused within each call and across
+    calls): in and out of place on two caller streams, the output's old contents written on the caller's
+    stream just before each call, the input overwritten right after it, results read at the end."""
+    c = ddlkernels.Communicator(COMM, shm=False, ipc=False)
+    algo = c.algorithms["host"]
+    algo.piece_bytes = 16
+    algo._inner = ddlkernels.Communicator(COMM, shm=False, small_bytes=0)
+    a, b = be.new_stream(), be.new_stream()
+    pending = []
+    for k, n in enumerate(SIZES + [2 * P + 3, 37]):
+        s = a if k % 2 else b
+        x = data(n, np.float32, salt=k)
+        with be.current(s):
+            d = be.to_device(x)
+            out = d if k % 3 == 0 else be.to_device(np.zeros_like(x))
+            if out is not d:
+                be.write(out, np.full_like(x, -3.0))
+            c.settle(d, "host")
+            got = c.allreduce(d, "sum", out=out)
+            if got is not d:
+                be.write(d, np.zeros_like(x))
+        pending.append((s, got, c.allreduce(x, "sum")))
+    bad = sum(not np.array_equal(be.to_host(o, s), ref) for s, o, ref in pending)
+    algo._inner.free()
+    c.free()
+    return bad
+
+
 WORKLOADS = {
     "ring-staged": lambda be: ring_workload(be, comm_for(False)),
     "ring-staged-long": lambda be: long_workload(be, comm_for(False)),
@@ -235,6 +264,7 @@ WORKLOADS = {
     "async": lambda be: async_workload(be, comm_for(False)),
     "torch": lambda be: torch_workload(be, comm_for(False)),
     "ipc": lambda be: ipc_workload(be, None),
+    "host": lambda be: host_workload(be, None),
 }
 
 
@@ -323,6 +353,11 @@ MUTATIONS = [
      ["ipc"]),
     ("ipc-inputs-ready-recorded", _ipc.IpcNode, "_call", "be.record_on(s, d.ready)", 0, ["ipc"]),
     ("ipc-writes-done-recorded", _ipc.IpcNode, "_call", "be.record_on(s, d.done)", 0, ["ipc"]),
+    ("host-down-waits-for-caller", _host.Host, "allreduce", "be.wait(cp.d2h, be.record(compute))", 0, ["host"]),
+    ("host-slot-reuse-waits-for-its-copy-up", _host.Host, "allreduce", "be.wait(cp.d2h, cp.freed[s])", 0,
+     ["host"]),
+    ("host-reduces-after-copy-down", _host.Host, "allreduce", "be.sync(down[k])", 0, ["host"]),
+    ("host-caller-waits-for-copies-up", _host.Host, "allreduce", "be.wait(compute, cp.freed[", 0, ["host"]),
 ]
 
 

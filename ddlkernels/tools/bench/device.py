@@ -15,7 +15,8 @@ The lines (each where it can run; ``sweep``'s ``missing`` says why one could not
 
     ddlkernels          CuPy buffers, the library's own choice (its tuner settled first)
     ddlkernels ipc      ipc=True: the ranks of one node reduce each other's memory over CUDA IPC
-    ddlkernels staged   ipc=False, cuda_aware=False: the ring through pinned host memory
+    ddlkernels staged   ipc=False, cuda_aware=False: through pinned host memory, the ring's chunks or
+                        "host"'s pieces (ddlkernels.algorithms.host), as its tuner settled
     hand-rolled         cupy.asnumpy into pinned memory, MPI_Allreduce, copy back: the loop users write
     gloo                torch.distributed's gloo on CUDA tensors
     nccl                torch.distributed's NCCL, when no two ranks share a GPU
@@ -188,16 +189,19 @@ def sweep(comm, cp, sizes, dtype="float32", iters=10, warmup=3):
     try:
         for size in sizes:
             n = size // np.dtype(dtype).itemsize
-            tuned = comms[0]
-            x = cp.asarray(pattern(n, comm.Get_rank(), p, dtype))
-            while tuned.tuning(x):  # the library's own line runs what its tuner settled on
-                tuned.allreduce(x, "sum")
+            tuned, staged, host = comms[0], comms[-2], comms[-1]
+            h = pattern(n, comm.Get_rank(), p, dtype)
+            x = cp.asarray(h)
+            for c, buf in ((tuned, x), (staged, x), (host, h)):  # each line runs what its tuner settled on
+                while c.tuning(buf):
+                    c.allreduce(buf, "sum")
             row = {"bytes": n * np.dtype(dtype).itemsize, "lines": {}}
             for name, line in lines.items():
                 t, wrong = _measure(comm, cp, line, n, dtype, iters, warmup)
                 row["lines"][name] = {"ms": t * 1e3, "busbw_GBps": row["bytes"] / t * 2 * (p - 1) / p / 1e9,
                                       "wrong": wrong}
             row["ddlkernels_ran"] = tuned.last_algorithm
+            row["staged_ran"] = staged.last_algorithm
             rows.append(row)
     finally:
         for c in comms:
@@ -212,7 +216,8 @@ def table(rows) -> str:
     out = []
     for row in rows:
         hand = row["lines"]["hand-rolled"]["ms"]
-        out.append(f"\n## {format_size(row['bytes'])} (ddlkernels ran {row['ddlkernels_ran']})")
+        out.append(f"\n## {format_size(row['bytes'])} (ddlkernels ran {row['ddlkernels_ran']}, "
+                   f"ddlkernels staged {row.get('staged_ran')})")
         out.append(f"{'line':<20} {'ms':>10} {'busbw GB/s':>11} {'x hand-rolled':>14} {'wrong':>6}")
         for name, m in row["lines"].items():
             out.append(f"{name:<20} {m['ms']:>10.3f} {m['busbw_GBps']:>11.1f} {hand / m['ms']:>14.2f} {m['wrong']:>6}")

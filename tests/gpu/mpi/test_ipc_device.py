@@ -6,8 +6,8 @@ peers through CUDA IPC handles; the result must be the rank-order fold
 host by the numpy backend, bit for bit, and the same on every rank.  Edge
 sizes, every op and dtype, in and out of place, misaligned views, memory of
 CuPy's asynchronous pool (which legacy IPC cannot export: the algorithm
-stages it), torch's caching allocator, and the tuner's choice between the
-ring and IPC.  Never the simulator (tests/gpu/gpu_env.py).
+stages it), torch's caching allocator, the tuner's choice among the ring,
+IPC and "host", and "host" itself (pieces through pinned memory).  Never the simulator (tests/gpu/gpu_env.py).
 """
 
 from __future__ import annotations
@@ -117,19 +117,46 @@ def test_torch_tensors_on_a_stream_of_their_own(comm, tdtype):
         CALLS[0] += 1
 
 
-def test_the_tuner_chooses_between_ring_and_ipc():
+def test_the_tuner_chooses_between_ring_ipc_and_host():
+    """Integers: every candidate's order gives the fold's bits, so every trial is checked against it."""
     c = ddlkernels.Communicator(COMM, shm=False, cuda_aware=False)
-    x = data(1 << 20, np.float32, salt=4)
+    x = data(1 << 20, np.int32, salt=4)
     want = fold(x, "sum")
     d = cp.asarray(x)
-    assert c.candidates(d) == ("ring", "ipc")
+    assert c.candidates(d) == ("ring", "ipc", "host")
     seen = set()
     while c.tuning(d):
         check(cp.asnumpy(c.allreduce(d, "sum")), want, "during the trials")
         seen.add(c.last_algorithm)
         CALLS[0] += 1
-    assert seen == {"ring", "ipc"}
+    assert seen == {"ring", "ipc", "host"}
     sizes = c.decisions()["allreduce"]["device_sizes"]
     if R == 0:
-        print(f"\ntuner, {P} ranks, 4 MiB float32 on the device: {sizes}")
+        print(f"\ntuner, {P} ranks, 4 MiB int32 on the device: {sizes}")
+    c.free()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_host_algorithm_piece_by_piece(op):
+    """"host" (ddlkernels.algorithms.host) on device memory: pieces of 1 MiB through 3 pinned slots, each
+    reduced by an inner Communicator fixed to the ring; its bits are the ring's on each piece of the host
+    copy, on every rank, in and out of place, the input of an out-of-place call kept."""
+    c = ddlkernels.Communicator(COMM, shm=False, cuda_aware=False, ipc=False)
+    algo = c.algorithms["host"]
+    algo.piece_bytes = 1 << 20
+    ring = algo._inner = ddlkernels.Communicator(COMM, shm=False, small_bytes=0)
+    for dtype in CUPY_DTYPES:
+        per = algo.piece_bytes // np.dtype(dtype).itemsize
+        for n in SIZES:
+            x = data(n, dtype, salt=7)
+            want = np.concatenate([ring.allreduce(x[a:a + per], op) for a in range(0, n, per)])
+            for inplace in (False, True):
+                d = cp.asarray(x)
+                c.settle(d, "host", op)
+                got = c.allreduce(d, op, out=d if inplace else None)
+                assert c.last_algorithm == "host"
+                check(cp.asnumpy(got), want, f"host {dtype_name(dtype)} {op} n={n} inplace={inplace}")
+                if not inplace:
+                    assert np.array_equal(cp.asnumpy(d).view(np.uint8), x.view(np.uint8)), f"n={n}: input modified"
+                CALLS[0] += 1
     c.free()
