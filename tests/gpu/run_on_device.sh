@@ -11,18 +11,20 @@
 # and the device sweep (bench/sweeps/device_allreduce.py: ddlkernels beside the hand-rolled
 # loop, gloo, NCCL where it can run) at 2 and 4 ranks, their JSON beside the logs.  Logs go to $OUT/gpu-tests (or $TMPDIR).  Exits
 # non-zero on any failure, on any skipped test (a skip here means the device was not used),
-# and when no device is visible.  RANKS=2,4 picks other rank counts.
+# and when no device is visible.  RANKS=2,4 picks other rank counts; STEPS=tests or STEPS=bench
+# runs one half (a device command may run 10 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
-LOGDIR=${OUT:-${TMPDIR:-/tmp}}/gpu-tests
+LOGDIR=${TMPDIR:-/tmp}/gpu-tests
 mkdir -p "$LOGDIR"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NUMBA_ENABLE_CUDASIM=0
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe OMPI_MCA_rmaps_base_oversubscribe=1
 export MPIEXEC_TIMEOUT=${MPIEXEC_TIMEOUT:-600}
 RANKS=${RANKS:-2,3,4}
+STEPS=${STEPS:-tests,bench}  # tests: tests/gpu at RANKS; bench: the device benchmarks (two runs fit 10 minutes each)
 t0=$(date +%s)
 
 if ! "$PY" -c "from mpi4py import MPI; MPI.Get_library_version()" >/dev/null 2>&1; then
@@ -68,19 +70,27 @@ step() {  # step NAME COMMAND...: run, log, and keep pytest's last line
     SUMMARY+=("$name: $last${calls:+; $calls device collectives}; $(( $(date +%s) - s )) s")
 }
 
-step kernels "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu --ignore=tests/gpu/mpi
-for n in ${RANKS//,/ }; do
-    step "mpirun-n$n" "$MPIRUN" -n "$n" "$PY" -m mpi4py tests/_mpi_pytest.py -q -rs tests/gpu/mpi
-done
-step device-kernels "$PY" bench/kernels/device_kernels.py --json "$LOGDIR/device_kernels.json"
-step chunk-cost-n2 "$MPIRUN" -n 2 "$PY" bench/studies/chunk_cost.py --device cuda --json "$LOGDIR/chunk_cost_np2.json"
-for n in 2 4; do
-    step "device-sweep-n$n" "$MPIRUN" -n "$n" "$PY" bench/sweeps/device_allreduce.py --sizes 1M,64M,256M \
-        --json "$LOGDIR/device_allreduce_np$n.json"
-done
+if [[ ",$STEPS," == *,tests,* ]]; then
+    step kernels "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu --ignore=tests/gpu/mpi
+    for n in ${RANKS//,/ }; do
+        step "mpirun-n$n" "$MPIRUN" -n "$n" "$PY" -m mpi4py tests/_mpi_pytest.py -q -rs tests/gpu/mpi
+    done
+fi
+if [[ ",$STEPS," == *,bench,* ]]; then
+    step device-kernels "$PY" bench/kernels/device_kernels.py --json "$LOGDIR/device_kernels.json"
+    step chunk-cost-n2 "$MPIRUN" -n 2 "$PY" bench/studies/chunk_cost.py --device cuda \
+        --json "$LOGDIR/chunk_cost_np2.json"
+    for n in 2 4; do
+        step "device-sweep-n$n" "$MPIRUN" -n "$n" "$PY" bench/sweeps/device_allreduce.py --sizes 1M,64M,256M \
+            --json "$LOGDIR/device_allreduce_np$n.json"
+    done
+fi
 
 echo
 echo "=== GPU suite summary ($DEVICE, $(( $(date +%s) - t0 )) s in all)"
 for line in "${SUMMARY[@]}"; do echo "  $line"; done
+if [ -n "${OUT:-}" ]; then
+    tar -czf "$OUT/gpu-tests-${STEPS//,/-}.tar.gz" -C "$LOGDIR" . && echo "logs and JSON: \$OUT/gpu-tests-${STEPS//,/-}.tar.gz"
+fi
 if [ "$FAILED" -ne 0 ]; then echo "GPU SUITE FAILED"; exit 1; fi
 echo "GPU SUITE PASSED"
