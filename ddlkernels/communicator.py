@@ -63,10 +63,10 @@ class Communicator:
                  nodes), ``False`` never.  Fallback ``DDLKERNELS_SHM``.
     ipc          the CUDA IPC allreduce (``ddlkernels.algorithms.ipc``) for
                  device arrays when every rank shares one node: ``None``
-                 (default) makes it a measured candidate beside the ring,
-                 ``True`` runs it for every device allreduce it serves,
-                 ``False`` never (the ring, staged or CUDA-aware).  Fallback
-                 ``DDLKERNELS_IPC``.
+                 (default) makes it a measured candidate beside the ring
+                 and "host", ``True`` runs it for every device allreduce it
+                 serves, ``False`` never (nor "hier"'s IPC inside nodes).
+                 Fallback ``DDLKERNELS_IPC``.
     cuda_aware   ``True``/``False`` overrides detection of CUDA-aware MPI.
     validate     check before every collective that all ranks passed the same
                  count, dtype, op, dims and chunk, raising the same
