@@ -94,7 +94,7 @@ def test_reduce_matches_numpy(harness, dtype, op):
 def test_reduce_in_place_two_operand(harness, dtype, op):
     """dst = op(dst, src): the kernel called with a == dst."""
     name = f"ddl_reduce_{op}_{K.SUFFIX[dtype]}"
-    for n in (0, 1, 67, 257):
+    for n in (0, 1, 67, 257, 3001):  # 3001: rounds of the unrolled vector loop on every thread, then the rest
         for off in (0, 1):
             a0, b0 = K.make_pair(dtype, n, seed=11, op=op)
             ref = a0.copy()
@@ -111,6 +111,47 @@ def test_reduce_in_place_two_operand(harness, dtype, op):
             assert ok, f"{name} in place n={n} off={off}: first mismatch at {bad}"
 
 
+@pytest.mark.parametrize("op", K.OPS)
+@pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
+def test_reduce_unrolled_rounds(harness, dtype, op):
+    """Lengths where every thread of a multi-block grid runs rounds of the unrolled vector loop (4 words a
+    round, 4 x the grid's stride apart) and then single words: out of place, aligned and with a head."""
+    name = f"ddl_reduce_{op}_{K.SUFFIX[dtype]}"
+    v = 16 // dtype.itemsize
+    for grid, block, rev in ((2, 32, True), (3, 16, False)):
+        stride = grid * block
+        for n in (4 * stride * v, 4 * stride * v + 3 * stride * v + v - 1, 13 * stride * v + 5):
+            a0, b0 = K.make_pair(dtype, n, seed=n, op=op)
+            ref = K.reference(op, a0, b0, 3)
+            for off in (0, 1):
+                wd, d = aligned(n, dtype, off)
+                _, a = aligned(n, dtype, off)
+                _, b = aligned(n, dtype, off)
+                a[:], b[:] = a0, b0
+                before = K.bits_view(wd).copy()
+                harness.reduce(name, d, a, b, K.kernel_arg(dtype, op, 3), grid, block, rev)
+                ok, _, bad = K.compare(d, ref, op)
+                assert ok, f"{name} n={n} off={off} launch={grid}x{block}: first mismatch at {bad}"
+                gb = K.bits_view(wd)
+                assert (gb[:GUARD] == before[:GUARD]).all() and (gb[GUARD + n:] == before[GUARD + n:]).all()
+
+
+def fold_case(dtype, op, n, k):
+    """k operands of n elements and what ddl_fold must give: the numpy backend's chain of k - 1 two-operand
+    reductions ("avg": sums, scaled by 1/k in the last step)."""
+    ops = [K.make_pair(dtype, n, seed=7 * n + j, op=op)[j % 2] for j in range(k)]
+    ref = np.empty_like(ops[0])
+    be = K.NumpyBackend()
+    with np.errstate(all="ignore"):
+        for j in range(1, k):
+            a = ops[0] if j == 1 else ref
+            if op == "avg":
+                be.reduce("sum", ref, a, ops[j], avg_p=k if j == k - 1 else None)
+            else:
+                be.reduce(op, ref, a, ops[j])
+    return ops, ref
+
+
 def test_every_fold_kernel_is_listed(harness):
     assert set(harness.fold_kernels()) == {f"ddl_fold_{op}_{K.SUFFIX[dt]}" for op in K.OPS for dt in K.DTYPES}
 
@@ -125,16 +166,7 @@ def test_fold_is_the_chain_of_two_operand_reductions(harness, dtype, op):
     v = 16 // dtype.itemsize
     for n in (0, 1, v + 1, 67, 257):
         for k in (2, 3, 5, 8):
-            ops = [K.make_pair(dtype, n, seed=7 * n + j, op=op)[j % 2] for j in range(k)]
-            ref = np.empty_like(ops[0])
-            with np.errstate(all="ignore"):
-                be = K.NumpyBackend()
-                last = (lambda j: j == k - 1)
-                step = (lambda out, a, b, j: be.reduce("sum", out, a, b, avg_p=k if last(j) else None)
-                        if op == "avg" else be.reduce(op, out, a, b))
-                step(ref, ops[0], ops[1], 1)
-                for j in range(2, k):
-                    step(ref, ref, ops[j], j)
+            ops, ref = fold_case(dtype, op, n, k)
             arg = K.kernel_arg(dtype, op, k)
             for offs in ((0,) * (k + 1), (1,) * (k + 1), (v - 1,) * (k + 1), (1,) * k + (0,)):
                 for grid, block, rev in LAUNCHES:

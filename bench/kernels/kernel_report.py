@@ -2,7 +2,7 @@
 
     python bench/kernels/kernel_report.py [--out FILE.md]
 
-One row per kernel x dtype, for both implementations:
+One row per kernel x dtype, for both implementations (the fold kernels are .cu only):
 
 * kernels/*.cu (what the CuPy backend loads): compiled with NVRTC (CUDA 12.9)
   for sm_70, sm_80, sm_90 and with nvcc (the machine's, sm_75/80/90);
@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 import _compile_tools as C  # noqa: E402
 import _kernel_ref as K  # noqa: E402
 import harness as H  # noqa: E402
+from ddlkernels.backends._device import pack_pieces  # noqa: E402
 from ddlkernels.kernels import numba_cuda as N  # noqa: E402
 
 ARCHS = C.NVRTC_ARCHS
@@ -75,7 +76,8 @@ def host_harness_results(harness):
         for op in K.OPS:
             name = f"ddl_reduce_{op}_{K.SUFFIX[dtype]}"
             ok, err, cases = True, 0.0, 0
-            for n in T.lengths(dtype):
+            stride = 2 * 32  # the (2, 32) launch: lengths past 4 rounds of its stride run the unrolled loop
+            for n in T.lengths(dtype) + [4 * stride * v + 3, 13 * stride * v + 5]:
                 for p in (3, 7):
                     a0, b0 = K.make_pair(dtype, n, seed=n + p, op=op)
                     ref = K.reference(op, a0, b0, p)
@@ -86,6 +88,29 @@ def host_harness_results(harness):
                             _, b = T.aligned(n, dtype, offs[2])
                             a[:], b[:] = a0, b0
                             harness.reduce(name, d, a, b, K.kernel_arg(dtype, op, p), grid, block, rev)
+                            good, e, _ = K.compare(d, ref, op)
+                            ok &= good
+                            err = max(err, e)
+                            cases += 1
+            res[name] = (ok, err, cases)
+    # the fold kernels: test_cu_host's cases, k = 2, 3, 5, 8 operands against the chain of reductions
+    for dtype in K.DTYPES:
+        v = 16 // dtype.itemsize
+        for op in K.OPS:
+            name = f"ddl_fold_{op}_{K.SUFFIX[dtype]}"
+            ok, err, cases = True, 0.0, 0
+            for n in (0, 1, v + 1, 67, 257):
+                for k in (2, 3, 5, 8):
+                    ops, ref = T.fold_case(dtype, op, n, k)
+                    for off in (0, 1):
+                        for grid, block, rev in T.LAUNCHES:
+                            _, d = T.aligned(n, dtype, off)
+                            srcs = []
+                            for o in ops:
+                                _, s = T.aligned(n, dtype, off)
+                                s[:] = o
+                                srcs.append(s)
+                            harness.fold(name, d, srcs, K.kernel_arg(dtype, op, k), grid, block, rev)
                             good, e, _ = K.compare(d, ref, op)
                             ok &= good
                             err = max(err, e)
@@ -109,7 +134,12 @@ def host_harness_results(harness):
         table = np.array([[d.ctypes.data, d.size, o] for d, o in zip(dests, offsets)], dtype=np.uint64)
         harness.unpack(table, buf, (2, 3), 32, False)
         ok &= all((d == t).all() for d, t in zip(dests, tensors))
-        cases += 2
+        # the CuPy backend's launch: 48-byte pieces, one block each
+        buf[:] = 0
+        table = pack_pieces([t.ctypes.data for t in tensors], [t.size for t in tensors], offsets, 48)
+        harness.pack(table, buf, (1, 5), 32, True)
+        ok &= all((buf[o:o + t.size] == t).all() for t, o in zip(tensors, offsets))
+        cases += 3
     res["ddl_pack"] = res["ddl_unpack"] = (ok, 0.0 if ok else float("inf"), cases)
     return res
 
@@ -150,11 +180,11 @@ def numba_sim_results():
 
 
 def _dtype_of(name):
-    return name.rsplit("_", 1)[1] if name.startswith("ddl_reduce_") else "bytes"
+    return name.rsplit("_", 1)[1] if name.startswith(("ddl_reduce_", "ddl_fold_")) else "bytes"
 
 
 def _kernel_of(name):
-    return name.rsplit("_", 1)[0] if name.startswith("ddl_reduce_") else name
+    return name.rsplit("_", 1)[0] if name.startswith(("ddl_reduce_", "ddl_fold_")) else name
 
 
 def _yn(b):
@@ -184,7 +214,8 @@ def main(argv=None):
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = [f"ddl_reduce_{op}_{suf}" for op in N.OPS for suf in N.SUFFIXES] + ["ddl_pack", "ddl_unpack"]
-    for name in order:
+    folds = [f"ddl_fold_{op}_{suf}" for op in N.OPS for suf in N.SUFFIXES]  # .cu only: the IPC fold
+    for name in order[:-2] + folds + order[-2:]:
         c = cu.get(name, {"nvrtc": {}, "nvcc": {}, "vec": False})
         regs = "/".join(str(c["nvrtc"][a]["regs"]) if c["nvrtc"].get(a) else "-" for a in ARCHS)
         spills = sum(i["spill_stores"] + i["spill_loads"] for i in c["nvrtc"].values() if i)
