@@ -50,7 +50,10 @@ def missing_rank(call, before=None, late=False, **options):
 @needs_two
 def test_ring_timeout_names_the_peer_step_and_chunk():
     n = 64 * P
-    err = missing_rank(lambda c: c.allreduce(np.ones(n, np.float32), dims=(P,), chunk_bytes=64))
+    # Every rank runs the call once first: the reduce loop loaded from Numba's cache (a fraction of a second
+    # per process) would otherwise spend the 1 s of ranks further down the ring on the way to their step.
+    run = (lambda c, **kw: c.allreduce(np.ones(n, np.float32), dims=(P,), chunk_bytes=64, **kw))
+    err = missing_rank(run, before=lambda c: run(c, timeout=60))
     if RANK != ODD:
         # Flat ring: rank r receives from r - 1.  Rank 0 waits for the missing
         # rank in step 0; each later rank gets one step further before it
