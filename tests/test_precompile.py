@@ -4,8 +4,6 @@ is what the window's calls compile is checked under MPI (tests/mpi/test_shm.py);
 import subprocess
 import sys
 
-import numpy as np
-
 from ddlkernels.kernels import precompile, window_loops
 
 

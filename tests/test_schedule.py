@@ -1,6 +1,5 @@
 """The schedule, executed by a tiny in-process interpreter: every element reduced once per rank, gathered to all."""
 
-import itertools
 import random
 
 import numpy as np

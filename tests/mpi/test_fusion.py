@@ -16,7 +16,7 @@ from ddlkernels.collectives.allreduce import allreduce_segments
 from ddlkernels.fusion import plan_buckets
 from ddlkernels.backends import get_backend
 from ddlkernels.ring.segments import Segments
-from helpers import ALL_DTYPES, DTYPE_IDS, assert_close, assert_same_on_all_ranks, dims_cases, parts_with_gaps
+from helpers import ALL_DTYPES, assert_close, assert_same_on_all_ranks, dims_cases, parts_with_gaps
 
 COMM = MPI.COMM_WORLD
 P, RANK = COMM.Get_size(), COMM.Get_rank()

@@ -29,7 +29,7 @@ from ddlkernels import asynchronous as _async
 from ddlkernels.algorithms import host as _host, ipc as _ipc
 from ddlkernels.collectives import streams as _streams
 from ddlkernels.transport import direct as _transport, staged as _staged
-from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name
+from ddlkernels._dtypes import SUPPORTED_DTYPES
 from stream_emulator import emulated_device
 
 COMM = MPI.COMM_WORLD

@@ -8,9 +8,7 @@ stated tolerance of the gloo run.
 """
 
 import importlib
-import time
 
-import numpy as np
 import pytest
 from mpi4py import MPI
 
