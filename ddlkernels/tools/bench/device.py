@@ -18,6 +18,7 @@ The lines (each where it can run; ``sweep``'s ``missing`` says why one could not
     ddlkernels staged   ipc=False, cuda_aware=False: through pinned host memory, the ring's chunks or
                         "host"'s pieces (ddlkernels.algorithms.host), as its tuner settled
     hand-rolled         cupy.asnumpy into pinned memory, MPI_Allreduce, copy back: the loop users write
+    mpi device          MPI_Allreduce on the CuPy buffers themselves, where MPI is CUDA-aware
     gloo                torch.distributed's gloo on CUDA tensors
     nccl                torch.distributed's NCCL, when no two ranks share a GPU
     ddlkernels host     the same bytes as numpy arrays
@@ -102,9 +103,10 @@ def _lines(comm, cp, dtype):
     dt = np.dtype(dtype)
     one_node = comm.allreduce(ddlkernels.local_size(comm)) == p * p
     own_gpu = len(set(comm.allgather((socket.gethostname(), cp.cuda.Device().pci_bus_id)))) == p
-    tuned = ddlkernels.Communicator(comm, shm=False)
+    # shm left to the default: device calls never use the window themselves, "host"'s inner Communicator does.
+    tuned = ddlkernels.Communicator(comm)
     ipc = ddlkernels.Communicator(comm, shm=False, ipc=True) if one_node else None
-    staged = ddlkernels.Communicator(comm, shm=False, ipc=False, cuda_aware=False)
+    staged = ddlkernels.Communicator(comm, ipc=False, cuda_aware=False)
     host = ddlkernels.Communicator(comm)
     out, missing = {}, {}
 
@@ -134,6 +136,15 @@ def _lines(comm, cp, dtype):
         s["out"].set(s["r"])
 
     out["hand-rolled"] = (hand_setup, hand_run, lambda s: cp.asnumpy(s["out"]))
+    aware, why_not = host.cuda_aware()
+    if aware:
+        def mpi_run(s):
+            cp.cuda.get_current_stream().synchronize()  # MPI reads the memory now, outside any stream
+            comm.Allreduce(s["x"], s["out"], MPI.SUM)
+
+        out["mpi device"] = (dev, mpi_run, lambda s: cp.asnumpy(s["out"]))
+    else:
+        missing["mpi device"] = f"MPI is not CUDA-aware ({why_not})"
     torch, nccl, why = _torch_groups(comm, cp, own_gpu)
     if torch is None:
         missing["gloo"] = missing["nccl"] = why
