@@ -104,6 +104,20 @@ class Host(Algorithm):
             cp = self._copies[key] = _Copies(be, SLOTS, nbytes)
         return cp
 
+    def _settle_inner(self, inner, cp, counts, w):
+        """Let the inner tuner finish its trials for these piece sizes first, on zeros in a slot: else the
+        outer tuner's trials of "host" would time the inner one's slower candidates.  Every rank makes the
+        same calls (``tuning`` is the same everywhere); once the sizes are settled, nothing but the asking."""
+        item = w.dst.dtype.itemsize
+        for count in sorted(counts):
+            piece = cp.slots[0][:count * item].view(w.dst.dtype).view(w.dtype)
+            if inner.tuning(piece, w.op):
+                cp.drain()  # the slot may still be read by the last call's copies up
+                piece[...] = 0
+                while inner.tuning(piece, w.op):
+                    inner.allreduce(piece, w.op, out=piece,
+                                    timeout=None if w.deadline is None else w.deadline.remaining())
+
     def allreduce(self, w):
         pack_segments(w)
         be, n = w.be, w.count
@@ -114,6 +128,7 @@ class Host(Algorithm):
         per = max(1, self.piece_bytes // item)
         cuts = [(a, min(a + per, n)) for a in range(0, n, per)]
         cp = self._copies_for(be, min(per, n) * item)
+        self._settle_inner(inner, cp, {b - a for a, b in cuts}, w)
         nslots = len(cp.slots)
         compute = be.compute_stream()
         # The kernels that wrote src come first.  Those that still read or write dst too: every copy up is

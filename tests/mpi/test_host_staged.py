@@ -141,3 +141,21 @@ def test_under_a_deadline_and_validation():
         got = c.allreduce(d, "max")
         assert c.last_algorithm == "host" and np.array_equal(be.to_host(got), np.maximum.reduce(COMM.allgather(x)))
         c.free()
+
+
+def test_the_inner_tuner_settles_before_the_pieces_are_reduced():
+    """The first call of a size lets the inner Communicator's tuner finish its trials for the piece sizes
+    (here 6 and 2 float64, where it weighs MPI's blocking and nonblocking calls), so that the outer tuner's
+    trials of "host" time settled inner calls."""
+    with emulated_device(seed=2 + R, policy="random") as be:
+        c = ddlkernels.Communicator(COMM, shm=False)
+        algo = c.algorithms["host"]
+        algo.piece_bytes = PIECE
+        x = rank_data(20, R, P, np.int64, salt=6)
+        d = be.to_device(x)
+        c.settle(d, "host")
+        got = c.allreduce(d, "sum")
+        assert same_bits(be.to_host(got), sum(COMM.allgather(x)))
+        assert all(len(algo._inner.candidates(np.zeros(k, np.int64))) > 1 for k in (6, 2))
+        assert not any(algo._inner.tuning(np.zeros(k, np.int64)) for k in (6, 2))
+        c.free()

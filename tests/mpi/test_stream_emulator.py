@@ -227,15 +227,17 @@ def ipc_workload(be, c):
 
 def host_workload(be, c):
     """The "host" algorithm in pieces of 16 bytes (its 3 pinned slots reused within each call and across
-    calls): in and out of place on two caller streams, the output's old contents written on the caller's
-    stream just before each call, the input overwritten right after it, results read at the end."""
+    calls, its inner tuner settling new piece sizes between calls): in and out of place on two caller
+    streams, the output's old contents written on the caller's stream just before each call, the input
+    overwritten right after it, results read at the end (exact sums: every inner algorithm's bits)."""
     c = ddlkernels.Communicator(COMM, shm=False, ipc=False)
     algo = c.algorithms["host"]
     algo.piece_bytes = 16
-    algo._inner = ddlkernels.Communicator(COMM, shm=False, small_bytes=0)
     a, b = be.new_stream(), be.new_stream()
     pending = []
-    for k, n in enumerate(SIZES + [2 * P + 3, 37]):
+    # 37 first: the slots take 4 elements at once, so later calls' new piece sizes (the inner tuner's trials,
+    # in slot 0) meet copies up of earlier calls still queued.
+    for k, n in enumerate([37] + SIZES + [2 * P + 3, 38]):
         s = a if k % 2 else b
         x = data(n, np.float32, salt=k)
         with be.current(s):
@@ -249,7 +251,6 @@ def host_workload(be, c):
                 be.write(d, np.zeros_like(x))
         pending.append((s, got, c.allreduce(x, "sum")))
     bad = sum(not np.array_equal(be.to_host(o, s), ref) for s, o, ref in pending)
-    algo._inner.free()
     c.free()
     return bad
 
@@ -358,6 +359,7 @@ MUTATIONS = [
      ["host"]),
     ("host-reduces-after-copy-down", _host.Host, "allreduce", "be.sync(down[k])", 0, ["host"]),
     ("host-caller-waits-for-copies-up", _host.Host, "allreduce", "be.wait(compute, cp.freed[", 0, ["host"]),
+    ("host-inner-trials-wait-for-copies-up", _host.Host, "_settle_inner", "cp.drain()", 0, ["host"]),
 ]
 
 
