@@ -30,7 +30,10 @@ order differs from the ring's, as the tuner's other choices do.
 
 The inner Communicator (host arrays only: the same ``shm``, chunk, window
 and ``small_bytes``) is created at the first call that runs this algorithm:
-collective, which holds, since every rank chose "host" for that call.
+collective, which holds, since every rank chose "host" for that call.  Its
+tuner measures the piece sizes; a call whose piece size it is still
+measuring first lets it finish (on zeros), so that the outer tuner's trials
+of "host" time what "host" will run.
 """
 
 from __future__ import annotations
