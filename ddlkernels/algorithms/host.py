@@ -9,7 +9,7 @@ Communicator's own tuned choice, copy it back.  The copies of the neighbouring
 pieces run meanwhile, on two copy streams (the GPU copies both ways at once),
 so a call costs about the host's allreduce plus one piece down and one up.
 
-Worked example, 20 MiB in pieces of 8 MiB (A, B, C), 2 pinned slots::
+Worked example, 20 MiB in pieces of 8 MiB (A, B, C), 2 pinned slots (3 by default, ``SLOTS``)::
 
     D2H stream   waits for the caller's stream (the kernels that wrote src)
                  A -> slot 0, B -> slot 1 ........ wait up(A); C -> slot 0
