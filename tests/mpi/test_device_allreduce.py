@@ -306,3 +306,22 @@ def test_allreduce_many_on_device_uses_the_pack_kernels(dcomm, monkeypatch):
     outs = ddlkernels.allreduce_many([to_device(f) for f in fl], "sum", comm=dcomm, fusion_bytes=64)
     for f, o in zip(fl, outs):
         assert np.array_equal(o.copy_to_host(), dcomm.allreduce(f, "sum"))
+
+
+@pytest.mark.skipif(P < 2, reason="one rank has nothing to reduce")
+def test_numba_arrays_through_the_host_algorithm():
+    """"host" (ddlkernels.algorithms.host) on the Numba backend: pieces of 64 bytes down to pinned memory,
+    reduced by the host's allreduce, back up; the sums are exact in every dtype, so any order's bits."""
+    c = ddlkernels.Communicator(COMM, shm=False, cuda_aware=False)
+    c.algorithms["host"].piece_bytes = 64
+    for dt in SUPPORTED_DTYPES:
+        for n in (1, P + 1, 100, 1001):
+            x = data(n, dt, salt=n)
+            d = to_device(x)
+            c.settle(d, "host")
+            got = c.allreduce(d, "sum")
+            assert c.last_algorithm == "host"
+            want = c.allreduce(x, "sum")
+            assert np.array_equal(to_host(got).view(np.uint8), want.view(np.uint8)), f"{dtype_name(dt)} n={n}"
+            assert np.array_equal(to_host(d).view(np.uint8), x.view(np.uint8)), "input modified"
+    c.free()
