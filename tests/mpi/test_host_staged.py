@@ -159,3 +159,31 @@ def test_the_inner_tuner_settles_before_the_pieces_are_reduced():
         assert all(len(algo._inner.candidates(np.zeros(k, np.int64))) > 1 for k in (6, 2))
         assert not any(algo._inner.tuning(np.zeros(k, np.int64)) for k in (6, 2))
         c.free()
+
+
+@pytest.mark.parametrize("policy", ["lazy", "random"])
+def test_empty_calls_odd_offsets_nan_and_subnormals(policy):
+    """0 elements; views 1 and 3 elements into their allocations (pieces at odd addresses); NaN and
+    subnormal values, whose bits the copies down and up must keep (max: the inner ring's bits)."""
+    bad = []
+    with emulated_device(seed=9 + R, policy=policy) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=False)
+        ring = host_on_ring(c)
+        e = be.to_device(np.zeros(0, np.float32))
+        c.settle(be.to_device(np.zeros(1, np.float32)), "host")
+        bad += [] if be.to_host(c.allreduce(e, "sum")).shape == (0,) else ["n=0"]
+        for dtype in (np.float32, np.float64, np.float16):
+            n = 101
+            x = rank_data(n, R, P, dtype, salt=5)
+            x[R::7] = np.nan
+            x[(R + 3)::11] = np.finfo(dtype).smallest_subnormal * (R + 1)
+            whole = be.to_device(np.zeros(n + 4, dtype))
+            d = whole[1 + 2 * (R % 2): 1 + 2 * (R % 2) + n]
+            be.write(d, x)
+            out = be.to_device(np.zeros(n + 3, dtype))[3:]
+            c.settle(d, "host", "max")
+            c.allreduce(d, "max", out=out)
+            if not same_bits(be.to_host(out), piecewise(ring, x, "max")):
+                bad.append(f"{np.dtype(dtype).name} max")
+        c.free()
+    assert wrong_anywhere(len(bad)) == 0, f"rank {R}: {bad}"
