@@ -43,17 +43,23 @@
 // The fold kernels (the CUDA IPC allreduce's reduce-scatter, which folds one
 // shard of every rank's input in rank order):
 //
-//       ddl_fold_<op>_<t>(T* dst, unsigned long long n, ARG arg, int k,
-//                         const T* s0, ..., const T* s7)
+//       ddl_fold_<op>_<t>(T* dst, unsigned long long n, ARG arg, int k, int m,
+//                         const T* s0, ..., const T* s7, T* e0, ..., T* e6)
 //
 //   dst[i] = ((s0[i] op s1[i]) op s2[i]) ... op s(k-1)[i], 2 <= k <= 8: the
 //   bits of k - 1 launches of ddl_reduce_<op>_<t> in a row (each step stored
 //   to T; avg sums and scales in the last step only), in one pass that reads
 //   every operand once and writes dst once, where the chain of launches reads
-//   and writes the partial result k - 2 times more.  s0 is either exactly dst
-//   or does not overlap it (a longer fold continues with dst as s0); no other
-//   operand overlaps dst; operands past k are ignored (pass any pointer).
-//   128-bit accesses when every pointer has dst's offset modulo 16.
+//   and writes the partial result k - 2 times more.  The same value also goes
+//   to e0[i] .. e(m-1)[i], 0 <= m <= 7 (the IPC allreduce writes its shard
+//   into every rank's output as it folds it, instead of copying it after).
+//   s0 is either exactly dst or does not overlap it (a longer fold continues
+//   with dst as s0); no other operand overlaps dst; no e overlaps dst, an
+//   operand or another e; operands past k and destinations past m are
+//   ignored (pass any pointer).  128-bit accesses when every pointer used has
+//   dst's offset modulo 16.  At most 256 threads a block: __launch_bounds__(256,
+//   4) keeps the 16 operand and destination pointers within 64 registers a
+//   thread (4 blocks an SM), reloading them from the parameters where needed.
 //
 // Use
 //   Loaded by the CuPy backend (ddlkernels/backends/_cupy.py): one reduction
@@ -262,16 +268,19 @@ __device__ __forceinline__ T fold_step(T acc, T x, int j, int k, ARG arg) {
 }
 
 template <class T, class Step, class Last, class ARG>
-__device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, u64 n, ARG arg) {
+__device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, T* const* e, int m, u64 n, ARG arg) {
     const int V = 16 / sizeof(T);
     const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     const u64 off = (u64)dst & 15;
-    // Every loop over the operands runs to 8 with a test of k, fully unrolled: s is then indexed by
-    // constants and stays in registers (a variable index would put it in a stack frame).
+    // Every loop over the operands runs to 8 (over the extra destinations to 7) with a test of k (m), fully
+    // unrolled: s and e are then indexed by constants and stay in registers (a variable index would put
+    // them in a stack frame).
     bool vec = true;
 #pragma unroll
     for (int j = 0; j < 8; ++j) vec = vec && (j >= k || ((u64)s[j] & 15) == off);
+#pragma unroll
+    for (int j = 0; j < 7; ++j) vec = vec && (j >= m || ((u64)e[j] & 15) == off);
     u64 head = n;
     if (vec) {
         head = ((16 - off) & 15) / sizeof(T);
@@ -283,6 +292,9 @@ __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, u64 
         for (int j = 1; j < 8; ++j)
             if (j < k) acc = fold_step<T, Step, Last, ARG>(acc, s[j][i], j, k, arg);
         dst[i] = acc;
+#pragma unroll
+        for (int j = 0; j < 7; ++j)
+            if (j < m) e[j][i] = acc;
     }
     if (!vec) return;
     const u64 nvec = (n - head) / V;
@@ -302,6 +314,10 @@ __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, u64 
             }
         }
         dv[i] = acc.u;
+        // The extra destinations come from an array too: __stwb names the global state space.
+#pragma unroll
+        for (int j = 0; j < 7; ++j)
+            if (j < m) __stwb(reinterpret_cast<uint4*>(e[j] + head) + i, acc.u);
     }
     for (u64 i = head + nvec * V + tid; i < n; i += stride) {
         T acc = s[0][i];
@@ -309,6 +325,9 @@ __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, u64 
         for (int j = 1; j < 8; ++j)
             if (j < k) acc = fold_step<T, Step, Last, ARG>(acc, s[j][i], j, k, arg);
         dst[i] = acc;
+#pragma unroll
+        for (int j = 0; j < 7; ++j)
+            if (j < m) e[j][i] = acc;
     }
 }
 
@@ -348,13 +367,16 @@ DDL_REDUCE_KERNELS(DDL_DEFINE_REDUCE)
     DDL_REDUCE_DTYPES(X, min, FoldMin)                 \
     DDL_REDUCE_DTYPES(X, avg, FoldAvg)
 
-#define DDL_DEFINE_FOLD(OPNAME, OPF, SUF, T, ARG)                                                   \
-    extern "C" __global__ void ddl_fold_##OPNAME##_##SUF(T* dst, unsigned long long n, ARG arg, int k, \
-                                                          const T* s0, const T* s1, const T* s2,       \
-                                                          const T* s3, const T* s4, const T* s5,       \
-                                                          const T* s6, const T* s7) {                  \
-        const T* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};                                             \
-        ddl::fold_grid<T, typename ddl::OPF<T>::Step, typename ddl::OPF<T>::Last, ARG>(dst, s, k, n, arg); \
+#define DDL_DEFINE_FOLD(OPNAME, OPF, SUF, T, ARG)                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 4)                                                \
+    ddl_fold_##OPNAME##_##SUF(T* dst, unsigned long long n, ARG arg, int k, int m, const T* s0,         \
+                              const T* s1, const T* s2, const T* s3, const T* s4, const T* s5,          \
+                              const T* s6, const T* s7, T* e0, T* e1, T* e2, T* e3, T* e4, T* e5,       \
+                              T* e6) {                                                                  \
+        const T* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};                                              \
+        T* e[7] = {e0, e1, e2, e3, e4, e5, e6};                                                        \
+        ddl::fold_grid<T, typename ddl::OPF<T>::Step, typename ddl::OPF<T>::Last, ARG>(dst, s, k, e, m, n, \
+                                                                                        arg);           \
     }
 
 DDL_FOLD_KERNELS(DDL_DEFINE_FOLD)

@@ -648,6 +648,27 @@ class EmuBackend(DeviceBackend):
             fn = lambda: self._numpy.reduce(op, d, x, y)  # noqa: E731
         self.emu.enqueue(self.compute_stream(), fn, name)
 
+    def _launch_fold(self, name, dst, srcs, n, arg, also=()):
+        """kernels/reduce.cu's ddl_fold, one queued operation: the chain of two-operand reductions over
+        ``srcs`` ("avg" scaling in the last step) into ``dst`` and every buffer of ``also``."""
+        _, _, op, suf = name.split("_")
+        typed = (lambda v: _host(v).view(BFLOAT16)) if suf == "bf16" else _host
+        d, xs, es = typed(dst), [typed(x) for x in srcs], [typed(e) for e in also]
+        p = (int(arg) if suf.startswith("i") else int(round(1.0 / float(arg)))) if op == "avg" else None
+        last = len(xs) - 1
+
+        def fn():
+            acc = xs[0].copy()  # srcs[0] may be dst
+            for j in range(1, len(xs)):
+                if op == "avg":
+                    self._numpy.reduce("sum", acc, acc, xs[j], avg_p=p if j == last else None)
+                else:
+                    self._numpy.reduce(op, acc, acc, xs[j])
+            for out in [d] + es:
+                out[...] = acc
+
+        self.emu.enqueue(self.compute_stream(), fn, name)
+
     def pack(self, tensors, buf, offsets=None):
         return self._table_copy(True, tensors, buf, offsets)
 

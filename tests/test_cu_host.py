@@ -176,12 +176,18 @@ def test_fold_is_the_chain_of_two_operand_reductions(harness, dtype, op):
                         _, s = aligned(n, dtype, offs[j + 1])
                         s[:] = ops[j]
                         srcs.append(s)
-                    before = K.bits_view(wd).copy()
-                    harness.fold(name, d, srcs, arg, grid, block, rev)
-                    ok, _, bad = K.compare(d, ref, op)
-                    assert ok, f"{name} k={k} n={n} offs={offs} launch={grid}x{block}: first mismatch at {bad}"
-                    gb = K.bits_view(wd)
-                    assert (gb[:GUARD] == before[:GUARD]).all() and (gb[GUARD + n:] == before[GUARD + n:]).all()
+                    # extra destinations: none, one, 7 (the most), at dst's offset; of 7 the last one element
+                    # off, which leaves the operands' vector path to the scalar one (cuda_host.h stops on a
+                    # misaligned 128-bit access, as a GPU faults)
+                    m = (0, 1, 7)[(k + n) % 3]
+                    extras = [aligned(n, dtype, offs[0] + (m == 7 and j == 6)) for j in range(m)]
+                    before = [K.bits_view(w).copy() for w in [wd] + [w for w, _ in extras]]
+                    harness.fold(name, d, srcs, arg, grid, block, rev, also=[e for _, e in extras])
+                    for w, got, b in zip([wd] + [w for w, _ in extras], [d] + [e for _, e in extras], before):
+                        ok, _, bad = K.compare(got, ref, op)
+                        assert ok, f"{name} k={k} m={m} n={n} offs={offs} launch={grid}x{block}: mismatch at {bad}"
+                        gb = K.bits_view(w)
+                        assert (gb[:GUARD] == b[:GUARD]).all() and (gb[GUARD + n:] == b[GUARD + n:]).all()
                     assert all((K.bits_view(s) == K.bits_view(o)).all() for s, o in zip(srcs, ops)), "input modified"
             # dst as the first operand: a fold continued from a partial result.
             _, d = aligned(n, dtype, 1)
@@ -201,11 +207,15 @@ class _FoldingBackend:
     harness on numpy arrays (the CuPy backend launches the same kernels on a GPU)."""
 
     def __init__(self, harness):
-        self.h, self.launches = harness, []
+        self.h, self.launches, self.copies = harness, [], 0
 
-    def _launch_fold(self, name, dst, srcs, n, arg):
-        self.launches.append((name, len(srcs)))
-        self.h.fold(name, dst, srcs, float(arg))
+    def _launch_fold(self, name, dst, srcs, n, arg, also=()):
+        self.launches.append((name, len(srcs), len(also)))
+        self.h.fold(name, dst, srcs, float(arg), also=also)
+
+    def copy(self, dst, src):
+        self.copies += 1
+        dst[...] = src
 
     def _ptr(self, x):
         return x.ctypes.data
@@ -232,16 +242,21 @@ def test_reduce_many_launches_folds_of_8_with_the_chains_bits(harness, dtype, op
         while left:
             want.append(1 + min(7, left))
             left -= min(7, left)
-        be = _FoldingBackend(harness)
         store = (lambda a: a.view(np.uint16)) if dtype == K.BFLOAT16 else (lambda a: a)
-        dst = np.empty_like(ops[0])
-        DeviceBackend.reduce_many(be, "sum" if op == "avg" else op, store(dst), [store(o) for o in ops],
-                                  avg_p=k if op == "avg" else None)
-        ok, _, bad = K.compare(dst, ref, op)
-        assert ok, f"{op} {K.SUFFIX[dtype]} k={k}: first mismatch at {bad}"
-        assert [m for _, m in be.launches] == want
-        assert all(("avg" in name) == (op == "avg" and i == len(be.launches) - 1) for i, (name, _) in
-                   enumerate(be.launches))
+        for m in (0, 3, 9):  # extra destinations: the last launch writes up to 7, copies the rest
+            be = _FoldingBackend(harness)
+            dst = np.empty_like(ops[0])
+            also = [np.empty_like(ops[0]) for _ in range(m)]
+            DeviceBackend.reduce_many(be, "sum" if op == "avg" else op, store(dst), [store(o) for o in ops],
+                                      avg_p=k if op == "avg" else None, also=[store(e) for e in also])
+            for got in [dst] + also:
+                ok, _, bad = K.compare(got, ref, op)
+                assert ok, f"{op} {K.SUFFIX[dtype]} k={k} m={m}: first mismatch at {bad}"
+            assert [c for _, c, _ in be.launches] == want
+            assert [e for _, _, e in be.launches] == [0] * (len(want) - 1) + [min(m, 7)]
+            assert be.copies == max(0, m - 7)
+            assert all(("avg" in name) == (op == "avg" and i == len(be.launches) - 1) for i, (name, _, _) in
+                       enumerate(be.launches))
 
 
 def _tensors(rng_seed):

@@ -311,12 +311,14 @@ class CupyBackend(DeviceBackend):
         self._function("reduce.cu", name)((blocks,), (_THREADS,), (dst, a, b, np.uint64(n), arg),
                                            stream=self._cp.cuda.get_current_stream())
 
-    def _launch_fold(self, name, dst, srcs, n, arg):
+    def _launch_fold(self, name, dst, srcs, n, arg, also=()):
         vec = 16 // dst.dtype.itemsize
         blocks = max(1, min(-(-n // (_THREADS * vec)), 4096))
         ptrs = list(srcs) + [srcs[0]] * (8 - len(srcs))
+        extra = list(also) + [dst] * (7 - len(also))  # past m: never written
         self._function("reduce.cu", name)((blocks,), (_THREADS,),
-                                           (dst, np.uint64(n), arg, np.int32(len(srcs)), *ptrs),
+                                           (dst, np.uint64(n), arg, np.int32(len(srcs)), np.int32(len(also)),
+                                            *ptrs, *extra),
                                            stream=self._cp.cuda.get_current_stream())
 
     def pack(self, tensors, buf, offsets=None):

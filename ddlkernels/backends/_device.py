@@ -238,24 +238,35 @@ class DeviceBackend(Backend):
             a = self._dup(a)
         self._launch_reduce(f"ddl_reduce_{kop}_{suf}", dst, a, b, n, arg)
 
-    def reduce_many(self, op, dst, srcs, *, avg_p=None):
+    def reduce_many(self, op, dst, srcs, *, avg_p=None, also=()):
         """``dst = ((srcs[0] op srcs[1]) op srcs[2]) ...`` ("avg": ``op`` "sum" and ``avg_p``, scaling in the
-        last step): the bits of that chain of ``reduce`` calls.  ``srcs[0]`` is ``dst`` or apart from it, the
-        others apart from it.  A backend with fold kernels (``_launch_fold``: kernels/reduce.cu's ddl_fold)
-        reads each operand once and writes ``dst`` once per 8 operands, where the chain reads and writes the
-        partial result at every step."""
+        last step): the bits of that chain of ``reduce`` calls; each buffer of ``also`` gets the result too.
+        ``srcs[0]`` is ``dst`` or apart from it, the others apart from it; ``also``'s buffers are apart from
+        everything.  A backend with fold kernels (``_launch_fold``: kernels/reduce.cu's ddl_fold) reads each
+        operand once and writes ``dst`` once per 8 operands, where the chain reads and writes the partial
+        result at every step, and its last launch writes up to 7 of ``also`` as it writes ``dst`` (the rest,
+        and a backend without, copy ``dst``)."""
         if len(srcs) < 2:
             raise ValueError(f"reduce_many needs 2 operands or more, got {len(srcs)}")
         launch = getattr(self, "_launch_fold", None)
         n = dst.shape[0]
+        also = list(also)
+        if any(e.shape[0] != n or e.dtype != dst.dtype for e in also):
+            raise ValueError("reduce_many: every buffer of also= needs dst's length and dtype")
         apart = launch is not None and n and all(s.shape[0] == n and s.dtype == dst.dtype for s in srcs) and all(
             not self.overlaps(s, dst) for s in srcs[1:]) and (
             self._ptr(srcs[0]) == self._ptr(dst) or not self.overlaps(srcs[0], dst))
+        if apart and also:
+            bufs = [dst, *srcs]
+            apart = not any(self.overlaps(e, b) for e in also for b in bufs) and not any(
+                self.overlaps(also[i], also[j]) for i in range(len(also)) for j in range(i))
         if not apart:  # the chain itself (which checks the arguments and copies an overlapping operand)
             last = len(srcs) - 1
             self.reduce(op, dst, srcs[0], srcs[1], avg_p=avg_p if last == 1 else None)
             for j in range(2, len(srcs)):
                 self.reduce(op, dst, dst, srcs[j], avg_p=avg_p if j == last else None)
+            for e in also:
+                self.copy(e, dst)
             return
         if op not in _REDUCE_OPS or (avg_p is not None and op != "sum"):
             raise ValueError(f"reduce_many: op {op!r} with avg_p={avg_p!r}")
@@ -265,8 +276,10 @@ class DeviceBackend(Backend):
         while rest:
             group += [rest.pop(0) for _ in range(min(8 - len(group), len(rest)))]
             kop, arg = _kernel_op(op, suf, None if rest else avg_p)  # "avg" scales in the last launch only
-            launch(f"ddl_fold_{kop}_{suf}", dst, group, n, arg)
+            launch(f"ddl_fold_{kop}_{suf}", dst, group, n, arg, [] if rest else also[:7])
             group = [dst]  # the next 7 operands fold onto the partial result
+        for e in also[7:]:
+            self.copy(e, dst)
 
     def _dup(self, x):
         y = self.empty(x.shape[0], x.dtype)

@@ -28,6 +28,8 @@
 //   into shared libraries and compares them with numpy through ctypes.
 #pragma once
 
+#include <cstdio>
+#include <cstdlib>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <vector_types.h>
@@ -42,25 +44,39 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 
 static uint3 threadIdx, blockIdx;
 static dim3 blockDim, gridDim;
 
+// A GPU faults on an access not aligned to its size (a 128-bit one needs 16 bytes); the host would not:
+// the intrinsics below stop the process instead, so a kernel that picks its vector path wrongly fails here.
+template <class T>
+static inline void ddl_host_aligned(const T* p) {
+    if ((unsigned long long)p % sizeof(T) != 0) {
+        std::fprintf(stderr, "cuda_host: misaligned %zu-byte access at %p\n", sizeof(T), (const void*)p);
+        std::abort();
+    }
+}
+
 // Read-only-cache load: on the host, a load.
 template <class T>
 static inline T __ldg(const T* p) {
+    ddl_host_aligned(p);
     return *p;
 }
 
 // Cache-global load (coherent at L2): on the host, a load.
 template <class T>
 static inline T __ldcg(const T* p) {
+    ddl_host_aligned(p);
     return *p;
 }
 
 // Cache-hinted store (write-back, the default policy): on the host, a store.
 template <class T>
 static inline void __stwb(T* p, T v) {
+    ddl_host_aligned(p);
     *p = v;
 }
 

@@ -52,7 +52,8 @@ class Harness:
         self._r.host_reduce_name.restype = ctypes.c_char_p
         self._r.host_fold.argtypes = [
             ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_double,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong,
+            ctypes.c_double,
         ]
         self._r.host_fold.restype = ctypes.c_int
         self._r.host_fold_name.restype = ctypes.c_char_p
@@ -78,13 +79,16 @@ class Harness:
         """Names of every fold kernel reduce.cu defines (its DDL_FOLD_KERNELS list)."""
         return [self._r.host_fold_name(i).decode() for i in range(self._r.host_fold_count())]
 
-    def fold(self, name, dst: np.ndarray, srcs, arg: float, grid=3, block=32, reverse=False):
-        """Run fold kernel ``name``: dst = srcs[0] op srcs[1] op ... (2 to 8 numpy arrays, any offsets)."""
+    def fold(self, name, dst: np.ndarray, srcs, arg: float, grid=3, block=32, reverse=False, also=()):
+        """Run fold kernel ``name``: dst = srcs[0] op srcs[1] op ... (2 to 8 numpy arrays, any offsets), and
+        each array of ``also`` (up to 7) the same."""
         n = dst.size
         assert 2 <= len(srcs) <= 8 and all(s.size == n for s in srcs)
+        assert len(also) <= 7 and all(e.size == n for e in also)
         ptrs = np.array([s.ctypes.data for s in srcs] + [srcs[0].ctypes.data] * (8 - len(srcs)), np.uint64)
+        extra = np.array([e.ctypes.data for e in also] + [dst.ctypes.data] * (7 - len(also)), np.uint64)
         rc = self._r.host_fold(name.encode(), grid, block, int(reverse), dst.ctypes.data, ptrs.ctypes.data,
-                               len(srcs), n, float(arg))
+                               len(srcs), extra.ctypes.data, len(also), n, float(arg))
         if rc != 0:
             raise KeyError(name)
 

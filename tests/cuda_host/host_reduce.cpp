@@ -40,8 +40,10 @@ extern "C" int host_reduce(const char* name, unsigned grid, unsigned block, int 
     return -1;
 }
 
-// The fold kernels (DDL_FOLD_KERNELS): srcs holds 8 operand addresses, the first k used.
-typedef void (*host_fold_fn)(unsigned, unsigned, bool, void*, const void* const*, int, unsigned long long, double);
+// The fold kernels (DDL_FOLD_KERNELS): srcs holds 8 operand addresses, the first k used; extra holds 7
+// destination addresses, the first m used.
+typedef void (*host_fold_fn)(unsigned, unsigned, bool, void*, const void* const*, int, void* const*, int,
+                             unsigned long long, double);
 
 struct HostFoldEntry {
     const char* name;
@@ -50,11 +52,12 @@ struct HostFoldEntry {
 
 #define DDL_HOST_FOLD(OPNAME, OPF, SUF, T, ARG)                                                          \
     {"ddl_fold_" #OPNAME "_" #SUF,                                                                       \
-     [](unsigned gx, unsigned bx, bool rev, void* d, const void* const* s, int k, unsigned long long n,   \
-        double arg) {                                                                                    \
-         ddl_host_launch(ddl_fold_##OPNAME##_##SUF, dim3(gx), dim3(bx), rev, (T*)d, n, (ARG)arg, k,     \
+     [](unsigned gx, unsigned bx, bool rev, void* d, const void* const* s, int k, void* const* e, int m,  \
+        unsigned long long n, double arg) {                                                              \
+         ddl_host_launch(ddl_fold_##OPNAME##_##SUF, dim3(gx), dim3(bx), rev, (T*)d, n, (ARG)arg, k, m,  \
                          (const T*)s[0], (const T*)s[1], (const T*)s[2], (const T*)s[3], (const T*)s[4],  \
-                         (const T*)s[5], (const T*)s[6], (const T*)s[7]);                                \
+                         (const T*)s[5], (const T*)s[6], (const T*)s[7], (T*)e[0], (T*)e[1], (T*)e[2],    \
+                         (T*)e[3], (T*)e[4], (T*)e[5], (T*)e[6]);                                         \
      }},
 
 static const HostFoldEntry kFolds[] = {DDL_FOLD_KERNELS(DDL_HOST_FOLD)};
@@ -64,10 +67,11 @@ extern "C" int host_fold_count() { return (int)(sizeof(kFolds) / sizeof(kFolds[0
 extern "C" const char* host_fold_name(int i) { return kFolds[i].name; }
 
 extern "C" int host_fold(const char* name, unsigned grid, unsigned block, int reverse, void* dst,
-                         const void* const* srcs, int k, unsigned long long n, double arg) {
+                         const void* const* srcs, int k, void* const* extra, int m, unsigned long long n,
+                         double arg) {
     for (const HostFoldEntry& e : kFolds)
         if (std::strcmp(e.name, name) == 0) {
-            e.run(grid, block, reverse != 0, dst, srcs, k, n, arg);
+            e.run(grid, block, reverse != 0, dst, srcs, k, extra, m, n, arg);
             return 0;
         }
     return -1;

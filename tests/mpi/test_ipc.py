@@ -240,3 +240,31 @@ def test_fusion_and_the_progress_thread_run_it_too():
             assert same_bits(be.to_host(o), want)
         assert same_bits(be.to_host(late), wants[2])
         c.free()
+
+
+def test_one_fold_launch_writes_every_rank_s_output(monkeypatch):
+    """Out of place the fold is one launch (up to 8 ranks) that writes this rank's shard into its own output
+    and the p - 1 peers' as it computes it; in place one launch into a scratch shard, then copies."""
+    import stream_emulator as SE
+
+    launches = []
+    real = SE.EmuBackend._launch_fold
+
+    def counted(self, name, dst, srcs, n, arg, also=()):
+        launches.append((len(srcs), len(also)))
+        return real(self, name, dst, srcs, n, arg, also)
+
+    monkeypatch.setattr(SE.EmuBackend, "_launch_fold", counted)
+    with emulated_device(seed=4 + R, policy="random", ipc=True) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+        x = rank_data(5 * P + 3, R, P, np.float32, salt=8)
+        want = fold(COMM.allgather(x), "sum")
+        d = be.to_device(x)
+        got = c.allreduce(d, "sum")
+        assert same_bits(be.to_host(got), want)
+        assert launches == [(P, P - 1)] or P > 8, launches  # past 8 ranks: groups of 8, the last writes 7
+        launches.clear()
+        c.allreduce(d, "sum", out=d)
+        assert same_bits(be.to_host(d), want)
+        assert launches == [(P, 0)] or P > 8, launches
+        c.free()
