@@ -93,28 +93,31 @@ def host_harness_results(harness):
                             err = max(err, e)
                             cases += 1
             res[name] = (ok, err, cases)
-    # the fold kernels: test_cu_host's cases, k = 2, 3, 5, 8 operands against the chain of reductions
+    # the fold kernels: test_cu_host's cases, k = 2, 3, 5, 8 operands against the chain of reductions, into
+    # dst alone and into dst and 3 more destinations
     for dtype in K.DTYPES:
-        v = 16 // dtype.itemsize
         for op in K.OPS:
             name = f"ddl_fold_{op}_{K.SUFFIX[dtype]}"
             ok, err, cases = True, 0.0, 0
-            for n in (0, 1, v + 1, 67, 257):
+            for n in (0, 1, 16 // dtype.itemsize + 1, 67, 257):
                 for k in (2, 3, 5, 8):
                     ops, ref = T.fold_case(dtype, op, n, k)
                     for off in (0, 1):
                         for grid, block, rev in T.LAUNCHES:
-                            _, d = T.aligned(n, dtype, off)
-                            srcs = []
-                            for o in ops:
-                                _, s = T.aligned(n, dtype, off)
-                                s[:] = o
-                                srcs.append(s)
-                            harness.fold(name, d, srcs, K.kernel_arg(dtype, op, k), grid, block, rev)
-                            good, e, _ = K.compare(d, ref, op)
-                            ok &= good
-                            err = max(err, e)
-                            cases += 1
+                            for m in (0, 3):
+                                _, d = T.aligned(n, dtype, off)
+                                also = [T.aligned(n, dtype, off)[1] for _ in range(m)]
+                                srcs = []
+                                for o in ops:
+                                    _, s = T.aligned(n, dtype, off)
+                                    s[:] = o
+                                    srcs.append(s)
+                                harness.fold(name, d, srcs, K.kernel_arg(dtype, op, k), grid, block, rev, also=also)
+                                for got in [d] + also:
+                                    good, e, _ = K.compare(got, ref, op)
+                                    ok &= good
+                                    err = max(err, e)
+                                cases += 1
             res[name] = (ok, err, cases)
     # pack/unpack: the byte copies of test_cu_host.test_pack_unpack, all paddings
     ok, cases = True, 0
