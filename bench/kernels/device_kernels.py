@@ -10,7 +10,8 @@
 * host time per launch: 1000 back-to-back 1 MiB launches of each, divided by 1000 (the device
   synchronized after, not between);
 * the fold of 4 operands (the CUDA IPC allreduce's reduce-scatter at 4 ranks): one ``ddl_fold`` launch
-  against the chain of 3 reduce launches it replaces, the same bits;
+  against the chain of 3 reduce launches it replaces, the same bits; and the fold writing 4 destinations
+  (the IPC allreduce out of place) against the fold and 3 copies;
 * pack: 182 tensors of a ResNet-like mix of sizes (about 62 MiB) into one buffer against ``torch.cat``.
 
 Every ddlkernels result is compared with torch's, bit for bit (one addition rounds alike in
@@ -128,6 +129,21 @@ def main(argv=None):
     chain_ms = _events_ms(cp, chain, args.iters)
     print(f"\n# fold of 4 x 64 MiB float32: ddl_fold {fold_ms:.3f} ms, 3 chained reduces {chain_ms:.3f} ms "
           f"({chain_ms / fold_ms:.2f}x)")
+    # Out of place the IPC allreduce writes each shard into every rank's output from the fold (4 ranks: 3 more
+    # destinations) against the fold into one and 3 copies of it.
+    outs = [cp.empty(n, np.float32) for _ in range(3)]
+
+    def fold_then_copies():
+        be.reduce_many("sum", cdst, xs)
+        for o in outs:
+            cp.copyto(o, cdst)
+
+    be.reduce_many("sum", fdst, xs, also=outs)
+    wrong += sum(int(cp.count_nonzero(o.view(np.uint32) != cdst.view(np.uint32))) for o in outs)
+    multi_ms = _events_ms(cp, lambda: be.reduce_many("sum", fdst, xs, also=outs), args.iters)
+    copies_ms = _events_ms(cp, fold_then_copies, args.iters)
+    print(f"# fold of 4 into 4 destinations: one ddl_fold {multi_ms:.3f} ms, fold + 3 copies {copies_ms:.3f} ms "
+          f"({copies_ms / multi_ms:.2f}x)")
     # Host time per launch, 1 MiB float32.
     n = (1 << 20) // 4
     a, b, out = cp.random.rand(n, dtype=np.float32), cp.random.rand(n, dtype=np.float32), cp.empty(n, np.float32)
@@ -167,7 +183,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu, "reduce": rows, "host_us_per_launch": host_us,
-                       "fold4_ms": fold_ms, "chain3_ms": chain_ms,
+                       "fold4_ms": fold_ms, "chain3_ms": chain_ms, "fold4_into4_ms": multi_ms, "fold4_copies3_ms": copies_ms,
                        "pack": {"tensors": len(tensors), "bytes": nbytes, "ms": pack_ms, "torch_cat_ms": cat_ms},
                        "wrong": wrong}, f, indent=1)
     return 1 if wrong else 0
