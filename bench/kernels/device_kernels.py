@@ -183,7 +183,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu, "reduce": rows, "host_us_per_launch": host_us,
-                       "fold4_ms": fold_ms, "chain3_ms": chain_ms, "fold4_into4_ms": multi_ms, "fold4_copies3_ms": copies_ms,
+                       "fold4_ms": fold_ms, "chain3_ms": chain_ms,
+                       "fold4_into4_ms": multi_ms, "fold4_copies3_ms": copies_ms,
                        "pack": {"tensors": len(tensors), "bytes": nbytes, "ms": pack_ms, "torch_cat_ms": cat_ms},
                        "wrong": wrong}, f, indent=1)
     return 1 if wrong else 0
