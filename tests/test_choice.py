@@ -100,8 +100,11 @@ def test_fixed_rules():
     assert candidates(4096, one_node=True, device="ipc", ipc=False) == ("ring", "host")  # ... never
     assert candidates(4096, one_node=False, device="ipc", ipc=True) == ("ring", "host")  # ranks on several nodes
     assert candidates(4096, one_node=True, device="ipc", dims=(2,)) == ("ring",)
-    for kind in ("reduce_scatter", "allgather"):
-        assert candidates(4096, one_node=True, device="ipc", kind=kind) == ("ring",)
+    for kind in ("reduce_scatter", "allgather"):  # ... and "ipc" beside the ring ("host": allreduce only)
+        assert candidates(4096, one_node=True, device="ipc", kind=kind) == ("ring", "ipc")
+        assert candidates(4096, one_node=True, device="ipc", kind=kind, ipc=False) == ("ring",)
+        assert candidates(4096, one_node=True, device="ipc", kind=kind, ipc=True) == ("ipc",)
+        assert candidates(4096, one_node=True, device=True, kind=kind) == ("ring",)
     # Across nodes of one size: the hierarchical allreduce (IPC inside each node) beside them ...
     assert candidates(4096, hier=True, device="ipc") == ("ring", "hier", "host")
     assert candidates(4096, hier=True, device=True) == ("ring", "host")  # ... where the backend has CUDA IPC

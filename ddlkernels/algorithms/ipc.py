@@ -33,7 +33,9 @@ memory) goes through an exportable stage of this rank: one more device copy.
 
 It needs a device backend that offers CUDA IPC (``ipc``: the CuPy backend;
 the stream emulator's under ``ipc=True``) and every rank on one node; the
-tuner measures it beside the ring for device allreduce (``Communicator(ipc=)``).
+tuner measures it beside the ring (and "host") for device allreduce, and
+beside the ring for device reduce_scatter and allgather (the same steps
+alone, on the Communicator's shard bounds) (``Communicator(ipc=)``).
 """
 
 from __future__ import annotations
@@ -285,7 +287,7 @@ class IpcNode:
             if hi > lo:
                 self._fold(be, mine_in, peer, lo, hi, redop, avg_p, shard)
 
-        if bounds[-1][1] > 0:
+        if any(b > a for a, b in bounds):
             self._call(be, src, None, deadline, "reduce_scatter", body)
 
     def allgather(self, be, shard, dst, bounds, deadline=None) -> None:
@@ -296,7 +298,7 @@ class IpcNode:
             if hi > lo:
                 self._push(be, shard, mine_out, peer, lo, hi)
 
-        if bounds[-1][1] > 0:
+        if any(b > a for a, b in bounds):
             self._call(be, None, dst, deadline, "allgather", body)
 
     def mapped(self, now=False) -> int:
@@ -316,8 +318,11 @@ class IpcNode:
 
 
 class Ipc(Algorithm):
+    """"ipc": allreduce, reduce_scatter and allgather of device arrays over CUDA IPC (``IpcNode``), a tuner
+    candidate beside the ring where every rank shares a node and the backend offers CUDA IPC."""
+
     name = "ipc"
-    kinds = ("allreduce",)
+    kinds = ("allreduce", "reduce_scatter", "allgather")
     device = True
 
     def __init__(self, comm, placement):
@@ -335,10 +340,19 @@ class Ipc(Algorithm):
         return placement.one_node and comm.ipc is not False
 
     def serves(self, kind, w):
-        return kind == "allreduce" and w.be.device and getattr(w.be, "ipc", False) and w.dims is None
+        return kind in self.kinds and w.be.device and getattr(w.be, "ipc", False) and w.dims is None
 
     def allreduce(self, w):
         self.node.allreduce(w.be, w.src, w.dst, w.redop, self.comm.size if w.avg else None, w.deadline)
+
+    # A caller's out= is reduced into as the backend's flat storage view (a torch tensor's CuPy view,
+    # bfloat16 as its bits), as the inputs are.
+    def reduce_scatter(self, w):
+        self.node.reduce_scatter(w.be, w.src, w.be.flat(w.dst), w.bounds, w.redop,
+                                 self.comm.size if w.avg else None, w.deadline)
+
+    def allgather(self, w):
+        self.node.allgather(w.be, w.src, w.be.flat(w.dst), w.bounds, w.deadline)
 
     def mapped(self, now=False) -> int:
         """``IpcNode.mapped``: peers' allocations opened so far, or with ``now`` open in use."""

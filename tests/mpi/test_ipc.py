@@ -268,3 +268,49 @@ def test_one_fold_launch_writes_every_rank_s_output(monkeypatch):
         assert same_bits(be.to_host(d), want)
         assert launches == [(P, 0)] or P > 8, launches
         c.free()
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("policy", ["lazy", "random"])
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=dtype_name)
+def test_reduce_scatter_and_allgather_over_ipc(dtype, policy):
+    """reduce_scatter: this rank's shard (``shard_range``) of every rank's input folded in rank order, every
+    op, with and without ``out``; allgather: every rank's shard in its place of every rank's output; sizes
+    0, 1, p - 1, p + 1, a prime and several elements a rank; inputs kept, the same bits on every rank."""
+    bad = []
+    with emulated_device(seed=13 * R + 1, policy=policy, ipc=True) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+        s = be.new_stream()
+        with be.current(s):
+            for n in SIZES:
+                x = rank_data(n, R, P, dtype, salt=n + 1)
+                lo, hi = c.shard_range(n)
+                xs = COMM.allgather(x)
+                d = be.to_device(x)
+                for op in OPS:
+                    want = fold([v[lo:hi] for v in xs], op) if hi > lo else x[lo:hi].copy()
+                    got = c.reduce_scatter(d, op)
+                    assert c.last_algorithm == "ipc" or n == 0
+                    bad += [] if same_bits(be.to_host(got), want) else [f"rs n={n} {op}"]
+                    out = be.to_device(np.zeros(hi - lo, x.dtype))
+                    c.reduce_scatter(d, op, out=out)
+                    bad += [] if same_bits(be.to_host(out), want) else [f"rs out= n={n} {op}"]
+                bad += [] if same_bits(be.to_host(d), x) else [f"n={n}: input modified"]
+                whole = np.empty_like(x)  # every rank's shard where shard_range places it
+                for q in range(P):
+                    a, b = c.shard_range(n, rank=q)
+                    whole[a:b] = xs[q][a:b]
+                got = c.allgather(be.to_device(x[lo:hi]), count=n)
+                bad += [] if same_bits(be.to_host(got), whole) else [f"ag n={n}"]
+        c.free()
+    assert wrong_anywhere(len(bad)) == 0, f"rank {R}: {bad}"
+
+
+def test_reduce_scatter_and_allgather_candidates():
+    with emulated_device(seed=R, policy="lazy", ipc=True) as be:
+        c = ddlkernels.Communicator(COMM, shm=False)
+        d = be.to_device(np.zeros(1000, np.float32))
+        assert c.candidates(d, collective="reduce_scatter") == ("ring", "ipc")
+        assert c.candidates(d, collective="allgather") == ("ring", "ipc")
+        assert ddlkernels.Communicator(COMM, shm=False, ipc=False).candidates(d, collective="allgather") == ("ring",)
+        c.free()

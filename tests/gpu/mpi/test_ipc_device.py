@@ -41,10 +41,11 @@ def data(n, dtype, salt=0):
     return (1 + rng.uniform(-0.5, 0.5, n)).astype(dt)  # products neither overflow nor underflow
 
 
-def fold(x, op):
-    xs = COMM.allgather(x)
+def fold(x, op, xs=None):
+    """The rank-order fold of every rank's ``x`` (or of ``xs``, one array per rank)."""
+    xs = COMM.allgather(x) if xs is None else xs
     redop, avg_p = ("sum", P) if op == "avg" else (op, None)
-    out = np.empty_like(x)
+    out = np.empty_like(xs[0])
     with np.errstate(all="ignore"):
         NP.reduce(redop, out, xs[0], xs[1], avg_p=avg_p if P == 2 else None)
         for q in range(2, P):
@@ -52,10 +53,11 @@ def fold(x, op):
     return out
 
 
-def check(got: np.ndarray, want: np.ndarray, what: str):
+def check(got: np.ndarray, want: np.ndarray, what: str, same_everywhere=True):
     gb, wb = got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)
-    assert np.array_equal(gb, wb), f"{what}: differs from the rank-order fold"
-    assert len(set(COMM.allgather(gb.tobytes()))) == 1, f"{what}: ranks hold different bits"
+    assert np.array_equal(gb, wb), f"{what}: differs from what it should hold"
+    if same_everywhere:
+        assert len(set(COMM.allgather(gb.tobytes()))) == 1, f"{what}: ranks hold different bits"
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +77,41 @@ def test_cupy_every_op_size_in_and_out_of_place(comm, dtype, op):
         got = comm.allreduce(d, op)
         assert comm.last_algorithm == "ipc"
         check(cp.asnumpy(got), want, f"n={n}")
-        check(cp.asnumpy(d), x, f"n={n}: the input")
+        check(cp.asnumpy(d), x, f"n={n}: the input", same_everywhere=False)
         whole = cp.empty(n + 1, d.dtype)
         m = whole[1:]  # not on a 16-byte boundary, at an offset into its allocation
         m.set(x)
         comm.allreduce(m, op, out=m)
         check(cp.asnumpy(m), want, f"n={n} in place, misaligned")
         CALLS[0] += 2
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_reduce_scatter_and_allgather(comm, op):
+    """reduce_scatter: this rank's shard of every rank's input folded in rank order; allgather: every rank's
+    shard in place in every rank's output; CuPy arrays of every dtype, the edge sizes, with out= too."""
+    for dtype in CUPY_DTYPES:
+        for n in SIZES:
+            x = data(n, dtype, salt=5)
+            lo, hi = comm.shard_range(n)
+            xs = COMM.allgather(x)
+            want = fold(None, op, [v[lo:hi] for v in xs])
+            d = cp.asarray(x)
+            got = comm.reduce_scatter(d, op)
+            assert comm.last_algorithm == "ipc"
+            check(cp.asnumpy(got), want, f"reduce_scatter {dtype_name(dtype)} n={n}", same_everywhere=False)
+            out = cp.empty(hi - lo, d.dtype)
+            comm.reduce_scatter(d, op, out=out)
+            check(cp.asnumpy(out), want, f"reduce_scatter out= n={n}", same_everywhere=False)
+            check(cp.asnumpy(d), x, f"n={n}: the input", same_everywhere=False)
+            whole = np.empty_like(x)  # every rank's shard where shard_range places it
+            for q in range(P):
+                a, b = comm.shard_range(n, rank=q)
+                whole[a:b] = xs[q][a:b]
+            got = comm.allgather(cp.asarray(x[lo:hi]), count=n)
+            assert comm.last_algorithm == "ipc"
+            check(cp.asnumpy(got), whole, f"allgather {dtype_name(dtype)} n={n}")
+            CALLS[0] += 3
 
 
 def test_memory_ipc_cannot_export_is_staged(comm):
@@ -157,6 +187,6 @@ def test_host_algorithm_piece_by_piece(op):
                 assert c.last_algorithm == "host"
                 check(cp.asnumpy(got), want, f"host {dtype_name(dtype)} {op} n={n} inplace={inplace}")
                 if not inplace:
-                    assert np.array_equal(cp.asnumpy(d).view(np.uint8), x.view(np.uint8)), f"n={n}: input modified"
+                    check(cp.asnumpy(d), x, f"host {dtype_name(dtype)} {op} n={n}: the input", same_everywhere=False)
                 CALLS[0] += 1
     c.free()
