@@ -272,17 +272,24 @@ def _tensors(rng_seed):
     return out
 
 
-@pytest.mark.parametrize("pad", [1, 4, 16], ids=["dense", "align4", "align16"])
-@pytest.mark.parametrize("grid,block,rev", [((1, 1), 1, False), ((2, 3), 32, True), ((3, 16), 64, False)])
-def test_pack_unpack(harness, pad, grid, block, rev):
-    tensors = _tensors(pad)
-    offsets, pos = [], 3 if pad == 1 else 0  # dense packing also starts off-boundary
+def packed_layout(tensors, pad, start):
+    """Offsets of ``tensors`` packed from byte ``start`` at ``pad``-byte boundaries, and a zeroed buffer (16-byte
+    aligned) that holds them."""
+    offsets, pos = [], start
     for t in tensors:
         pos = -(-pos // pad) * pad
         offsets.append(pos)
         pos += t.size
     raw = np.zeros(pos + 64, np.uint8)
-    buf = raw[(-raw.ctypes.data) % 16:][:pos]
+    return offsets, raw[(-raw.ctypes.data) % 16:][:pos]
+
+
+@pytest.mark.parametrize("pad", [1, 4, 16], ids=["dense", "align4", "align16"])
+@pytest.mark.parametrize("grid,block,rev", [((1, 1), 1, False), ((2, 3), 32, True), ((3, 16), 64, False)])
+def test_pack_unpack(harness, pad, grid, block, rev):
+    tensors = _tensors(pad)
+    offsets, buf = packed_layout(tensors, pad, 3 if pad == 1 else 0)  # dense packing also starts off-boundary
+    pos = buf.size
     table = np.array([[t.ctypes.data, t.size, o] for t, o in zip(tensors, offsets)], dtype=np.uint64)
     harness.pack(table, buf, grid, block, rev)
     expect = np.zeros(pos, np.uint8)
@@ -328,13 +335,7 @@ def test_pack_unpack_pieces(harness, piece, grid):
     and at every alignment, dense and 16-byte aligned packing."""
     tensors = _tensors(piece) + [_tensors(7)[9]]  # 1000 bytes: 63 pieces of 16 bytes
     for pad in (1, 16):
-        offsets, pos = [], 5
-        for t in tensors:
-            pos = -(-pos // pad) * pad
-            offsets.append(pos)
-            pos += t.size
-        raw = np.zeros(pos + 64, np.uint8)
-        buf = raw[(-raw.ctypes.data) % 16:][:pos]
+        offsets, buf = packed_layout(tensors, pad, 5)
         table = pack_pieces([t.ctypes.data for t in tensors], [t.size for t in tensors], offsets, piece)
         harness.pack(table, buf, grid, 64, grid[1] == 5)
         for t, o in zip(tensors, offsets):

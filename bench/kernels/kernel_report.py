@@ -123,13 +123,7 @@ def host_harness_results(harness):
     ok, cases = True, 0
     for pad in (1, 4, 16):
         tensors = T._tensors(pad)
-        offsets, pos = [], 3 if pad == 1 else 0
-        for t in tensors:
-            pos = -(-pos // pad) * pad
-            offsets.append(pos)
-            pos += t.size
-        raw = np.zeros(pos + 64, np.uint8)
-        buf = raw[(-raw.ctypes.data) % 16:][:pos]
+        offsets, buf = T.packed_layout(tensors, pad, 3 if pad == 1 else 0)
         table = np.array([[t.ctypes.data, t.size, o] for t, o in zip(tensors, offsets)], dtype=np.uint64)
         harness.pack(table, buf, (2, 3), 32, True)
         ok &= all((buf[o:o + t.size] == t).all() for t, o in zip(tensors, offsets))
