@@ -53,10 +53,12 @@
 //   and writes the partial result k - 2 times more.  The same value also goes
 //   to e0[i] .. e(m-1)[i], 0 <= m <= 7 (the IPC allreduce writes its shard
 //   into every rank's output as it folds it, instead of copying it after).
-//   s0 is either exactly dst or does not overlap it (a longer fold continues
-//   with dst as s0); no other operand overlaps dst; no e overlaps dst, an
-//   operand or another e; operands past k and destinations past m are
-//   ignored (pass any pointer).  128-bit accesses when every pointer used has
+//   Every operand is either exactly dst or exactly one e, or overlaps none of
+//   them (a longer fold continues with dst as s0; the in-place IPC allreduce
+//   folds into the very buffers it reads): each element is read, through
+//   coherent loads, by the thread that writes it, before it writes it.  The
+//   destinations do not overlap each other; operands past k and destinations
+//   past m are ignored (pass any pointer).  128-bit accesses when every pointer used has
 //   dst's offset modulo 16.  At most 256 threads a block: __launch_bounds__(256,
 //   4) keeps the 16 operand and destination pointers within 64 registers a
 //   thread (4 blocks an SM), reloading them from the parameters where needed.
@@ -300,15 +302,15 @@ __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, T* c
     const u64 nvec = (n - head) / V;
     uint4* dv = reinterpret_cast<uint4*>(dst + head);
     for (u64 i = tid; i < nvec; i += stride) {
-        // The operands' addresses come from an array, which loses their global state space: __ldcg / __ldg
-        // name it, so the accesses stay 128-bit global ones.  s0 may be dst (a coherent load), the others
-        // are read-only for the kernel (the non-coherent cache).
+        // The operands' addresses come from an array, which loses their global state space: __ldcg names
+        // it, so the accesses stay 128-bit global ones.  Coherent loads (cached in L2, not L1): an operand
+        // may be a buffer this kernel writes (the header), which the non-coherent cache does not allow.
         Vec16<T> acc, x;
         acc.u = __ldcg(reinterpret_cast<const uint4*>(s[0] + head) + i);
 #pragma unroll
         for (int j = 1; j < 8; ++j) {
             if (j < k) {
-                x.u = __ldg(reinterpret_cast<const uint4*>(s[j] + head) + i);
+                x.u = __ldcg(reinterpret_cast<const uint4*>(s[j] + head) + i);
 #pragma unroll
                 for (int v = 0; v < V; ++v) acc.v[v] = fold_step<T, Step, Last, ARG>(acc.v[v], x.v[v], j, k, arg);
             }

@@ -217,6 +217,14 @@ class _FoldingBackend:
         self.copies += 1
         dst[...] = src
 
+    def empty(self, n, dtype):
+        return np.empty(n, dtype)
+
+    def reduce_many(self, *args, **kwargs):  # the scratch path calls itself
+        from ddlkernels.backends._device import DeviceBackend
+
+        return DeviceBackend.reduce_many(self, *args, **kwargs)
+
     def _ptr(self, x):
         return x.ctypes.data
 
@@ -257,6 +265,32 @@ def test_reduce_many_launches_folds_of_8_with_the_chains_bits(harness, dtype, op
             assert be.copies == max(0, m - 7)
             assert all(("avg" in name) == (op == "avg" and i == len(be.launches) - 1) for i, (name, _, _) in
                        enumerate(be.launches))
+
+
+@pytest.mark.parametrize("op", K.OPS)
+@pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
+def test_fold_into_the_buffers_it_reads(harness, dtype, op):
+    """The in-place IPC allreduce: the fold's dst is one operand and its extra destinations are the others
+    (each element read before it is written): the chain's bits in all of them, through one launch of the
+    kernel (up to 8 operands) or, where a longer fold would overwrite an operand before reading it, through
+    a scratch buffer (``DeviceBackend.reduce_many``)."""
+    from ddlkernels.backends._device import DeviceBackend
+
+    store = (lambda a: a.view(np.uint16)) if dtype == K.BFLOAT16 else (lambda a: a)
+    for k, me in ((2, 1), (3, 0), (5, 2), (8, 7), (11, 4)):
+        for n in (37, 4 * 64 * (16 // dtype.itemsize) + 5):
+            ops, ref = fold_case(dtype, op, n, k)
+            bufs = [aligned(n, dtype, 1)[1] for _ in range(k)]
+            for b, o in zip(bufs, ops):
+                b[:] = o
+            be = _FoldingBackend(harness)
+            DeviceBackend.reduce_many(be, "sum" if op == "avg" else op, store(bufs[me]), [store(b) for b in bufs],
+                                      avg_p=k if op == "avg" else None,
+                                      also=[store(b) for j, b in enumerate(bufs) if j != me])
+            for j, b in enumerate(bufs):
+                ok, _, bad = K.compare(b, ref, op)
+                assert ok, f"{op} {K.SUFFIX[dtype]} k={k} n={n}: buffer {j} first mismatch at {bad}"
+            assert (len(be.launches), be.copies) == ((1, 0) if k <= 8 else (2, k)), (be.launches, be.copies)
 
 
 def _tensors(rng_seed):

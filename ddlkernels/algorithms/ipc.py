@@ -6,8 +6,8 @@ Worked example, allreduce of 8 float32 on 2 ranks (one GPU or two), shards [0, 4
             lie (IPC handle of the allocation, offset): one small allgather (barrier 1)
     rank 0  its stream waits for rank 1's "ready"; folds x0[0:4] op x1[0:4] into
             out0[0:4], reading x1 in rank 1's memory and writing each result into
-            rank 1's out1[0:4] too, in the same kernel (in place: into a scratch
-            shard, then copied into out0[0:4] and out1[0:4])
+            rank 1's out1[0:4] too, in the same kernel (in place out is x: each
+            element is read before it is overwritten, by the thread that writes it)
     rank 1  the same for [4:8]
     both    record "done"; barrier 2; the stream waits for the peers' "done":
             out holds the whole result on every rank
@@ -22,8 +22,8 @@ event before any peer's wait on it (a wait waits for the latest record).
 Each input byte is read once and each result written once per rank, device
 to device, in one kernel over up to 8 ranks' shards (``reduce_many``:
 kernels/reduce.cu's ddl_fold, with the bits of the pairwise chain and up to
-7 more destinations; in place a scratch shard and copies): no host memory,
-no MPI message but the two small ones.
+7 more destinations), in place too: no host memory, no MPI message but the
+two small ones.
 
 Buffers.  A peer's allocation is opened once and kept (``Mapped``, least
 recently used closed past ``MAPPED``), as NCCL keeps registered buffers: a
@@ -236,7 +236,8 @@ class IpcNode:
 
     def _fold(self, be, mine_in, peer, lo, hi, redop, avg_p, into=None, also=()):
         """My shard ``[lo, hi)`` of every rank's input, folded in rank order into ``into`` (apart from every
-        input) or else a scratch buffer, and into each buffer of ``also`` as it is written; returns where."""
+        input, or exactly one of the shards read) or else a scratch buffer, and into each buffer of ``also``
+        (likewise) as it is written; returns where."""
         p, me, dt = self.p, self.me, mine_in.dtype
         xs = [mine_in[lo:hi] if q == me else peer(q, _SRC, lo, hi, dt) for q in range(p)]
         acc = self._scratch(be, dt, hi - lo) if into is None else into
@@ -265,16 +266,11 @@ class IpcNode:
 
         def body(mine_in, mine_out, peer):
             if hi > lo:
-                if mine_out is not mine_in:
-                    # Out of place every output is apart from every input: the fold lands in my output's
-                    # shard and, as it computes it, in the peers' (no copies).
-                    peers = [peer((self.me + k) % self.p, _DST, lo, hi, mine_in.dtype) for k in range(1, self.p)]
-                    self._fold(be, mine_in, peer, lo, hi, redop, avg_p, mine_out[lo:hi], also=peers)
-                else:
-                    # In place every output is its rank's input, which the fold still reads: a scratch
-                    # buffer, then copied into every rank's output.
-                    shard = self._fold(be, mine_in, peer, lo, hi, redop, avg_p)
-                    self._push(be, shard, mine_out, peer, lo, hi)
+                # The fold lands in my output's shard and, as it computes it, in the peers' (no copies).  In
+                # place each of those is the very input shard it reads, element by element before writing it
+                # (reduce_many allows an operand that is exactly an output); no peer reads these shards.
+                peers = [peer((self.me + k) % self.p, _DST, lo, hi, mine_in.dtype) for k in range(1, self.p)]
+                self._fold(be, mine_in, peer, lo, hi, redop, avg_p, mine_out[lo:hi], also=peers)
 
         self._call(be, src, dst, deadline, "allreduce", body)
 

@@ -241,26 +241,40 @@ class DeviceBackend(Backend):
     def reduce_many(self, op, dst, srcs, *, avg_p=None, also=()):
         """``dst = ((srcs[0] op srcs[1]) op srcs[2]) ...`` ("avg": ``op`` "sum" and ``avg_p``, scaling in the
         last step): the bits of that chain of ``reduce`` calls; each buffer of ``also`` gets the result too.
-        ``srcs[0]`` is ``dst`` or apart from it, the others apart from it; ``also``'s buffers are apart from
-        everything.  A backend with fold kernels (``_launch_fold``: kernels/reduce.cu's ddl_fold) reads each
-        operand once and writes ``dst`` once per 8 operands, where the chain reads and writes the partial
-        result at every step, and its last launch writes up to 7 of ``also`` as it writes ``dst`` (the rest,
-        and a backend without, copy ``dst``)."""
+
+        An operand may be exactly ``dst`` or exactly a buffer of ``also`` (the in-place IPC allreduce folds
+        into the buffers it reads); ``dst`` and ``also``'s buffers do not overlap.  A backend with fold kernels
+        (``_launch_fold``: kernels/reduce.cu's ddl_fold) reads each operand once and writes ``dst`` and up to
+        7 of ``also`` once, in one launch for up to 8 operands (in groups of 8 onto the partial result
+        beyond), where the chain reads and writes the partial result at every step.  Where that cannot
+        serve an operand that is (or overlaps) an output (no fold kernels, a longer fold that would
+        overwrite it before reading it, a partial overlap), the result is made in a scratch buffer and
+        copied."""
         if len(srcs) < 2:
             raise ValueError(f"reduce_many needs 2 operands or more, got {len(srcs)}")
-        launch = getattr(self, "_launch_fold", None)
+        if op not in _REDUCE_OPS or (avg_p is not None and op != "sum"):
+            raise ValueError(f"reduce_many: op {op!r} with avg_p={avg_p!r}")
         n = dst.shape[0]
-        also = list(also)
-        if any(e.shape[0] != n or e.dtype != dst.dtype for e in also):
-            raise ValueError("reduce_many: every buffer of also= needs dst's length and dtype")
-        apart = launch is not None and n and all(s.shape[0] == n and s.dtype == dst.dtype for s in srcs) and all(
-            not self.overlaps(s, dst) for s in srcs[1:]) and (
-            self._ptr(srcs[0]) == self._ptr(dst) or not self.overlaps(srcs[0], dst))
-        if apart and also:
-            bufs = [dst, *srcs]
-            apart = not any(self.overlaps(e, b) for e in also for b in bufs) and not any(
-                self.overlaps(also[i], also[j]) for i in range(len(also)) for j in range(i))
-        if not apart:  # the chain itself (which checks the arguments and copies an overlapping operand)
+        outs = [dst, *also]
+        if any(s.shape[0] != n or s.dtype != dst.dtype for s in [*srcs, *also]):
+            raise ValueError("reduce_many: every operand and every buffer of also= needs dst's length and dtype")
+        if n == 0:
+            return
+        if any(self.overlaps(outs[i], outs[j]) for i in range(len(outs)) for j in range(i)):
+            raise ValueError("reduce_many: dst and the buffers of also= overlap")
+        same = self._ptr  # exactly one buffer: the same first element (and the same length, checked above)
+        exact = [any(same(x) == same(o) for o in outs) for x in srcs]
+        touch = [any(self.overlaps(x, o) for o in outs) for x in srcs]
+        launch = getattr(self, "_launch_fold", None)
+        direct = (launch is not None and exact == touch
+                  and (len(srcs) <= 8 or not any(touch[1:])))  # a later group would read a partial result
+        if not direct and any(touch):  # fold into a scratch buffer apart from every operand, then copy
+            tmp = self.empty(n, dst.dtype)
+            self.reduce_many(op, tmp, srcs, avg_p=avg_p)
+            for o in outs:
+                self.copy(o, tmp)
+            return
+        if launch is None:  # the chain itself, then copies
             last = len(srcs) - 1
             self.reduce(op, dst, srcs[0], srcs[1], avg_p=avg_p if last == 1 else None)
             for j in range(2, len(srcs)):
@@ -268,9 +282,8 @@ class DeviceBackend(Backend):
             for e in also:
                 self.copy(e, dst)
             return
-        if op not in _REDUCE_OPS or (avg_p is not None and op != "sum"):
-            raise ValueError(f"reduce_many: op {op!r} with avg_p={avg_p!r}")
         suf = suffix_of(dst.dtype)
+        also = list(also)
         rest = list(srcs)
         group = [rest.pop(0)]
         while rest:
