@@ -269,6 +269,20 @@ __device__ __forceinline__ T fold_step(T acc, T x, int j, int k, ARG arg) {
     return j == k - 1 ? Last::apply(acc, x, arg) : Step::apply(acc, x, arg);
 }
 
+// One element, by itself (the scalar head and tail, and every element when the pointers cannot be
+// vectorized together): every operand read before dst and the extra destinations are written.
+template <class T, class Step, class Last, class ARG>
+__device__ __forceinline__ void fold_one(T* dst, const T* const* s, int k, T* const* e, int m, u64 i, ARG arg) {
+    T acc = s[0][i];
+#pragma unroll
+    for (int j = 1; j < 8; ++j)
+        if (j < k) acc = fold_step<T, Step, Last, ARG>(acc, s[j][i], j, k, arg);
+    dst[i] = acc;
+#pragma unroll
+    for (int j = 0; j < 7; ++j)
+        if (j < m) e[j][i] = acc;
+}
+
 template <class T, class Step, class Last, class ARG>
 __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, T* const* e, int m, u64 n, ARG arg) {
     const int V = 16 / sizeof(T);
@@ -288,16 +302,7 @@ __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, T* c
         head = ((16 - off) & 15) / sizeof(T);
         if (head > n) head = n;
     }
-    for (u64 i = tid; i < head; i += stride) {
-        T acc = s[0][i];
-#pragma unroll
-        for (int j = 1; j < 8; ++j)
-            if (j < k) acc = fold_step<T, Step, Last, ARG>(acc, s[j][i], j, k, arg);
-        dst[i] = acc;
-#pragma unroll
-        for (int j = 0; j < 7; ++j)
-            if (j < m) e[j][i] = acc;
-    }
+    for (u64 i = tid; i < head; i += stride) fold_one<T, Step, Last, ARG>(dst, s, k, e, m, i, arg);
     if (!vec) return;
     const u64 nvec = (n - head) / V;
     uint4* dv = reinterpret_cast<uint4*>(dst + head);
@@ -321,16 +326,8 @@ __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, T* c
         for (int j = 0; j < 7; ++j)
             if (j < m) __stwb(reinterpret_cast<uint4*>(e[j] + head) + i, acc.u);
     }
-    for (u64 i = head + nvec * V + tid; i < n; i += stride) {
-        T acc = s[0][i];
-#pragma unroll
-        for (int j = 1; j < 8; ++j)
-            if (j < k) acc = fold_step<T, Step, Last, ARG>(acc, s[j][i], j, k, arg);
-        dst[i] = acc;
-#pragma unroll
-        for (int j = 0; j < 7; ++j)
-            if (j < m) e[j][i] = acc;
-    }
+    for (u64 i = head + nvec * V + tid; i < n; i += stride)
+        fold_one<T, Step, Last, ARG>(dst, s, k, e, m, i, arg);
 }
 
 }  // namespace ddl
