@@ -141,3 +141,17 @@ def parts_with_gaps(make, seed=5, count=40):
     for off, a in parts:
         packed[off : off + a.size] = a
     return parts, packed
+
+
+def rank_order_fold(xs, op: str) -> np.ndarray:
+    """``((xs[0] op xs[1]) op xs[2]) ...``, each step rounded to the storage type as the numpy backend does,
+    "avg" summing and scaling by ``len(xs)`` in the last step: what the window's and CUDA IPC's folds give."""
+    from ddlkernels.backends import get_backend
+
+    be, p = get_backend("numpy"), len(xs)
+    redop, avg_p = ("sum", p) if op == "avg" else (op, None)
+    out = xs[0].copy()
+    with np.errstate(all="ignore"):
+        for q in range(1, p):
+            be.reduce(redop, out, out if q > 1 else xs[0], xs[q], avg_p=avg_p if q == p - 1 else None)
+    return out

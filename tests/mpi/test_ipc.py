@@ -17,28 +17,15 @@ from mpi4py import MPI
 import ddlkernels
 from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name
 from ddlkernels.algorithms import ipc as ipc_module
-from ddlkernels.backends import get_backend
 from ddlkernels.select.tuner import tuning_calls
-from helpers import rank_data
+from helpers import rank_data, rank_order_fold as fold
 from stream_emulator import emulated_device
 
 COMM = MPI.COMM_WORLD
 P, R = COMM.Get_size(), COMM.Get_rank()
 pytestmark = pytest.mark.skipif(P < 2, reason="one rank has no peer to map")
-NP = get_backend("numpy")
 SIZES = sorted({0, 1, max(P - 1, 1), P + 1, 13, 4099})
 OPS = ("sum", "avg", "prod", "max", "min")
-
-
-def fold(xs, op):
-    """The rank-order fold the algorithm promises: ((x0 op x1) op x2) ..., "avg" scaling in the last step."""
-    redop, avg_p = ("sum", P) if op == "avg" else (op, None)
-    out = np.empty_like(xs[0])
-    with np.errstate(all="ignore"):
-        NP.reduce(redop, out, xs[0], xs[1], avg_p=avg_p if P == 2 else None)
-        for q in range(2, P):
-            NP.reduce(redop, out, out, xs[q], avg_p=avg_p if q == P - 1 else None)
-    return out
 
 
 def same_bits(a, b) -> bool:

@@ -17,9 +17,9 @@ import pytest
 from mpi4py import MPI
 
 import gpu_env as G
+from helpers import rank_order_fold
 import ddlkernels
 from ddlkernels._dtypes import BFLOAT16, SUPPORTED_DTYPES, dtype_name
-from ddlkernels.backends import get_backend
 
 pytestmark = [G.needs_device, pytest.mark.skipif(MPI.COMM_WORLD.Get_size() < 2, reason="IPC needs 2 ranks or more")]
 cp = G.cp
@@ -28,7 +28,6 @@ P, R = COMM.Get_size(), COMM.Get_rank()
 OPS = ("sum", "avg", "max", "min", "prod")
 SIZES = sorted({1, 3, max(P - 1, 1), P + 1, 4097, 1000003})
 CUPY_DTYPES = [d for d in SUPPORTED_DTYPES if d != BFLOAT16]
-NP = get_backend("numpy")
 CALLS = G.CALLS
 
 
@@ -39,18 +38,6 @@ def data(n, dtype, salt=0):
     if dt.kind == "i":
         return rng.integers(-1000, 1000, n).astype(dt)
     return (1 + rng.uniform(-0.5, 0.5, n)).astype(dt)  # products neither overflow nor underflow
-
-
-def fold(x, op, xs=None):
-    """The rank-order fold of every rank's ``x`` (or of ``xs``, one array per rank)."""
-    xs = COMM.allgather(x) if xs is None else xs
-    redop, avg_p = ("sum", P) if op == "avg" else (op, None)
-    out = np.empty_like(xs[0])
-    with np.errstate(all="ignore"):
-        NP.reduce(redop, out, xs[0], xs[1], avg_p=avg_p if P == 2 else None)
-        for q in range(2, P):
-            NP.reduce(redop, out, out, xs[q], avg_p=avg_p if q == P - 1 else None)
-    return out
 
 
 def check(got: np.ndarray, want: np.ndarray, what: str, same_everywhere=True):
@@ -72,7 +59,7 @@ def comm():
 def test_cupy_every_op_size_in_and_out_of_place(comm, dtype, op):
     for n in SIZES:
         x = data(n, dtype, salt=1)
-        want = fold(x, op)
+        want = rank_order_fold(COMM.allgather(x), op)
         d = cp.asarray(x)
         got = comm.allreduce(d, op)
         assert comm.last_algorithm == "ipc"
@@ -95,7 +82,7 @@ def test_reduce_scatter_and_allgather(comm, op):
             x = data(n, dtype, salt=5)
             lo, hi = comm.shard_range(n)
             xs = COMM.allgather(x)
-            want = fold(None, op, [v[lo:hi] for v in xs])
+            want = rank_order_fold([v[lo:hi] for v in xs], op)
             d = cp.asarray(x)
             got = comm.reduce_scatter(d, op)
             assert comm.last_algorithm == "ipc"
@@ -117,7 +104,7 @@ def test_reduce_scatter_and_allgather(comm, op):
 def test_memory_ipc_cannot_export_is_staged(comm):
     """Arrays from CuPy's stream-ordered pool (cudaMallocAsync: no legacy IPC handle) give the same bits."""
     x = data(300007, np.float32, salt=2)
-    want = fold(x, "sum")
+    want = rank_order_fold(COMM.allgather(x), "sum")
     pool = cp.cuda.MemoryAsyncPool()
     with cp.cuda.using_allocator(pool.malloc):
         d = cp.asarray(x)
@@ -136,7 +123,7 @@ def test_torch_tensors_on_a_stream_of_their_own(comm, tdtype):
     s = torch.cuda.Stream()
     for n in (P + 1, 1000003):
         x = data(n, npdt, salt=3)
-        want = fold(x, "avg")
+        want = rank_order_fold(COMM.allgather(x), "avg")
         cpu = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if tdtype == "bfloat16" else torch.from_numpy(x)
         with torch.cuda.stream(s):
             t = cpu.to("cuda") * 1  # a kernel on s produces the input
@@ -151,7 +138,7 @@ def test_the_tuner_chooses_between_ring_ipc_and_host():
     """Integers: every candidate's order gives the fold's bits, so every trial is checked against it."""
     c = ddlkernels.Communicator(COMM, shm=False, cuda_aware=False)
     x = data(1 << 20, np.int32, salt=4)
-    want = fold(x, "sum")
+    want = rank_order_fold(COMM.allgather(x), "sum")
     d = cp.asarray(x)
     assert c.candidates(d) == ("ring", "ipc", "host")
     seen = set()
