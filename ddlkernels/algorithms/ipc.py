@@ -157,14 +157,6 @@ class IpcNode:
         self.comm = comm
         self.p, self.me = comm.Get_size(), comm.Get_rank()
         self._devices: dict = {}  # (backend name, device) -> _Device
-        self._acc: dict = {}  # (backend name, device, dtype) -> the fold's device buffer (grows; reused)
-
-    def _scratch(self, be, dtype, count):
-        key = (be.name, be.current_device(), dtype)
-        buf = self._acc.get(key)
-        if buf is None or buf.shape[0] < count:
-            buf = self._acc[key] = be.empty(max(int(count), 1), dtype)
-        return buf[:count]
 
     def _device(self, be) -> _Device:
         key = (be.name, be.current_device())
@@ -234,24 +226,21 @@ class IpcNode:
         if dst is not None and mine_out is not dst:
             be.copy(dst, mine_out)
 
-    def _fold(self, be, mine_in, peer, lo, hi, redop, avg_p, into=None, also=()):
-        """My shard ``[lo, hi)`` of every rank's input, folded in rank order into ``into`` (apart from every
-        input, or exactly one of the shards read) or else a scratch buffer, and into each buffer of ``also``
-        (likewise) as it is written; returns where."""
+    def _fold(self, be, mine_in, peer, lo, hi, redop, avg_p, into, also=()):
+        """My shard ``[lo, hi)`` of every rank's input, folded in rank order into ``into`` and each buffer of
+        ``also`` as it is written (each apart from every input, or exactly one of the shards read)."""
         p, me, dt = self.p, self.me, mine_in.dtype
         xs = [mine_in[lo:hi] if q == me else peer(q, _SRC, lo, hi, dt) for q in range(p)]
-        acc = self._scratch(be, dt, hi - lo) if into is None else into
         if p == 1:
-            be.copy(acc, xs[0])
+            be.copy(into, xs[0])
         else:
-            be.reduce_many(redop, acc, xs, avg_p=avg_p, also=also)
-        return acc
+            be.reduce_many(redop, into, xs, avg_p=avg_p, also=also)
 
-    def _push(self, be, shard, mine_out, peer, lo, hi, mine=True):
-        """``shard`` into every rank's output at ``[lo, hi)`` (with ``mine``, my own too, last): the peers' in
-        turn from the next rank on."""
+    def _push(self, be, shard, mine_out, peer, lo, hi):
+        """``shard`` into every rank's output at ``[lo, hi)``: the peers' in turn from the next rank on, my own
+        last."""
         p, me = self.p, self.me
-        for k in range(1, p + (1 if mine else 0)):
+        for k in range(1, p + 1):
             q = (me + k) % p
             be.copy(mine_out[lo:hi] if q == me else peer(q, _DST, lo, hi, shard.dtype), shard)
 
@@ -307,10 +296,9 @@ class IpcNode:
             d.be.synchronize()
             d.mapped.close()
         self._devices.clear()
-        self._acc.clear()
 
     def held(self) -> list:
-        return list(self._devices.values()) + list(self._acc.values())
+        return list(self._devices.values())
 
 
 class Ipc(Algorithm):
