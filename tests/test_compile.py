@@ -122,11 +122,8 @@ def test_numba_reduce_compiles(op, suf):
 @needs_ptxas
 @pytest.mark.parametrize("which", ["pack", "unpack"])
 def test_numba_pack_compiles(which):
-    from numba import types
-
     fn = N.pack_kernel(python=True) if which == "pack" else N.unpack_kernel(python=True)
-    u8 = types.Array(types.uint8, 1, "C")
-    sig = (u8, types.UniTuple(u8, 4), types.Array(types.int64, 1, "C"))
+    sig = N.pack_signature()
     for cc in C.NUMBA_ARCHS:
         ptx, entry = C.numba_ptx(fn, sig, cc)
         assert f"ddl_{which}" in entry

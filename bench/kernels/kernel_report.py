@@ -142,11 +142,8 @@ def host_harness_results(harness):
 
 
 def numba_compile_info():
-    from numba import types
-
     out = {}
-    u8 = types.Array(types.uint8, 1, "C")
-    pack_sig = (u8, types.UniTuple(u8, 4), types.Array(types.int64, 1, "C"))
+    pack_sig = N.pack_signature()
     jobs = [(f"ddl_reduce_{op}_{suf}", N.reduce_kernel(op, suf, python=True), N.kernel_signature(suf))
             for suf in N.SUFFIXES for op in N.OPS]
     jobs += [("ddl_pack", N.pack_kernel(python=True), pack_sig), ("ddl_unpack", N.unpack_kernel(python=True), pack_sig)]

@@ -15,16 +15,41 @@ torch tensor sharing the result's memory.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import numpy as np
 
 from .._dtypes import BFLOAT16
-from ..kernels.numba_cuda import launch_config, pack_kernel, reduce_kernel, unpack_kernel
+from ..kernels.numba_cuda import PACK_GROUP, launch_config, pack_kernel, reduce_kernel, unpack_kernel
 from . import BackendUnavailable
-from ._device import DeviceBackend, pack_offsets, storage_dtype
+from ._device import PIECE_BYTES, DeviceBackend, pack_offsets, piece_rows, storage_dtype
 
 __all__ = ["NumbaBackend"]
+
+_TABLES = 64  # pack tables kept, one per (stream, tensors, offsets): pack and unpack of a bucket share one
+
+
+def _word(values) -> int:
+    """The widest unsigned word (8, 4, 2 or 1 bytes) dividing every address, length and offset of a pack."""
+    common = 0
+    for v in values:
+        common |= int(v)
+    return next(w for w in (8, 4, 2, 1) if common % w == 0)
+
+
+def _stream_key(s) -> int:
+    """A stream's ``CUstream`` (Numba wraps the same stream in a new object on every ``default_stream()``); the
+    simulator's streams, which run everything at once, are all 0."""
+    try:
+        return int(s)
+    except TypeError:
+        return 0
+
+
+def _padded(n: int) -> int:
+    """``n`` tensors' tuple length: the next power of two (one kernel specialization per length)."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 class NumbaBackend(DeviceBackend):
@@ -40,6 +65,7 @@ class NumbaBackend(DeviceBackend):
                 "(or install CuPy: pip install cupy-cuda12x)"
             ) from exc
         self._cuda = cuda
+        self._tables = collections.OrderedDict()  # pack tables, least recently used first (_pack_tables)
         self.simulated = bool(getattr(__import__("numba").config, "ENABLE_CUDASIM", 0))
 
     # -- streams and events ----------------------------------------------------------
@@ -195,17 +221,48 @@ class NumbaBackend(DeviceBackend):
         return self._table_copy(unpack_kernel(), tensors, buf, offsets)
 
     def _table_copy(self, kernel, tensors, buf, offsets):
-        views = tuple(t.view(np.uint8) for t in tensors)
+        sizes = [t.shape[0] * t.dtype.itemsize for t in tensors]
         if offsets is None:
-            offsets, _ = pack_offsets([v.shape[0] for v in views])
-        bbuf = buf.view(np.uint8)
-        for v, o in zip(views, offsets):
-            if o < 0 or o + v.shape[0] > bbuf.shape[0]:
-                raise ValueError(f"tensor of {v.shape[0]} bytes at offset {o} does not fit a {bbuf.shape[0]}-byte buffer")
-        if views:
-            longest = max(v.shape[0] for v in views)
-            blocks, threads = launch_config(max(longest, 1), max_blocks=64)
+            offsets, _ = pack_offsets(sizes)
+        nbuf = buf.shape[0] * buf.dtype.itemsize
+        for n, o in zip(sizes, offsets):
+            if o < 0 or o + n > nbuf:
+                raise ValueError(f"tensor of {n} bytes at offset {o} does not fit a {nbuf}-byte buffer")
+        live = [i for i, n in enumerate(sizes) if n]
+        if live:
             s = self.compute_stream()
-            offs = self._cuda.to_device(np.asarray(offsets, dtype=np.int64), stream=s)
-            kernel[(blocks, min(len(views), 65535)), threads, s](bbuf, views, offs)
+            ptrs = [self._ptr(tensors[i]) for i in live]
+            word = _word(ptrs + [self._ptr(buf)] + [sizes[i] for i in live] + [offsets[i] for i in live])
+            wt = np.dtype(f"u{word}")
+            bbuf = buf.view(np.uint8)[: nbuf - nbuf % word].view(wt)
+            for group, table, longest in self._pack_tables(s, [sizes[i] for i in live], [offsets[i] for i in live],
+                                                           word):
+                views = [tensors[live[g]].view(wt) for g in group]
+                views += views[:1] * (_padded(len(views)) - len(views))  # no row names the padding
+                kernel[min(table.shape[0], 65535), min(256, longest), s](bbuf, tuple(views), table)
         return list(offsets)
+
+    def _pack_tables(self, stream, sizes, offsets, word):
+        """[(indices into the live tensors, device table of ``ddl_pack``, its longest row)], a group of at most
+        ``PACK_GROUP`` tensors each.  It names tensors by their place in the list, not their address, so one
+        table serves every pack and unpack of a layout (a training loop packs the same sizes every step).
+        Kept per stream: a table uploaded on one stream is ordered before that stream's launches only."""
+        key = (_stream_key(stream), self.current_device(), word, np.array([sizes, offsets], dtype=np.int64).tobytes())
+        hit = self._tables.get(key)
+        if hit is not None:
+            self._tables.move_to_end(key)
+            return hit[0]
+        which, start, length = piece_rows(np.asarray(sizes, dtype=np.int64) // word, PIECE_BYTES // word)
+        words_off = np.asarray(offsets, dtype=np.int64) // word
+        groups = []
+        for g0 in range(0, len(sizes), PACK_GROUP):
+            sel = (which >= g0) & (which < g0 + PACK_GROUP)
+            host = np.stack([which[sel] - g0, start[sel], length[sel], words_off[which[sel]]], axis=1)
+            # From pageable memory the copy takes the bytes before it returns; the cache holds them as well.
+            groups.append((range(g0, min(g0 + PACK_GROUP, len(sizes))),
+                           self._cuda.to_device(np.ascontiguousarray(host), stream=stream), int(host[:, 2].max()),
+                           host))
+        self._tables[key] = ([g[:3] for g in groups], [g[3] for g in groups])
+        if len(self._tables) > _TABLES:
+            self._tables.popitem(last=False)
+        return self._tables[key][0]

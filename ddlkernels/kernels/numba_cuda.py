@@ -38,7 +38,11 @@ Preconditions of every reduce kernel: 1-D C-contiguous arrays of one length;
 
 Unlike the .cu kernels these do no 128-bit vectorization (Numba has no vector
 load types); they are the portable path.  The pack kernels take the tensors
-as a tuple of uint8 arrays (one compiled specialization per tuple length).
+as a tuple of arrays of one word type and a table of 64 KiB pieces, one
+block each (the CuPy backend's layout): the backend launches them on groups
+of at most ``PACK_GROUP`` tensors, each tuple padded to a power of two, so a
+few specializations serve any count and the arguments stay far below the
+4 KiB a kernel's parameters may take (a Numba array argument is 56 bytes).
 """
 
 from __future__ import annotations
@@ -55,11 +59,16 @@ __all__ = [
     "unpack_kernel",
     "suffix_of",
     "kernel_signature",
+    "pack_signature",
     "launch_config",
     "numba_cuda_compat",
+    "PACK_GROUP",
 ]
 
 OPS = ("sum", "prod", "max", "min", "avg")
+#: Tensors per launch of the pack kernels: 32 arrays are 1.8 KiB of kernel arguments (the tuple of all 182
+#: of a 62 MiB model was 10 KiB, and past about 580 NVVM fails to compile the kernel).
+PACK_GROUP = 32
 SUFFIXES = ("f16", "bf16", "f32", "f64", "i32", "i64")
 #: numpy type of the last kernel argument (the accumulation type).
 ARG_TYPES = {
@@ -173,26 +182,23 @@ def reduce_source(op: str, suf: str) -> str:
     return _KERNEL.format(name=f"ddl_reduce_{op}_{suf}", load=load, body=_body(op, suf))
 
 
-_PACK = '''
-def ddl_pack(buf, tensors, offsets):
-    start = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    stride = cuda.gridDim.x * cuda.blockDim.x
-    for t in range(cuda.blockIdx.y, len(tensors), cuda.gridDim.y):
-        src = tensors[t]
-        o = offsets[t]
-        for i in range(start, src.shape[0], stride):
-            buf[o + i] = src[i]
-
-
-def ddl_unpack(buf, tensors, offsets):
-    start = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    stride = cuda.gridDim.x * cuda.blockDim.x
-    for t in range(cuda.blockIdx.y, len(tensors), cuda.gridDim.y):
-        dst = tensors[t]
-        o = offsets[t]
-        for i in range(start, dst.shape[0], stride):
-            dst[i] = buf[o + i]
+# ddl_pack / ddl_unpack: gather tensors into one fusion buffer and scatter it back (kernels/pack.cu's job).
+# Arguments: ``buf`` and every array of the tuple ``tensors`` share one unsigned word type (the backend picks
+# the widest that divides every address, length and offset); ``table`` has a row per piece: (index in
+# ``tensors``, first word in that tensor, words, word offset of the tensor in ``buf``).  One block per row
+# (the grid strides over rows), its threads over the piece's words.  Preconditions: the pieces lie inside
+# their tensors and ``buf``, no two rows write the same word.  Used by backends/_numba.py's pack/unpack.
+_PACK_TEMPLATE = '''
+def {name}(buf, tensors, table):
+    for r in range(cuda.blockIdx.x, table.shape[0], cuda.gridDim.x):
+        t = tensors[table[r, 0]]
+        start = table[r, 1]
+        o = table[r, 3]
+        for i in range(start + cuda.threadIdx.x, start + table[r, 2], cuda.blockDim.x):
+            {copy}
 '''
+_PACK = (_PACK_TEMPLATE.format(name="ddl_pack", copy="buf[o + i] = t[i]")
+         + _PACK_TEMPLATE.format(name="ddl_unpack", copy="t[i] = buf[o + i]"))
 
 
 # --- compilation -------------------------------------------------------------------
@@ -276,6 +282,15 @@ def kernel_signature(suf: str):
            "i32": types.int32, "i64": types.int64}[suf]
     arr = types.Array(st, 1, "C")
     return (arr, arr, arr, arg)
+
+
+def pack_signature(word: int = 8, group: int = PACK_GROUP):
+    """Numba argument types of the pack kernels for ``word``-byte words and a tuple of ``group`` tensors (the
+    widest words and a full group: what the backend launches most)."""
+    from numba import types
+
+    arr = types.Array({1: types.uint8, 2: types.uint16, 4: types.uint32, 8: types.uint64}[word], 1, "C")
+    return (arr, types.UniTuple(arr, group), types.Array(types.int64, 2, "C"))
 
 
 def launch_config(n: int, threads: int = 256, max_blocks: int = 1024) -> tuple[int, int]:

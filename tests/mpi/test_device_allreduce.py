@@ -22,6 +22,7 @@ import ddlkernels
 from ddlkernels._dtypes import BFLOAT16, SUPPORTED_DTYPES, dtype_name
 from ddlkernels.transport.staged import StagedTransport
 from ddlkernels.backends import backend_for, get_backend
+from ddlkernels.backends._device import pack_offsets
 
 SIMULATED = bool(getattr(_nb_config, "ENABLE_CUDASIM", 0))
 if not SIMULATED and not cuda.is_available():
@@ -182,20 +183,54 @@ def test_out_dtype_and_shape_on_device(dcomm):
 # -- the backend's own kernels outside the engine (local, no communication) --
 
 
-def test_numba_pack_unpack_roundtrip():
+def _pack_case(layout):
+    """Tensors for the Numba pack, more than two launches' worth (``PACK_GROUP``), empty ones among them, at
+    the default offsets: "wide" of 8-byte elements and one longer than a 64 KiB piece (the 8-byte words),
+    "mixed" with float16 of odd lengths (2-byte words); "odd" puts every tensor and the buffer on odd bytes
+    (single bytes).  Bytes unique per rank and element.  Returns (arrays, offsets or None, buffer skew,
+    the word the backend must choose)."""
+    from ddlkernels.kernels.numba_cuda import PACK_GROUP
+
+    lengths = [0, 1, 2, 3, 5, 7, 8, 13, 16, 17, 31, 33]
+    dtypes = [np.float64, np.int64] if layout == "wide" else [np.float32, np.float64, np.float16, np.int64, np.int32]
+    specs = [(lengths[k % len(lengths)], dtypes[k % len(dtypes)]) for k in range(2 * PACK_GROUP + 5)]
+    if layout == "wide":
+        specs[PACK_GROUP + 3] = ((1 << 16) // 8 + 3, np.float64)
+    hosts = []
+    for k, (n, dt) in enumerate(specs):
+        nbytes = n * np.dtype(dt).itemsize
+        raw = ((np.arange(nbytes, dtype=np.int64) * 131 + k * 7919 + R * 104729) % 251).astype(np.uint8)
+        hosts.append(raw.view(dt))
+    if layout != "odd":
+        return hosts, None, 0, 8 if layout == "wide" else 2
+    offsets, pos = [], 1
+    for h in hosts:
+        offsets.append(pos)
+        pos += h.nbytes + 2
+    return hosts, offsets, 1, 1
+
+
+@pytest.mark.parametrize("layout", ["wide", "mixed", "odd"])
+def test_numba_pack_unpack_many_tensors(layout):
     be = get_backend("numba")
-    rng = np.random.default_rng(R)
-    hosts = [rng.standard_normal(n).astype(dt) for n, dt in ((3, np.float32), (0, np.float64), (7, np.float16), (5, np.int64))]
+    hosts, offsets, skew, word = _pack_case(layout)
     devs = [be.flat(cuda.to_device(h)) for h in hosts]
-    nbytes = sum(h.nbytes for h in hosts) + 64
-    buf = cuda.device_array(nbytes, np.uint8)
-    offs = be.pack(devs, buf)
-    assert all(o % 16 == 0 for o in offs)
-    b = buf.copy_to_host()
+    end = pack_offsets([h.nbytes for h in hosts])[1] if offsets is None else offsets[-1] + hosts[-1].nbytes
+    sentinel = np.full(end + 24 + skew, 0xA5, np.uint8)
+    buf = cuda.to_device(sentinel)[skew:]
+    tables = len(be._tables)
+    offs = be.pack(devs, buf, offsets)
+    assert len(be._tables) == tables + 1 and next(reversed(be._tables))[2] == word
+    got = buf.copy_to_host()
+    expect = sentinel[skew:].copy()
     for h, o in zip(hosts, offs):
-        assert np.array_equal(b[o:o + h.nbytes], h.view(np.uint8))
-    outs = [cuda.device_array(h.shape[0], h.dtype) for h in hosts]
+        expect[o:o + h.nbytes] = h.view(np.uint8)
+    assert np.array_equal(got, expect)  # every byte in place, none written outside a tensor
+    for h, d in zip(hosts, devs):  # the inputs are untouched
+        assert np.array_equal(d.copy_to_host().view(np.uint8), h.view(np.uint8))
+    outs = [cuda.to_device(np.full(h.nbytes, 0x5A, np.uint8)).view(h.dtype) for h in hosts]
     be.unpack(buf, outs, offs)
+    assert len(be._tables) == tables + 1  # the pack's table serves the unpack of the same layout
     for h, o in zip(hosts, outs):
         assert np.array_equal(o.copy_to_host().view(np.uint8), h.view(np.uint8))
 
