@@ -20,8 +20,21 @@ Worked example, 20 MiB in pieces of 8 MiB (A, B, C), 2 pinned slots (3 by defaul
                  (each queued after the host saw a copy down end: after the caller's kernels)
     caller's stream waits for the last H2D copy: no host block at the end
 
+reduce_scatter and allgather run the same pipeline on pieces that take ``s``
+elements of every rank's shard (``s`` from ``PIECE_BYTES`` over the ranks):
+piece k holds elements ``[k s, (k + 1) s)`` of each shard, each at its rank's
+shard of the piece for the inner Communicator, which reduce_scatters (or
+allgathers) the piece.  2 ranks, shards [0, 5) and [5, 9), s = 3::
+
+    piece 0   x[0:3] | x[5:8]        -> rank 0 gets its [0:3], rank 1 its [5:8]
+    piece 1   x[3:5] 0 | x[8:9] 0 0  -> rank 0 gets its [3:5], rank 1 its [8:9]
+
+(reduce_scatter copies every rank's part of the piece down and its own
+result up; allgather its own part down and every rank's up.)  A short shard
+leaves padding, zeros, which no result is read from.
+
 Every rank cuts the call alike and reduces its pieces in one order, so the
-host allreduces meet.  The host blocks only where it needs bytes: before
+host collectives meet.  The host blocks only where it needs bytes: before
 reducing a piece it waits for that piece's copy.  A slot is copied into
 again only after its last copy out (an event, waited on by the D2H stream);
 that holds across calls too.  The result has the bits of the host algorithm
@@ -69,11 +82,11 @@ class _Copies:
 
 
 class Host(Algorithm):
-    """Device allreduce through the host's algorithms (the module comment): a tuner candidate for device
+    """Device collectives through the host's algorithms (the module comment): a tuner candidate for device
     arrays, beside the ring (and "ipc" or "hier")."""
 
     name = "host"
-    kinds = ("allreduce",)
+    kinds = ("allreduce", "reduce_scatter", "allgather")
     device = True
     #: the cut of a call (tests make it small, so that slots are reused within a call)
     piece_bytes = PIECE_BYTES
@@ -88,12 +101,12 @@ class Host(Algorithm):
         return comm.size > 1
 
     def serves(self, kind, w):
-        return kind == "allreduce" and w.be.device and w.dims is None
+        return kind in self.kinds and w.be.device and w.dims is None
 
     def _host_comm(self, w):
         if self._inner is None:  # collective: every rank chose "host" for this same call
             c = self.comm
-            complete(c.comm.Ibarrier(), w.deadline, "the host allreduce's setup (MPI_Ibarrier)")
+            complete(c.comm.Ibarrier(), w.deadline, "the host collective's setup (MPI_Ibarrier)")
             self._inner = type(c)(c.comm, chunk_bytes=c.chunk_bytes, small_bytes=c.small_bytes, window=c.window,
                                   shm=c.shm, ipc=False)
         return self._inner
@@ -107,19 +120,50 @@ class Host(Algorithm):
             cp = self._copies[key] = _Copies(be, SLOTS, nbytes)
         return cp
 
-    def _settle_inner(self, inner, cp, counts, w):
-        """Let the inner tuner finish its trials for these piece sizes first, on zeros in a slot: else the
-        outer tuner's trials of "host" would time the inner one's slower candidates.  Every rank makes the
-        same calls (``tuning`` is the same everywhere); once the sizes are settled, nothing but the asking."""
-        item = w.dst.dtype.itemsize
-        for count in sorted(counts):
-            piece = cp.slots[0][:count * item].view(w.dst.dtype).view(w.dtype)
-            if inner.tuning(piece, w.op):
-                cp.drain()  # the slot may still be read by the last call's copies up
-                piece[...] = 0
-                while inner.tuning(piece, w.op):
-                    inner.allreduce(piece, w.op, out=piece,
-                                    timeout=None if w.deadline is None else w.deadline.remaining())
+    def _settle_inner(self, inner, cp, kind, op, piece, run):
+        """Let the inner tuner finish its trials of ``kind`` for pieces like ``piece`` (a host array in a slot)
+        first, on zeros: else the outer tuner's trials of "host" would time the inner one's slower candidates.
+        ``run()`` makes one inner call.  Every rank makes the same calls (``tuning`` is the same everywhere);
+        once the size is settled, nothing but the asking."""
+        if inner.tuning(piece, op, collective=kind):
+            cp.drain()  # the slot may still be read by the last call's copies up
+            piece[...] = 0
+            while inner.tuning(piece, op, collective=kind):
+                run()
+
+    def _pipeline(self, be, cp, count, down, host, up):
+        """``count`` pieces through the slots (the module comment): ``down(k, slot, stream)`` queues piece k's
+        copies into ``slot``, ``host(k, slot)`` runs the inner collective on it once they have run,
+        ``up(k, slot, stream)`` queues its copies back."""
+        nslots = len(cp.slots)
+        compute = be.compute_stream()
+        # The kernels that wrote src come first.  Those that still read or write dst too: every copy up is
+        # queued after the host has seen a copy down, which came after them, complete.
+        be.wait(cp.d2h, be.record(compute))
+        landed = [None] * count
+
+        def copy_down(k):
+            s = k % nslots
+            if cp.freed[s] is not None:
+                be.wait(cp.d2h, cp.freed[s])  # the slot's last copy out has run
+            down(k, cp.slots[s], cp.d2h)
+            landed[k] = be.record(cp.d2h)
+
+        for k in range(min(nslots, count)):
+            copy_down(k)
+        for k in range(count):
+            s = k % nslots
+            be.sync(landed[k])  # the host reads these bytes next
+            host(k, cp.slots[s])
+            up(k, cp.slots[s], cp.h2d)
+            cp.freed[s] = be.record(cp.h2d)
+            if k + nslots < count:
+                copy_down(k + nslots)
+        be.wait(compute, cp.freed[(count - 1) % nslots])  # the H2D stream's last copy: every piece is in
+
+    @staticmethod
+    def _timeout(w):
+        return None if w.deadline is None else w.deadline.remaining()
 
     def allreduce(self, w):
         pack_segments(w)
@@ -127,38 +171,105 @@ class Host(Algorithm):
         if n == 0:
             return
         inner = self._host_comm(w)
-        item = w.dst.dtype.itemsize  # the storage type (bfloat16 as uint16 bits on a device backend)
+        store = w.dst.dtype  # the storage type (bfloat16 as uint16 bits on a device backend)
+        item = store.itemsize
         per = max(1, self.piece_bytes // item)
         cuts = [(a, min(a + per, n)) for a in range(0, n, per)]
         cp = self._copies_for(be, min(per, n) * item)
-        self._settle_inner(inner, cp, {b - a for a, b in cuts}, w)
-        nslots = len(cp.slots)
-        compute = be.compute_stream()
-        # The kernels that wrote src come first.  Those that still read or write dst too: every copy up is
-        # queued after the host has seen a copy down, which came after them, complete.
-        be.wait(cp.d2h, be.record(compute))
-        down = [None] * len(cuts)
 
-        def copy_down(k):
-            s = k % nslots
-            if cp.freed[s] is not None:
-                be.wait(cp.d2h, cp.freed[s])  # the slot's last copy out has run
+        def view(slot, m):
+            return slot[:m * item].view(store).view(w.dtype)
+
+        for m in sorted({b - a for a, b in cuts}):
+            piece = view(cp.slots[0], m)
+            self._settle_inner(inner, cp, "allreduce", w.op, piece,
+                               lambda: inner.allreduce(piece, w.op, out=piece, timeout=self._timeout(w)))
+
+        def down(k, slot, stream):
             a, b = cuts[k]
-            be.d2h(cp.slots[s][:(b - a) * item], w.src[a:b], cp.d2h)
-            down[k] = be.record(cp.d2h)
+            be.d2h(slot[:(b - a) * item], w.src[a:b], stream)
 
-        for k in range(min(nslots, len(cuts))):
-            copy_down(k)
-        for k, (a, b) in enumerate(cuts):
-            s = k % nslots
-            be.sync(down[k])  # the host reduces these bytes next
-            piece = cp.slots[s][:(b - a) * item].view(w.dst.dtype).view(w.dtype)
-            inner.allreduce(piece, w.op, out=piece, timeout=None if w.deadline is None else w.deadline.remaining())
-            be.h2d(w.dst[a:b], cp.slots[s][:(b - a) * item], cp.h2d)
-            cp.freed[s] = be.record(cp.h2d)
-            if k + nslots < len(cuts):
-                copy_down(k + nslots)
-        be.wait(compute, cp.freed[(len(cuts) - 1) % nslots])  # the H2D stream's last copy: every piece is in
+        def host(k, slot):
+            piece = view(slot, cuts[k][1] - cuts[k][0])
+            inner.allreduce(piece, w.op, out=piece, timeout=self._timeout(w))
+
+        def up(k, slot, stream):
+            a, b = cuts[k]
+            be.h2d(w.dst[a:b], slot[:(b - a) * item], stream)
+
+        self._pipeline(be, cp, len(cuts), down, host, up)
+
+    def reduce_scatter(self, w):
+        self._sharded(w)
+
+    def allgather(self, w):
+        self._sharded(w)
+
+    def _sharded(self, w):
+        """reduce_scatter and allgather, in pieces that take ``s`` elements of every rank's shard: piece k
+        holds elements ``[k * s, (k + 1) * s)`` of each, at that rank's shard of the piece's ``p * s`` for the
+        inner Communicator (``at``), and the inner collective runs on the piece.  A shard shorter than that
+        leaves padding in the piece, which no result is read from (zeros where it is reduced).  A slot
+        holds the piece, then this rank's ``s``."""
+        be, p, me = w.be, self.comm.size, self.comm.rank
+        if w.count == 0:
+            return
+        inner = self._host_comm(w)
+        gather = w.kind == "allgather"
+        store = w.src.dtype  # the storage type, as in allreduce
+        item = store.itemsize
+        longest = max(hi - lo for lo, hi in w.bounds)
+        s = max(1, min(longest, self.piece_bytes // (item * p)))
+        at = [inner.shard_range(p * s, rank=q)[0] for q in range(p)]
+        lengths = [[max(0, min(s, hi - lo - k * s)) for lo, hi in w.bounds] for k in range(-(-longest // s))]
+        cp = self._copies_for(be, (p + 1) * s * item)
+        dst = be.flat(w.dst)
+
+        def piece(slot):
+            return slot[:p * s * item].view(store).view(w.dtype)
+
+        def mine(slot):
+            return slot[p * s * item:(p + 1) * s * item].view(store).view(w.dtype)
+
+        def run(slot):
+            if gather:
+                inner.allgather(mine(slot), count=p * s, out=piece(slot), timeout=self._timeout(w))
+            else:
+                inner.reduce_scatter(piece(slot), w.op, out=mine(slot), timeout=self._timeout(w))
+
+        self._settle_inner(inner, cp, w.kind, "sum" if gather else w.op, piece(cp.slots[0]),
+                           lambda: run(cp.slots[0]))
+
+        def ranges(k):
+            """(rank, its first element of the whole buffer in piece k, how many) for the ranks with any."""
+            return [(q, w.bounds[q][0] + k * s, m) for q, m in enumerate(lengths[k]) if m]
+
+        def down(k, slot, stream):
+            if gather:
+                m = lengths[k][me]
+                if m:
+                    be.d2h(slot[p * s * item:(p * s + m) * item], w.src[k * s:k * s + m], stream)
+                return
+            for q, lo, m in ranges(k):
+                be.d2h(slot[at[q] * item:(at[q] + m) * item], w.src[lo:lo + m], stream)
+
+        def host(k, slot):
+            if not gather:
+                x = piece(slot)
+                for q, m in enumerate(lengths[k]):
+                    x[at[q] + m:at[q] + s] = 0
+            run(slot)
+
+        def up(k, slot, stream):
+            if gather:
+                for q, lo, m in ranges(k):
+                    be.h2d(dst[lo:lo + m], slot[at[q] * item:(at[q] + m) * item], stream)
+                return
+            m = lengths[k][me]
+            if m:
+                be.h2d(dst[k * s:k * s + m], slot[p * s * item:(p * s + m) * item], stream)
+
+        self._pipeline(be, cp, len(lengths), down, host, up)
 
     def free(self):
         for cp in self._copies.values():

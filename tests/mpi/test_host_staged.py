@@ -187,3 +187,134 @@ def test_empty_calls_odd_offsets_nan_and_subnormals(policy):
                 bad.append(f"{np.dtype(dtype).name} max")
         c.free()
     assert wrong_anywhere(len(bad)) == 0, f"rank {R}: {bad}"
+
+
+# -- reduce_scatter and allgather: pieces of every rank's shard ------------------------------------------
+
+
+def shard_pieces(ring, n, dtype):
+    """What "host" promises for a whole buffer of ``n``: pieces of ``s`` elements of every rank's shard,
+    ``s`` from PIECE bytes over the ranks, each at its rank's shard of the piece (``at``) for the inner
+    Communicator.  Returns (every rank's bounds, s, at, how many pieces)."""
+    bounds = [ring.shard_range(n, rank=q) for q in range(P)]
+    longest = max(hi - lo for lo, hi in bounds)
+    s = max(1, min(longest, PIECE // (np.dtype(dtype).itemsize * P)))
+    return bounds, s, [ring.shard_range(P * s, rank=q)[0] for q in range(P)], -(-longest // s)
+
+
+def piecewise_reduce_scatter(ring, x, op):
+    """This rank's shard as "host" reduces it: each piece (zeros where a shard is short) reduce_scattered by
+    the inner ring on its own."""
+    bounds, s, at, count = shard_pieces(ring, x.size, x.dtype)
+    lo, hi = bounds[R]
+    out = np.empty(hi - lo, x.dtype)
+    for k in range(count):
+        piece = np.zeros(P * s, x.dtype)
+        for q, (a, b) in enumerate(bounds):
+            m = max(0, min(s, b - a - k * s))
+            piece[at[q]:at[q] + m] = x[a + k * s:a + k * s + m]
+        got = ring.reduce_scatter(piece, op)
+        m = max(0, min(s, hi - lo - k * s))
+        out[k * s:k * s + m] = got[:m]
+    return out
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("policy", ["lazy", "random"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=dtype_name)
+def test_reduce_scatter_every_dtype_op_size_bitwise(dtype, op, policy):
+    """The inner reduce_scatter's bits piece by piece for 1, p - 1, p + 1, a prime and many pieces (shards of
+    unequal lengths, some empty), into a new shard and into an out= whose old contents were written on the
+    caller's stream just before; the input unchanged, then overwritten just after the call."""
+    bad = []
+    with emulated_device(seed=23 * R + len(op), policy=policy) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=False)
+        ring = host_on_ring(c)
+        with be.current(be.new_stream()):
+            for n in sorted({1, max(P - 1, 1), P + 1, 13, 331}):
+                x = rank_data(n, R, P, dtype, salt=n)
+                want = piecewise_reduce_scatter(ring, x, op)
+                for given in (False, True):
+                    d = be.to_device(x)
+                    c.settle(d, "host", op, collective="reduce_scatter")
+                    out = None
+                    if given:
+                        out = be.to_device(np.zeros(want.size, x.dtype))
+                        be.write(out, np.full(want.size, 3, x.dtype))
+                    got = c.reduce_scatter(d, op, out=out)
+                    assert c.last_algorithm == "host"
+                    bad += [] if same_bits(be.to_host(d), x) else [f"n={n}: input modified"]
+                    be.write(d, np.zeros_like(x))
+                    if not same_bits(be.to_host(got), want):
+                        bad.append(f"n={n}{' out=' if given else ''}")
+        c.free()
+    assert wrong_anywhere(len(bad)) == 0, f"rank {R}: {bad}"
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("policy", ["lazy", "random"])
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=dtype_name)
+def test_allgather_every_dtype_size_bitwise(dtype, policy):
+    """Every rank's shard in its place, bit for bit (NaN and subnormals among them), for 1, p - 1, p + 1, a
+    prime and many pieces, into a new buffer and into an out= written just before the call."""
+    bad = []
+    with emulated_device(seed=29 * R, policy=policy) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=False)
+        ring = host_on_ring(c)
+        with be.current(be.new_stream()):
+            for n in sorted({1, max(P - 1, 1), P + 1, 13, 331}):
+                lo, hi = ring.shard_range(n)
+                mine = rank_data(hi - lo, R, P, dtype, salt=n)
+                if mine.dtype.kind == "f" and mine.size > 2:  # numpy's floats (bfloat16 is ml_dtypes')
+                    mine[1], mine[2] = np.nan, np.finfo(mine.dtype).smallest_subnormal
+                want = np.concatenate(COMM.allgather(mine))
+                for given in (False, True):
+                    d = be.to_device(mine)
+                    c.settle(be.to_device(np.zeros(n, mine.dtype)), "host", collective="allgather")
+                    out = None
+                    if given:
+                        out = be.to_device(np.zeros(n, mine.dtype))
+                        be.write(out, np.full(n, 5, mine.dtype))
+                    got = c.allgather(d, count=n, out=out)
+                    assert c.last_algorithm == "host"
+                    be.write(d, np.zeros_like(mine))
+                    if not same_bits(be.to_host(got), want):
+                        bad.append(f"n={n}{' out=' if given else ''}")
+        c.free()
+    assert wrong_anywhere(len(bad)) == 0, f"rank {R}: {bad}"
+
+
+def test_sharded_candidates_empty_calls_and_slots_shared_with_allreduce():
+    """"host" is a tuner candidate for device reduce_scatter and allgather too, and its trials compute right
+    results; 0 elements; back-to-back calls of the three kinds, read only at the end, share the slots."""
+    with emulated_device(seed=31 + R, policy="random") as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=False)
+        x = rank_data(600, R, P, np.int64, salt=8)
+        d = be.to_device(x)
+        for kind in ("reduce_scatter", "allgather"):
+            assert c.candidates(d, collective=kind) == ("ring", "host")
+        total = sum(COMM.allgather(x))
+        lo, hi = c.shard_range(x.size)
+        for k in range(tuning_calls(x.nbytes, 2) + 2):
+            assert np.array_equal(be.to_host(c.reduce_scatter(d, "sum")), total[lo:hi]), k
+        assert not c.tuning(d, collective="reduce_scatter")
+        ring = host_on_ring(c)
+        e = be.to_device(np.zeros(0, np.float32))
+        c.settle(be.to_device(np.zeros(0, np.float32)), "host", collective="reduce_scatter")
+        assert be.to_host(c.reduce_scatter(e, "sum")).shape == (0,)
+        pending = []
+        for k, n in enumerate((40, 7, 301)):
+            y = rank_data(n, R, P, np.float32, salt=k)
+            dy = be.to_device(y)
+            for kind in ("allreduce", "reduce_scatter"):
+                c.settle(dy, "host", collective=kind)
+            pending.append((c.allreduce(dy, "sum"), piecewise(ring, y, "sum")))
+            pending.append((c.reduce_scatter(dy, "max"), piecewise_reduce_scatter(ring, y, "max")))
+            a, b = c.shard_range(n)
+            c.settle(dy, "host", collective="allgather")
+            pending.append((c.allgather(be.to_device(y[a:b]), count=n), np.concatenate(
+                [yq[slice(*c.shard_range(n, rank=q))] for q, yq in enumerate(COMM.allgather(y))])))
+        bad = sum(not same_bits(be.to_host(o), want) for o, want in pending)
+        c.free()
+    assert wrong_anywhere(bad) == 0

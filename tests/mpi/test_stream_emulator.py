@@ -255,6 +255,40 @@ def host_workload(be, c):
     return bad
 
 
+def host_sharded_workload(be, c):
+    """"host" reduce_scatter and allgather in pieces of 24 bytes (a few elements of each rank's shard a
+    piece, its slots reused within and across calls and shared with an allreduce between them), on two
+    caller streams, every out= written on the caller's stream just before its call, inputs overwritten right
+    after, results read at the end (exact sums: every inner algorithm's bits)."""
+    c = ddlkernels.Communicator(COMM, shm=False, ipc=False)
+    c.algorithms["host"].piece_bytes = 24
+    a, b = be.new_stream(), be.new_stream()
+    pending = []
+    for k, n in enumerate([37] + SIZES + [5 * P + 3]):
+        s = a if k % 2 else b
+        x = data(n, np.float32, salt=k)
+        lo, hi = c.shard_range(n)
+        with be.current(s):
+            d = be.to_device(x)
+            shard = be.to_device(np.zeros(hi - lo, np.float32))
+            be.write(shard, np.full(hi - lo, -3.0, np.float32))
+            whole = be.to_device(np.zeros(n, np.float32))
+            be.write(whole, np.full(n, -5.0, np.float32))
+            for kind in ("reduce_scatter", "allgather", "allreduce"):
+                c.settle(d, "host", collective=kind)
+            c.reduce_scatter(d, "sum", out=shard)
+            be.write(d, np.zeros_like(x))
+            mine = be.to_device(x[lo:hi])
+            c.allgather(mine, count=n, out=whole)
+            be.write(mine, np.zeros(hi - lo, np.float32))
+            again = c.allreduce(be.to_device(x), "sum")
+        pending += [(s, shard, c.reduce_scatter(x, "sum")), (s, whole, c.allgather(x[lo:hi], count=n)),
+                    (s, again, c.allreduce(x, "sum"))]
+    bad = sum(not np.array_equal(be.to_host(o, s), ref) for s, o, ref in pending)
+    c.free()
+    return bad
+
+
 WORKLOADS = {
     "ring-staged": lambda be: ring_workload(be, comm_for(False)),
     "ring-staged-long": lambda be: long_workload(be, comm_for(False)),
@@ -266,6 +300,7 @@ WORKLOADS = {
     "torch": lambda be: torch_workload(be, comm_for(False)),
     "ipc": lambda be: ipc_workload(be, None),
     "host": lambda be: host_workload(be, None),
+    "host-sharded": lambda be: host_sharded_workload(be, None),
 }
 
 
@@ -328,6 +363,7 @@ def _mutated(obj, name, line, nth=0):
     return ns[name]
 
 
+HOSTS = ["host", "host-sharded"]  # "host" holds one pipeline for its three collectives: both must catch
 #: (id, where, function, the line removed, which occurrence, workloads that must catch it)
 MUTATIONS = [
     ("staged-land-waits-for-kernels", _staged.StagedTransport, "_land", "be.wait(self._h2d, be.record(compute))",
@@ -354,12 +390,11 @@ MUTATIONS = [
      ["ipc"]),
     ("ipc-inputs-ready-recorded", _ipc.IpcNode, "_call", "be.record_on(s, d.ready)", 0, ["ipc"]),
     ("ipc-writes-done-recorded", _ipc.IpcNode, "_call", "be.record_on(s, d.done)", 0, ["ipc"]),
-    ("host-down-waits-for-caller", _host.Host, "allreduce", "be.wait(cp.d2h, be.record(compute))", 0, ["host"]),
-    ("host-slot-reuse-waits-for-its-copy-up", _host.Host, "allreduce", "be.wait(cp.d2h, cp.freed[s])", 0,
-     ["host"]),
-    ("host-reduces-after-copy-down", _host.Host, "allreduce", "be.sync(down[k])", 0, ["host"]),
-    ("host-caller-waits-for-copies-up", _host.Host, "allreduce", "be.wait(compute, cp.freed[", 0, ["host"]),
-    ("host-inner-trials-wait-for-copies-up", _host.Host, "_settle_inner", "cp.drain()", 0, ["host"]),
+    ("host-down-waits-for-caller", _host.Host, "_pipeline", "be.wait(cp.d2h, be.record(compute))", 0, HOSTS),
+    ("host-slot-reuse-waits-for-its-copy-up", _host.Host, "_pipeline", "be.wait(cp.d2h, cp.freed[s])", 0, HOSTS),
+    ("host-reads-after-copy-down", _host.Host, "_pipeline", "be.sync(landed[k])", 0, HOSTS),
+    ("host-caller-waits-for-copies-up", _host.Host, "_pipeline", "be.wait(compute, cp.freed[", 0, HOSTS),
+    ("host-inner-trials-wait-for-copies-up", _host.Host, "_settle_inner", "cp.drain()", 0, HOSTS),
 ]
 
 

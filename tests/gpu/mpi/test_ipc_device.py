@@ -177,3 +177,41 @@ def test_host_algorithm_piece_by_piece(op):
                     check(cp.asnumpy(d), x, f"host {dtype_name(dtype)} {op} n={n}: the input", same_everywhere=False)
                 CALLS[0] += 1
     c.free()
+
+
+def test_host_algorithm_reduce_scatter_and_allgather():
+    """"host" reduce_scatter and allgather on device memory: pieces of 1 MiB over the ranks through the
+    pinned slots; integer sums and float max (the same bits in any order) equal the host's, each rank's
+    shard in place; allgather bit for bit, into a new array and into a torch tensor's out=."""
+    c = ddlkernels.Communicator(COMM, shm=False, cuda_aware=False, ipc=False)
+    c.algorithms["host"].piece_bytes = 1 << 20
+    for dtype, op in ((np.int32, "sum"), (np.int64, "sum"), (np.float32, "max"), (np.float16, "max")):
+        for n in SIZES:
+            x = data(n, dtype, salt=11)
+            d = cp.asarray(x)
+            lo, hi = c.shard_range(n)
+            want = (sum(COMM.allgather(x.astype(np.int64))).astype(dtype) if op == "sum"
+                    else np.maximum.reduce(COMM.allgather(x)))
+            c.settle(d, "host", op, collective="reduce_scatter")
+            got = c.reduce_scatter(d, op)
+            assert c.last_algorithm == "host"
+            check(cp.asnumpy(got), want[lo:hi], f"host reduce_scatter {dtype_name(dtype)} n={n}",
+                  same_everywhere=False)
+            check(cp.asnumpy(d), x, f"host reduce_scatter {dtype_name(dtype)} n={n}: the input",
+                  same_everywhere=False)
+            c.settle(d, "host", collective="allgather")
+            whole = c.allgather(cp.asarray(want[lo:hi]), count=n)
+            assert c.last_algorithm == "host"
+            check(cp.asnumpy(whole), want, f"host allgather {dtype_name(dtype)} n={n}")
+            CALLS[0] += 2
+    torch = G.torch_cuda()
+    n = 1000003
+    lo, hi = c.shard_range(n)
+    x = data(n, np.float32, salt=12)
+    out = torch.full((n,), -1.0, device="cuda")
+    c.settle(cp.asarray(x), "host", collective="allgather")
+    c.allgather(torch.from_numpy(x[lo:hi]).cuda(), count=n, out=out)
+    whole = np.concatenate([xq[slice(*c.shard_range(n, rank=q))] for q, xq in enumerate(COMM.allgather(x))])
+    check(out.cpu().numpy(), whole, "host allgather into a torch tensor")
+    CALLS[0] += 1
+    c.free()
