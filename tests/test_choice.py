@@ -100,11 +100,12 @@ def test_fixed_rules():
     assert candidates(4096, one_node=True, device="ipc", ipc=False) == ("ring", "host")  # ... never
     assert candidates(4096, one_node=False, device="ipc", ipc=True) == ("ring", "host")  # ranks on several nodes
     assert candidates(4096, one_node=True, device="ipc", dims=(2,)) == ("ring",)
-    for kind in ("reduce_scatter", "allgather"):  # ... and "ipc" beside the ring ("host": allreduce only)
-        assert candidates(4096, one_node=True, device="ipc", kind=kind) == ("ring", "ipc")
-        assert candidates(4096, one_node=True, device="ipc", kind=kind, ipc=False) == ("ring",)
+    for kind in ("reduce_scatter", "allgather"):  # ... and "ipc" and "host" beside the ring for these too
+        assert candidates(4096, one_node=True, device="ipc", kind=kind) == ("ring", "ipc", "host")
+        assert candidates(4096, one_node=True, device="ipc", kind=kind, ipc=False) == ("ring", "host")
         assert candidates(4096, one_node=True, device="ipc", kind=kind, ipc=True) == ("ipc",)
-        assert candidates(4096, one_node=True, device=True, kind=kind) == ("ring",)
+        assert candidates(4096, one_node=True, device=True, kind=kind) == ("ring", "host")
+        assert candidates(4096, one_node=True, device=True, kind=kind, size=1) == ("ring",)
     # Across nodes of one size: the hierarchical allreduce (IPC inside each node) beside them ...
     assert candidates(4096, hier=True, device="ipc") == ("ring", "hier", "host")
     assert candidates(4096, hier=True, device=True) == ("ring", "host")  # ... where the backend has CUDA IPC
