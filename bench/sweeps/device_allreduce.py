@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mpi4py import MPI  # noqa: E402
 
 from ddlkernels.tools.bench import parse_size  # noqa: E402
-from ddlkernels.tools.bench.device import gpu_everywhere, gpu_name, sweep, table  # noqa: E402
+from ddlkernels.tools.bench.device import CupyDevice, gpu_everywhere, gpu_name, sweep, table  # noqa: E402
 
 
 def main(argv=None):
@@ -36,8 +36,8 @@ def main(argv=None):
             print(f"device_allreduce: no GPU to measure on ({why}); nothing was timed", flush=True)
         return 2
     gpu = gpu_name(cp)
-    rows, missing = sweep(comm, cp, [parse_size(s) for s in args.sizes.split(",")], args.dtype, args.iters,
-                          args.warmup)
+    rows, missing = sweep(comm, CupyDevice(cp), [parse_size(s) for s in args.sizes.split(",")], args.dtype,
+                          args.iters, args.warmup)
     wrong = sum(m["wrong"] for r in rows for m in r["lines"].values())
     if rank0:
         print(f"# {comm.Get_size()} ranks, {gpu}, {args.dtype}, median of {args.iters} after {args.warmup} warmup, "

@@ -152,6 +152,10 @@ def add_bench_arguments(p, collective_default="allreduce"):
     """The options of ``bench`` (also used by the thin scripts in bench/)."""
     add_nccl_arguments(p, with_collective=True, collective_default=collective_default)
     g = p.add_argument_group("what else to run")
+    g.add_argument("--device", choices=("host", "cuda"), default="host",
+                   help="buffers: host = numpy arrays (default), every option below; cuda = CuPy arrays on each "
+                        "rank's GPU, beside the hand-rolled copy down + MPI + copy up loop, MPI on the device buffers "
+                        "where it is CUDA-aware, gloo, NCCL and host arrays (out of place, -o sum, -n/-w, --json)")
     g.add_argument("--place", choices=("out", "in", "both"), default="out",
                    help="out of place (default), in place, or both")
     g.add_argument("--inplace", dest="place", action="store_const", const="in", help="same as --place in")
@@ -259,7 +263,31 @@ def _run(args):
                          "python -m ddlkernels bench --launch 2 --mpi-algorithm ring ..., or set "
                          "OMPI_MCA_coll_tuned_use_dynamic_rules=1 OMPI_MCA_coll_tuned_allreduce_algorithm=4 "
                          "in mpirun's environment")
+    if args.device == "cuda":
+        return _measure_device(args)
     return _measure(args)
+
+
+def _measure_device(args):
+    """``--device cuda``: ``ddlkernels.tools.bench.device``'s lines for each collective; exits 2 without a GPU
+    on every rank (having timed nothing), 1 on any wrong element."""
+    from mpi4py import MPI
+
+    from .bench.device import CupyDevice, gpu_everywhere, report
+
+    colls, dtypes, ops, places, _, sizes, _ = _expand(args)
+    if ops != ["sum"] or places != [False] or args.csv or args.plot:
+        raise SystemExit("bench --device cuda: out of place, -o sum, no --csv or --plot (its peers' lines are sums "
+                         "of one placement)")
+    comm = MPI.COMM_WORLD
+    cp, why = gpu_everywhere(comm)  # collective
+    if cp is None:
+        if comm.Get_rank() == 0:
+            print(f"bench --device cuda: no GPU on every rank ({why}); nothing was timed", flush=True)
+        sys.exit(2)
+    if report(comm, CupyDevice(cp), colls, dtypes, sizes, args.iters, args.warmup, args.json):
+        sys.exit(1)
+    return 0
 
 
 def _git_commit():

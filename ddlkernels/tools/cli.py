@@ -72,34 +72,12 @@ def _thread_level(level):
 
 def _job_device(args, comm, cp, dtypes, ops, sizes):
     """The main job on GPU buffers (``ddlkernels.tools.bench.device``)."""
-    import json
-
-    from ddlkernels.tools.bench import comment
-    from ddlkernels.tools.bench.device import gpu_name, sweep, table
+    from ddlkernels.tools.bench.device import CupyDevice, report
 
     if ops != ["sum"] or args.inplace or args.csv:
         raise SystemExit("job on GPU buffers: out of place, -o sum, no --csv (its peers' lines are sums); "
                          "--device host runs the host sweep with every option")
-    rank0 = comm.Get_rank() == 0
-    if rank0:
-        print(comment(f"ddlkernels allreduce on GPU buffers ({gpu_name(cp)}), {comm.Get_size()} ranks, beside the "
-                      f"hand-rolled D2H + MPI_Allreduce + H2D loop, gloo, NCCL where every rank has its own GPU, "
-                      f"host arrays and a device copy; median of {args.iters} after {args.warmup} warmup, slowest "
-                      f"rank; busbw = bytes/t x 2(p-1)/p"), flush=True)
-    wrong, everything = 0, []
-    for dt in dtypes:
-        rows, missing = sweep(comm, cp, sizes, dt, args.iters, args.warmup)
-        wrong += sum(m["wrong"] for r in rows for m in r["lines"].values())
-        everything.append({"dtype": dt, "missing": missing, "rows": rows})
-        if rank0:
-            print(f"\n# {dt}" + "".join(f"; {name}: not run ({why})" for name, why in missing.items()))
-            print(table(rows), flush=True)
-    if rank0:
-        print(f"\n# wrong elements in all: {wrong}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"gpu": gpu_name(cp), "ranks": comm.Get_size(), "runs": everything}, f, indent=1)
-    if wrong:
+    if report(comm, CupyDevice(cp), ["allreduce"], dtypes, sizes, args.iters, args.warmup, args.json):
         sys.exit(1)
 
 

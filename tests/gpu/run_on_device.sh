@@ -12,7 +12,8 @@
 # loop, gloo, NCCL where it can run) at 2 and 4 ranks, their JSON beside the logs.  Logs go to $OUT/gpu-tests (or $TMPDIR).  Exits
 # non-zero on any failure, on any skipped test (a skip here means the device was not used),
 # and when no device is visible.  RANKS=2,4 picks other rank counts; STEPS=tests or STEPS=bench
-# runs one half (a device command may run 10 minutes).
+# runs one half (a device command may run 10 minutes); STEPS=sharded (not in the default) times
+# device reduce_scatter and allgather (python -m ddlkernels bench --device cuda) at 2 ranks.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -84,6 +85,10 @@ if [[ ",$STEPS," == *,bench,* ]]; then
         step "device-sweep-n$n" "$MPIRUN" -n "$n" "$PY" bench/sweeps/device_allreduce.py --sizes 1M,64M,256M \
             --json "$LOGDIR/device_allreduce_np$n.json"
     done
+fi
+if [[ ",$STEPS," == *,sharded,* ]]; then
+    step sharded-n2 "$MPIRUN" -n 2 "$PY" -m ddlkernels bench --device cuda --collective reduce_scatter,allgather \
+        -b 1M -e 256M -f 16 -n 5 -w 2 --json "$LOGDIR/device_sharded_np2.json"
 fi
 
 echo

@@ -1,10 +1,11 @@
-"""Allreduce of GPU buffers beside what a GPU user would otherwise run, every result checked.
+"""Collectives of GPU buffers beside what a GPU user would otherwise run, every result checked.
 
-Used by ``python -m ddlkernels job`` (``--device``, on a GPU by default where every rank has one) and
+Used by ``python -m ddlkernels job`` (``--device``, on a GPU by default where every rank has one),
+``python -m ddlkernels bench --device cuda`` (allreduce, reduce_scatter, allgather) and
 ``bench/sweeps/device_allreduce.py``.  Worked example, 2 ranks on one GPU, 64 MiB of float32::
 
     gpu_everywhere(comm)        (cupy, None): every rank sees a CUDA device (else None and why)
-    sweep(comm, cp, [64 << 20], "float32", iters=10, warmup=3)
+    sweep(comm, CupyDevice(cp), [64 << 20], "float32", iters=10, warmup=3)
         per line, 3 untimed calls, then 10 timed ones: barrier, t0, one call, the
         device synchronized, t1; the iteration's time is the slowest rank's
         -> [{"bytes": 67108864, "lines": {"ddlkernels": {"ms": .., "busbw_GBps": ..,
@@ -17,15 +18,22 @@ The lines (each where it can run; ``sweep``'s ``missing`` says why one could not
     ddlkernels ipc      ipc=True: the ranks of one node reduce each other's memory over CUDA IPC
     ddlkernels staged   ipc=False, cuda_aware=False: through pinned host memory, the ring's chunks or
                         "host"'s pieces (ddlkernels.algorithms.host), as its tuner settled
-    hand-rolled         cupy.asnumpy into pinned memory, MPI_Allreduce, copy back: the loop users write
-    mpi device          MPI_Allreduce on the CuPy buffers themselves, where MPI is CUDA-aware
+    hand-rolled         copy down into pinned memory, MPI's collective, copy back: the loop users write
+    mpi device          MPI's collective on the CuPy buffers themselves, where MPI is CUDA-aware
     gloo                torch.distributed's gloo on CUDA tensors
     nccl                torch.distributed's NCCL, when no two ranks share a GPU
     ddlkernels host     the same bytes as numpy arrays
-    device copy         every rank copies its buffer once on its GPU: a floor no allreduce beats
+    device copy         every rank copies its input once on its GPU: a floor no collective beats
 
-busbw = bytes / t x 2 (p - 1) / p (nccl-tests).  Inputs are ``pattern``'s small
+reduce_scatter leaves each rank its shard of the sum and allgather gathers
+every rank's shard: ddlkernels' lines at ``shard_range``, the others in rank
+order (``MPI_Reduce_scatter``, ``MPI_Allgatherv``), each checked at its own.
+busbw = bytes / t x 2 (p - 1) / p for allreduce, x (p - 1) / p for the others
+(nccl-tests; bytes: the whole buffer).  Inputs are ``pattern``'s small
 integers, so every sum is exact and a misplaced chunk shows as wrong elements.
+
+What the sweep does with device memory goes through a ``CupyDevice``, so that
+the tests run every line's logic on the stream emulator's device.
 """
 
 from __future__ import annotations
@@ -38,7 +46,53 @@ import numpy as np
 
 from .buffers import expected, pattern
 
-__all__ = ["gpu_everywhere", "sweep", "table"]
+__all__ = ["gpu_everywhere", "gpu_name", "CupyDevice", "sweep", "table", "report", "COLLECTIVES"]
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+
+
+class CupyDevice:
+    """The sweep's device memory and copies, on CuPy and the current device."""
+
+    def __init__(self, cp):
+        self.cp = cp
+
+    def name(self) -> str:
+        return gpu_name(self.cp)
+
+    def ident(self):
+        """Which GPU this rank drives (ranks with the same one share it)."""
+        return self.cp.cuda.Device().pci_bus_id
+
+    def index(self) -> int:
+        return self.cp.cuda.runtime.getDevice()
+
+    def array(self, host):
+        return self.cp.asarray(host)
+
+    def empty(self, n, dtype):
+        return self.cp.empty(n, dtype)
+
+    def to_host(self, d):
+        return self.cp.asnumpy(d)
+
+    def pinned(self, n, dtype):
+        import cupyx
+
+        return cupyx.empty_pinned((n,), dtype)
+
+    def down(self, host, d):
+        """``d`` into ``host`` (pinned), waited for."""
+        self.cp.asnumpy(d, out=host)
+
+    def up(self, d, host):
+        d.set(host)
+
+    def copy(self, dst, src):
+        self.cp.copyto(dst, src)
+
+    def synchronize(self):
+        self.cp.cuda.Device().synchronize()
 
 
 def gpu_everywhere(comm):
@@ -68,7 +122,7 @@ def gpu_name(cp) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def _torch_groups(comm, cp, own_gpu):
+def _torch_groups(comm, dev, own_gpu):
     """torch.distributed on ``comm``'s ranks (gloo, and an NCCL group when ``own_gpu``), or why not."""
     try:
         import torch
@@ -87,22 +141,42 @@ def _torch_groups(comm, cp, own_gpu):
         port, host = comm.bcast((port, socket.gethostname()) if comm.Get_rank() == 0 else None)
         os.environ.setdefault("MASTER_ADDR", host)
         os.environ.setdefault("MASTER_PORT", str(port))
-        torch.cuda.set_device(cp.cuda.runtime.getDevice())
+        torch.cuda.set_device(dev.index())
         dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
     nccl = dist.new_group(backend="nccl") if own_gpu and dist.is_nccl_available() else None
     return torch, nccl, None
 
 
-def _lines(comm, cp, dtype):
-    """name -> (setup(n) -> state, run(state), result(state) -> host array or None); name -> why not run;
-    the Communicators to free."""
+def _blocks(n, p):
+    """Rank-order blocks of ``n`` as MPI's collectives place them: the first ``n % p`` one longer."""
+    q, m = divmod(n, p)
+    cuts = [s * q + min(s, m) for s in range(p + 1)]
+    return [(cuts[s], cuts[s + 1]) for s in range(p)]
+
+
+def _case(kind, n, p, r, dt, bounds):
+    """(this rank's input, its output's length, the output it must hold) for ``kind`` with shards ``bounds``."""
+    lo, hi = bounds[r]
+    if kind == "allreduce":
+        return pattern(n, r, p, dt), n, expected(n, p, dt, "sum")
+    if kind == "reduce_scatter":
+        return pattern(n, r, p, dt), hi - lo, expected(n, p, dt, "sum")[lo:hi]
+    whole = np.empty(n, dt)
+    for q, (a, b) in enumerate(bounds):
+        whole[a:b] = pattern(n, q, p, dt)[a:b]
+    return whole[lo:hi].copy(), n, whole
+
+
+def _lines(comm, dev, dtype, kind):
+    """name -> (setup(n) -> state with "want", run(state), result(state) -> host array or None); name -> why
+    not run; the Communicators to free."""
     import ddlkernels
     from mpi4py import MPI
 
     p, r = comm.Get_size(), comm.Get_rank()
     dt = np.dtype(dtype)
     one_node = comm.allreduce(ddlkernels.local_size(comm)) == p * p
-    own_gpu = len(set(comm.allgather((socket.gethostname(), cp.cuda.Device().pci_bus_id)))) == p
+    own_gpu = len(set(comm.allgather((socket.gethostname(), dev.ident())))) == p
     # shm left to the default: device calls never use the window themselves, "host"'s inner Communicator does.
     tuned = ddlkernels.Communicator(comm)
     ipc = ddlkernels.Communicator(comm, shm=False, ipc=True) if one_node else None
@@ -110,11 +184,26 @@ def _lines(comm, cp, dtype):
     host = ddlkernels.Communicator(comm)
     out, missing = {}, {}
 
-    def dev(n):
-        return {"x": cp.asarray(pattern(n, r, p, dt)), "out": cp.empty(n, dt)}
+    def ddl_bounds(n):
+        return [tuned.shard_range(n, rank=q) for q in range(p)]
+
+    def dev_setup(bounds_of):
+        def setup(n):
+            x, m, want = _case(kind, n, p, r, dt, bounds_of(n))
+            return {"n": n, "x": dev.array(x), "out": dev.empty(m, dt), "want": want}
+        return setup
+
+    def ddl_call(c, x, o, n):
+        if kind == "allreduce":
+            c.allreduce(x, "sum", out=o)
+        elif kind == "reduce_scatter":
+            c.reduce_scatter(x, "sum", out=o)
+        else:
+            c.allgather(x, count=n, out=o)
 
     def ddl(c):
-        return dev, lambda s: c.allreduce(s["x"], "sum", out=s["out"]), lambda s: cp.asnumpy(s["out"])
+        return (dev_setup(ddl_bounds), lambda s: ddl_call(c, s["x"], s["out"], s["n"]),
+                lambda s: dev.to_host(s["out"]))
 
     out["ddlkernels"] = ddl(tuned)
     if ipc is not None and "ipc" in ipc.algorithms:
@@ -123,41 +212,59 @@ def _lines(comm, cp, dtype):
         missing["ddlkernels ipc"] = "the ranks span several nodes"
     out["ddlkernels staged"] = ddl(staged)
 
-    def hand_setup(n):
-        import cupyx
+    def mpi_call(x, o, n):
+        """MPI's collective, rank-order blocks (device or pinned buffers alike)."""
+        if kind == "allreduce":
+            comm.Allreduce(x, o, MPI.SUM)
+        elif kind == "reduce_scatter":
+            comm.Reduce_scatter(x, o, [b - a for a, b in _blocks(n, p)], MPI.SUM)
+        else:
+            counts = [b - a for a, b in _blocks(n, p)]
+            comm.Allgatherv(x, [o, (counts, [a for a, _ in _blocks(n, p)])])
 
-        s = dev(n)
-        s["h"], s["r"] = cupyx.empty_pinned((n,), dt), cupyx.empty_pinned((n,), dt)
+    mpi_setup = dev_setup(lambda n: _blocks(n, p))
+
+    def hand_setup(n):
+        s = mpi_setup(n)
+        s["h"], s["r"] = dev.pinned(s["x"].shape[0], dt), dev.pinned(s["out"].shape[0], dt)
         return s
 
     def hand_run(s):
-        cp.asnumpy(s["x"], out=s["h"])
-        comm.Allreduce(s["h"], s["r"], MPI.SUM)
-        s["out"].set(s["r"])
+        dev.down(s["h"], s["x"])
+        mpi_call(s["h"], s["r"], s["n"])
+        dev.up(s["out"], s["r"])
 
-    out["hand-rolled"] = (hand_setup, hand_run, lambda s: cp.asnumpy(s["out"]))
+    out["hand-rolled"] = (hand_setup, hand_run, lambda s: dev.to_host(s["out"]))
     aware, why_not = host.cuda_aware()
     if aware:
         def mpi_run(s):
-            cp.cuda.get_current_stream().synchronize()  # MPI reads the memory now, outside any stream
-            comm.Allreduce(s["x"], s["out"], MPI.SUM)
+            dev.synchronize()  # MPI reads the memory now, outside any stream
+            mpi_call(s["x"], s["out"], s["n"])
 
-        out["mpi device"] = (dev, mpi_run, lambda s: cp.asnumpy(s["out"]))
+        out["mpi device"] = (mpi_setup, mpi_run, lambda s: dev.to_host(s["out"]))
     else:
         missing["mpi device"] = f"MPI is not CUDA-aware ({why_not})"
-    torch, nccl, why = _torch_groups(comm, cp, own_gpu)
+    torch, nccl, why = _torch_groups(comm, dev, own_gpu)
     if torch is None:
         missing["gloo"] = missing["nccl"] = why
     else:
         import torch.distributed as dist
 
         def t_setup(n):
-            return {"t": torch.as_tensor(pattern(n, r, p, dt), device="cuda")}
+            x, m, want = _case(kind, n, p, r, dt, _blocks(n, p))
+            return {"n": n, "t": torch.as_tensor(x, device="cuda"), "want": want,
+                    "y": torch.empty(m, dtype=torch.as_tensor(x[:0]).dtype, device="cuda")}
 
         def t_run(group):
             def run(s):
-                s["y"] = s["t"].clone()
-                dist.all_reduce(s["y"], group=group)
+                n, t, y = s["n"], s["t"], s["y"]
+                if kind == "allreduce":
+                    y.copy_(t)
+                    dist.all_reduce(y, group=group)
+                elif kind == "reduce_scatter":
+                    dist.reduce_scatter(y, [t[a:b] for a, b in _blocks(n, p)], group=group)
+                else:
+                    dist.all_gather([y[a:b] for a, b in _blocks(n, p)], t, group=group)
             return run
 
         out["gloo"] = (t_setup, t_run(None), lambda s: s["y"].cpu().numpy())
@@ -165,52 +272,73 @@ def _lines(comm, cp, dtype):
             out["nccl"] = (t_setup, t_run(nccl), lambda s: s["y"].cpu().numpy())
         else:
             missing["nccl"] = "ranks share a GPU (NCCL needs one each)"
-    out["ddlkernels host"] = (lambda n: {"x": pattern(n, r, p, dt), "out": np.empty(n, dt)},
-                              lambda s: host.allreduce(s["x"], "sum", out=s["out"]), lambda s: s["out"])
-    out["device copy"] = (dev, lambda s: cp.copyto(s["out"], s["x"]), None)
+
+    def host_setup(n):
+        x, m, want = _case(kind, n, p, r, dt, ddl_bounds(n))
+        return {"n": n, "x": x, "out": np.empty(m, dt), "want": want}
+
+    out["ddlkernels host"] = (host_setup, lambda s: ddl_call(host, s["x"], s["out"], s["n"]), lambda s: s["out"])
+    def copy_setup(n):  # the whole buffer: what an allreduce reads and writes, a reduce_scatter reads, ...
+        return {"a": dev.array(pattern(n, r, p, dt)), "b": dev.empty(n, dt)}
+
+    out["device copy"] = (copy_setup, lambda s: dev.copy(s["b"], s["a"]), None)
     return out, missing, [c for c in (tuned, ipc, staged, host) if c is not None]
 
 
-def _measure(comm, cp, line, n, dtype, iters, warmup):
+def _measure(comm, dev, line, n, iters, warmup):
+    """(median seconds of the slowest rank, wrong elements over every rank and iteration) of one line."""
     from mpi4py import MPI
 
     setup, run, result = line
     s = setup(n)
-    want = expected(n, comm.Get_size(), dtype, "sum")
     for _ in range(warmup):
         run(s)
-    cp.cuda.Device().synchronize()
+    dev.synchronize()
     times, wrong = [], 0
     for _ in range(iters):
         comm.Barrier()
         t0 = time.perf_counter()
         run(s)
-        cp.cuda.Device().synchronize()
+        dev.synchronize()
         times.append(time.perf_counter() - t0)
         if result is not None:
-            wrong += int(np.count_nonzero(result(s) != want))
+            wrong += int(np.count_nonzero(result(s) != s["want"]))
     return comm.allreduce(float(np.median(times)), op=MPI.MAX), comm.allreduce(wrong)
 
 
-def sweep(comm, cp, sizes, dtype="float32", iters=10, warmup=3):
-    """``(rows, missing)``: every line at every size in bytes (see the module comment); collective."""
+def _settle(comm, dev, comms, kind, n, dtype):
+    """Run each ddlkernels line's calls of this size until its tuner has settled, so that timed iterations
+    run what it chose."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    for c in comms:
+        h = pattern(n, r, p, dtype)
+        x = h if c is comms[-1] else dev.array(h)  # the last: host arrays
+        while c.tuning(x, collective=kind):
+            if kind == "allgather":
+                lo, hi = c.shard_range(n)
+                c.allgather(x[lo:hi], count=n)
+            else:
+                getattr(c, kind)(x, "sum")
+
+
+def sweep(comm, dev, sizes, dtype="float32", iters=10, warmup=3, collective="allreduce"):
+    """``(rows, missing)``: every line of ``collective`` at every size in bytes (see the module comment);
+    collective.  ``dev``: a ``CupyDevice``."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
     p = comm.Get_size()
-    lines, missing, comms = _lines(comm, cp, dtype)
+    factor = 2 * (p - 1) / p if collective == "allreduce" else (p - 1) / p
+    lines, missing, comms = _lines(comm, dev, dtype, collective)
     rows = []
     try:
         for size in sizes:
             n = size // np.dtype(dtype).itemsize
-            tuned, staged, host = comms[0], comms[-2], comms[-1]
-            h = pattern(n, comm.Get_rank(), p, dtype)
-            x = cp.asarray(h)
-            for c, buf in ((tuned, x), (staged, x), (host, h)):  # each line runs what its tuner settled on
-                while c.tuning(buf):
-                    c.allreduce(buf, "sum")
-            row = {"bytes": n * np.dtype(dtype).itemsize, "lines": {}}
+            tuned, staged = comms[0], comms[-2]
+            _settle(comm, dev, [tuned, staged, comms[-1]], collective, n, dtype)
+            row = {"bytes": n * np.dtype(dtype).itemsize, "collective": collective, "lines": {}}
             for name, line in lines.items():
-                t, wrong = _measure(comm, cp, line, n, dtype, iters, warmup)
-                row["lines"][name] = {"ms": t * 1e3, "busbw_GBps": row["bytes"] / t * 2 * (p - 1) / p / 1e9,
-                                      "wrong": wrong}
+                t, wrong = _measure(comm, dev, line, n, iters, warmup)
+                row["lines"][name] = {"ms": t * 1e3, "busbw_GBps": row["bytes"] / t * factor / 1e9, "wrong": wrong}
             row["ddlkernels_ran"] = tuned.last_algorithm
             row["staged_ran"] = staged.last_algorithm
             rows.append(row)
@@ -227,9 +355,39 @@ def table(rows) -> str:
     out = []
     for row in rows:
         hand = row["lines"]["hand-rolled"]["ms"]
-        out.append(f"\n## {format_size(row['bytes'])} (ddlkernels ran {row['ddlkernels_ran']}, "
-                   f"ddlkernels staged {row.get('staged_ran')})")
+        out.append(f"\n## {row.get('collective', 'allreduce')} {format_size(row['bytes'])} (ddlkernels ran "
+                   f"{row['ddlkernels_ran']}, ddlkernels staged {row.get('staged_ran')})")
         out.append(f"{'line':<20} {'ms':>10} {'busbw GB/s':>11} {'x hand-rolled':>14} {'wrong':>6}")
         for name, m in row["lines"].items():
             out.append(f"{name:<20} {m['ms']:>10.3f} {m['busbw_GBps']:>11.1f} {hand / m['ms']:>14.2f} {m['wrong']:>6}")
     return "\n".join(out)
+
+
+def report(comm, dev, collectives, dtypes, sizes, iters, warmup, json_path=None) -> int:
+    """Every collective and dtype swept, their tables printed (rank 0) and written as JSON; how many wrong
+    elements in all (``job --device cuda`` and ``bench --device cuda``)."""
+    import json
+
+    from . import comment
+
+    rank0 = comm.Get_rank() == 0
+    if rank0:
+        print(comment(f"ddlkernels {', '.join(collectives)} on GPU buffers ({dev.name()}), {comm.Get_size()} ranks, "
+                      f"beside the hand-rolled copy down + MPI + copy up loop, gloo, NCCL where every rank has its own "
+                      f"GPU, host arrays and a device copy; median of {iters} after {warmup} warmup, slowest rank; "
+                      f"busbw = bytes/t x 2(p-1)/p (allreduce), x (p-1)/p (the others)"), flush=True)
+    wrong, everything = 0, []
+    for kind in collectives:
+        for dt in dtypes:
+            rows, missing = sweep(comm, dev, sizes, dt, iters, warmup, collective=kind)
+            wrong += sum(m["wrong"] for r in rows for m in r["lines"].values())
+            everything.append({"collective": kind, "dtype": dt, "missing": missing, "rows": rows})
+            if rank0:
+                print(f"\n# {kind} {dt}" + "".join(f"; {name}: not run ({why})" for name, why in missing.items()))
+                print(table(rows), flush=True)
+    if rank0:
+        print(f"\n# wrong elements in all: {wrong}", flush=True)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump({"gpu": dev.name(), "ranks": comm.Get_size(), "runs": everything}, f, indent=1)
+    return wrong

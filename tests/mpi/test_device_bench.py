@@ -1,0 +1,135 @@
+"""The device benchmark (ddlkernels.tools.bench.device) run whole on the stream emulator's device.
+
+What ``job --device cuda`` and ``bench --device cuda`` run on a GPU, every
+line of every collective, with the emulator's device in place of CuPy's
+(``EmuDevice``: the sweep's ``CupyDevice`` interface): the lines' inputs,
+calls and checks must give 0 wrong elements, and a line that gets its bytes
+wrong must be counted wrong.  Nothing here is timed or CUDA's: the figures
+come from tests/gpu/run_on_device.sh on a GPU.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ddlkernels.tools.bench import device as D
+from stream_emulator import emulated_device
+
+COMM = MPI.COMM_WORLD
+P, R = COMM.Get_size(), COMM.Get_rank()
+# bytes: one float32; an odd count (shards of unequal lengths); past the host algorithm's 8 MiB pieces is
+# too slow here, so pieces come from a small piece_bytes instead (see the test).
+SIZES = [4, 4 * 1031]
+
+
+class EmuDevice:
+    """``CupyDevice``'s interface on the stream emulator's backend ``be``."""
+
+    def __init__(self, be):
+        self.be = be
+
+    def name(self):
+        return "stream emulator"
+
+    def ident(self):
+        return ("emu", R)  # a device of its own per rank
+
+    def index(self):
+        return 0
+
+    def array(self, host):
+        return self.be.to_device(host)
+
+    def empty(self, n, dtype):
+        return self.be.empty(n, dtype)
+
+    def to_host(self, d):
+        return self.be.to_host(d)
+
+    def pinned(self, n, dtype):
+        return np.empty(n, dtype)
+
+    def down(self, host, d):
+        host[...] = self.be.to_host(d)
+
+    def up(self, d, host):
+        self.be.write(d, host)
+
+    def copy(self, dst, src):
+        self.be.copy(dst, src)
+
+    def synchronize(self):
+        self.be.synchronize()
+
+
+class DroppingDevice(EmuDevice):
+    """Copies up lose their last element: the hand-rolled line's results must come out wrong."""
+
+    def up(self, d, host):
+        bad = host.copy()
+        bad[-1:] = 99
+        self.be.write(d, bad)
+
+
+@pytest.fixture(autouse=True)
+def small_host_pieces(monkeypatch):
+    from ddlkernels.algorithms import host
+
+    monkeypatch.setattr(host.Host, "piece_bytes", 64)  # several pieces a call, slots reused
+
+
+@pytest.mark.parametrize("kind", D.COLLECTIVES)
+def test_every_line_of_every_collective_right(kind):
+    with emulated_device(seed=R, policy="random", ipc=True) as be:
+        rows, missing = D.sweep(COMM, EmuDevice(be), SIZES, "float32", iters=2, warmup=1, collective=kind)
+    want = {"ddlkernels", "ddlkernels staged", "hand-rolled", "ddlkernels host", "device copy"}
+    for row, size in zip(rows, SIZES):
+        assert row["bytes"] == size and row["collective"] == kind
+        assert want <= set(row["lines"]), row["lines"].keys()
+        wrong = {name: m["wrong"] for name, m in row["lines"].items() if m["wrong"]}
+        assert not wrong, f"{kind} {size} B: {wrong}"
+        assert all(m["ms"] > 0 for m in row["lines"].values())
+    for name in ("ddlkernels ipc", "mpi device", "gloo", "nccl"):  # each ran, or says why not
+        assert (name in rows[0]["lines"]) != bool(missing.get(name)), (name, missing)
+    text = D.table(rows)
+    assert text.count(f"## {kind} ") == len(SIZES) and "x hand-rolled" in text
+
+
+def test_a_line_with_wrong_bytes_is_counted_wrong():
+    with emulated_device(seed=R, policy="lazy") as be:
+        rows, _ = D.sweep(COMM, DroppingDevice(be), SIZES[1:], "int32", iters=2, warmup=0,
+                          collective="reduce_scatter")
+    lines = rows[0]["lines"]
+    assert lines["hand-rolled"]["wrong"] == 2 * P  # the last element of every rank's shard, each iteration
+    assert lines["ddlkernels"]["wrong"] == 0 and lines["ddlkernels host"]["wrong"] == 0
+
+
+def test_report_prints_every_collective_and_the_wrong_count(capsys, tmp_path):
+    path = tmp_path / "r.json"
+    path = COMM.bcast(str(path))
+    with emulated_device(seed=R, policy="lazy") as be:
+        wrong = D.report(COMM, EmuDevice(be), ["reduce_scatter", "allgather"], ["int32"], SIZES[:1], 1, 0,
+                         path if R == 0 else None)
+    assert wrong == 0
+    out = capsys.readouterr().out
+    if R == 0:
+        assert "# reduce_scatter int32" in out and "# allgather int32" in out and "wrong elements in all: 0" in out
+        import json
+
+        runs = json.load(open(path))["runs"]
+        assert [r["collective"] for r in runs] == ["reduce_scatter", "allgather"]
+
+
+def test_bench_device_cuda_refuses_without_a_gpu_and_what_it_cannot_time(capsys):
+    from ddlkernels.tools.bench_cli import main
+
+    cp, _ = D.gpu_everywhere(COMM)
+    if cp is not None:
+        pytest.skip("a GPU on every rank: bench --device cuda runs on it (tests/gpu/run_on_device.sh)")
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", "cuda", "-b", "1K", "-e", "1K", "--collective", "reduce_scatter"])
+    assert exc.value.code == 2
+    out = capsys.readouterr().out
+    assert ("nothing was timed" in out) if R == 0 else out == ""
+    with pytest.raises(SystemExit, match="out of place, -o sum"):
+        main(["--device", "cuda", "-b", "1K", "-e", "1K", "--place", "both"])
