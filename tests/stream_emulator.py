@@ -60,6 +60,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -426,6 +427,7 @@ class EmuBackend(DeviceBackend):
         from ddlkernels.backends import get_backend
 
         self._numpy = get_backend("numpy")
+        self.locked: dict = {}  # page-locked host memory: address -> (bytes, weak reference to ``pinned``'s array)
 
     def configure(self, seed, policy):
         self.emu.drain()
@@ -527,13 +529,29 @@ class EmuBackend(DeviceBackend):
         return self.emu.query(ev)
 
     def pinned(self, nbytes):
-        return np.full(int(nbytes), GARBAGE, np.uint8)
+        a = np.full(int(nbytes), GARBAGE, np.uint8)
+        self.locked[a.ctypes.data] = (a.nbytes, weakref.ref(a))  # until it is freed (then its address is free)
+        return a
+
+    def _lock_of(self, lo, nbytes):
+        """The page-locked range holding ``[lo, lo + nbytes)``, or None."""
+        for b in [b for b, (_, ref) in self.locked.items() if ref() is None]:
+            del self.locked[b]
+        return next((b for b, (m, _) in self.locked.items() if b <= lo and lo + nbytes <= b + m), None)
+
+    def _page_locked(self, host, what):
+        """CUDA copies asynchronously only from page-locked memory: ``host`` must lie in some."""
+        a = _bytes(host)
+        if self._lock_of(a.ctypes.data, a.nbytes) is None:
+            raise AssertionError(f"{what}: an asynchronous copy of host memory that is not page-locked")
 
     def d2h(self, host, dev, stream):
+        self._page_locked(host, "d2h")
         src, dst = _bytes(dev), _bytes(host)
         self.emu.enqueue(stream, lambda: dst.__setitem__(Ellipsis, src), "d2h")
 
     def h2d(self, dev, host, stream):
+        self._page_locked(host, "h2d")
         src, dst = _bytes(host), _bytes(dev)
         self.emu.enqueue(stream, lambda: dst.__setitem__(Ellipsis, src), "h2d")
 
