@@ -49,7 +49,8 @@ def chunks_per_call(comm, count, itemsize, chunk_bytes):
 
 
 def lines(comm, device, n, dt):
-    """name -> (run(chunk_bytes), sync, result() -> host array); name -> why not; Communicators to free."""
+    """name -> (run(chunk_bytes), sync, result() -> host array); name -> why not; Communicators to free.
+    ``device``: "host", "cuda", or the GPU lines' device (a ``CupyDevice``; the tests' emulated one)."""
     p, r = comm.Get_size(), comm.Get_rank()
     x = pattern(n, r, p, dt)
     out, missing, comms = {}, {}, []
@@ -58,19 +59,21 @@ def lines(comm, device, n, dt):
     h = np.empty_like(x)
     out["host"] = (lambda c: host.allreduce(x, "sum", out=h, dims=(p,), chunk_bytes=c), lambda: None, lambda: h)
     if device == "cuda":
-        from ddlkernels.tools.bench.device import gpu_everywhere
+        from ddlkernels.tools.bench.device import CupyDevice, gpu_everywhere
 
         cp, why = gpu_everywhere(comm)
         if cp is None:
             return None, why, comms
-        dx, dout = cp.asarray(x), cp.empty(n, dt)
-        sync = cp.cuda.Device().synchronize
+        device = CupyDevice(cp)
+    if not isinstance(device, str):
+        dx, dout = device.array(x), device.empty(n, dt)
+        sync = device.synchronize
 
         def dev_line(**kw):
             c = ddlkernels.Communicator(comm, shm=False, ipc=False, small_bytes=0, **kw)
             comms.append(c)
             return (lambda ch: c.allreduce(dx, "sum", out=dout, dims=(p,), chunk_bytes=ch), sync,
-                    lambda: cp.asnumpy(dout))
+                    lambda: device.to_host(dout))
 
         out["staged"] = dev_line(cuda_aware=False)
         aware, reason = host.cuda_aware()

@@ -13,6 +13,7 @@ import pytest
 from mpi4py import MPI
 
 from ddlkernels.tools.bench import device as D
+from ddlkernels.tools.bench.buffers import expected
 from stream_emulator import emulated_device
 
 COMM = MPI.COMM_WORLD
@@ -133,3 +134,31 @@ def test_bench_device_cuda_refuses_without_a_gpu_and_what_it_cannot_time(capsys)
     assert ("nothing was timed" in out) if R == 0 else out == ""
     with pytest.raises(SystemExit, match="out of place, -o sum"):
         main(["--device", "cuda", "-b", "1K", "-e", "1K", "--place", "both"])
+
+
+def test_chunk_cost_study_lines_right():
+    """bench/studies/chunk_cost.py's lines (the host ring, the staged device ring) at several chunk sizes:
+    every result exact, the chunks a call sends growing as the chunk shrinks."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "studies" / "chunk_cost.py"
+    spec = importlib.util.spec_from_file_location("chunk_cost", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    n, dt = 3001, np.dtype(np.float32)
+    want = expected(n, P, dt, "sum")
+    with emulated_device(seed=R, policy="random") as be:
+        found, missing, comms = study.lines(COMM, EmuDevice(be), n, dt)
+        try:
+            assert "staged" in found and ("cuda-aware" in found) != bool(missing.get("cuda-aware"))
+            for chunk in (64, 1024, 1 << 20):
+                for name, (run, sync, result) in found.items():
+                    run(chunk)
+                    sync()
+                    assert np.array_equal(result(), want), (name, chunk)
+            m = [study.chunks_per_call(comms[0], n, dt.itemsize, c) for c in (64, 1024)]
+            assert (m[0] > m[1] >= 2 * (P - 1)) if P > 1 else m == [0, 0]  # one rank sends nothing
+        finally:
+            for c in comms:
+                c.free()
