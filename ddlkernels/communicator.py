@@ -204,6 +204,25 @@ class Communicator:
                     self.comm.Free()
             self._transports, self._buffers, self.comm = {}, {}, None
 
+    def close_peer_memory(self) -> None:
+        """Close the peers' device memory this rank holds open for CUDA IPC (collective).
+
+        The CUDA IPC paths (``ipc``, ``hier``) open a peer's allocation once and keep it, as NCCL keeps
+        registered buffers, and CUDA leaves a ``cudaFree`` of memory a peer still has open undefined.  So
+        before device memory that collectives of this Communicator read goes back to the driver
+        (``torch.cuda.empty_cache()``, CuPy's ``free_all_blocks()``), call this on every rank: it waits
+        for this Communicator's device work, closes what it holds and returns once every rank has (a
+        barrier).  Later calls open what they need again.  ``free`` does the same.
+        """
+        from .backends import get_backend
+
+        with self._exclusive("close_peer_memory"):
+            for key, ev in self._tails.items():  # the last device call on each device: every one before it
+                get_backend(key[0]).sync(ev)
+            for a in self.algorithms.order:
+                a.close_peer_memory()
+            complete(self.comm.Ibarrier(), None, "close_peer_memory's barrier")
+
     @contextlib.contextmanager
     def _exclusive(self, what):
         """The body runs with this Communicator to itself; ``RuntimeError`` if another thread is in a collective

@@ -121,6 +121,9 @@ class Algorithm:
         such call."""
         return False
 
+    def close_peer_memory(self) -> None:
+        """Close what it holds open of peers' device memory (CUDA IPC); the device work that used it has run."""
+
     def free(self) -> None:
         """Release what this algorithm allocated (collective, with the Communicator's ``free``)."""
 

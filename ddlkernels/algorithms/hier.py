@@ -218,6 +218,10 @@ class Hier(Algorithm):
         else:
             self._hier.run(w.src, w.dst, w.redop, w.be.reduce, avg_p=avg_p, deadline=w.deadline)
 
+    def close_peer_memory(self):
+        if self._hier is not None:
+            self._hier.ipc.close_mapped()
+
     def free(self):
         if self._hier is not None:
             self._hier.free()  # frees the node communicator too

@@ -27,7 +27,10 @@ two small ones.
 
 Buffers.  A peer's allocation is opened once and kept (``Mapped``, least
 recently used closed past ``MAPPED``), as NCCL keeps registered buffers: a
-training loop's gradients come from the same allocations every step.  An
+training loop's gradients come from the same allocations every step.  CUDA
+leaves a cudaFree of memory a peer still has open undefined, so the user
+closes them (``Communicator.close_peer_memory``) before handing device memory
+back to the driver, and ``free`` closes them all before any rank returns.  An
 array that CUDA IPC cannot export (memory of cudaMallocAsync, managed
 memory) goes through an exportable stage of this rank: one more device copy.
 
@@ -291,11 +294,20 @@ class IpcNode:
         its devices (for tests and reports)."""
         return sum(len(d.mapped.maps) if now else d.mapped.opened for d in self._devices.values())
 
+    def close_mapped(self) -> None:
+        """Close every peer allocation this rank holds open (the caller has synchronized the work that used
+        them); later calls open what they need again."""
+        for d in self._devices.values():
+            d.mapped.close()
+
     def free(self) -> None:
+        """Close everything (collective): no rank returns while a peer still has its memory open, which
+        CUDA leaves undefined once that memory is freed."""
         for d in self._devices.values():
             d.be.synchronize()
             d.mapped.close()
         self._devices.clear()
+        self.comm.Barrier()
 
     def held(self) -> list:
         return list(self._devices.values())
@@ -341,6 +353,10 @@ class Ipc(Algorithm):
     def mapped(self, now=False) -> int:
         """``IpcNode.mapped``: peers' allocations opened so far, or with ``now`` open in use."""
         return 0 if self._node is None else self._node.mapped(now)
+
+    def close_peer_memory(self):
+        if self._node is not None:
+            self._node.close_mapped()
 
     def free(self):
         if self._node is not None:

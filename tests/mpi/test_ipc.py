@@ -303,3 +303,27 @@ def test_reduce_scatter_and_allgather_candidates():
         assert ddlkernels.Communicator(COMM, shm=False, ipc=False).candidates(d, collective="allgather") == \
             ("ring", *host)
         c.free()
+
+
+def test_close_peer_memory_closes_every_mapping_and_later_calls_open_again():
+    """``Communicator.close_peer_memory`` (before memory goes back to the driver): after it no peer
+    allocation is open on any rank; the next calls open what they need again and give the same bits."""
+    x = rank_data(4099, R, P, np.float32, salt=3)
+    want = fold(COMM.allgather(x), "sum")
+    with emulated_device(seed=R, policy="random", ipc=True) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+        algo = c.algorithms["ipc"]
+        d, out = be.to_device(x), be.to_device(np.zeros_like(x))
+        first = be.to_host(c.allreduce(d, "sum", out=out))
+        opened = algo.mapped()
+        assert algo.mapped(now=True) == opened > 0
+        c.allreduce(d, "sum", out=out)  # queued, not read: close_peer_memory waits for it
+        c.close_peer_memory()
+        assert COMM.allgather(algo.mapped(now=True)) == [0] * P
+        again = be.to_host(c.allreduce(d, "sum", out=out))
+        assert algo.mapped() == 2 * opened and same_bits(first, want) and same_bits(again, want)
+        host = ddlkernels.Communicator(COMM)
+        host.close_peer_memory()  # nothing mapped, no device call: a barrier
+        host.free()
+        c.free()
+        assert algo.mapped(now=True) == 0
