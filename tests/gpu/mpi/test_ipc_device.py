@@ -215,3 +215,21 @@ def test_host_algorithm_reduce_scatter_and_allgather():
     check(out.cpu().numpy(), whole, "host allgather into a torch tensor")
     CALLS[0] += 1
     c.free()
+
+
+def test_close_peer_memory_then_the_pool_frees_its_blocks():
+    """Every rank closes what it maps of its peers, then hands CuPy's pool back to the driver (cudaFree of
+    memory no peer has open any more); new allocations are mapped afresh and reduce right."""
+    c = ddlkernels.Communicator(COMM, shm=False, cuda_aware=False, ipc=True)
+    for k in range(2):
+        x = data(300007, np.float32, salt=20 + k)
+        want = rank_order_fold(COMM.allgather(x), "sum")
+        d = cp.asarray(x)
+        check(cp.asnumpy(c.allreduce(d, "sum")), want, f"round {k}")
+        assert c.algorithms["ipc"].mapped(now=True) > 0
+        c.close_peer_memory()
+        assert c.algorithms["ipc"].mapped(now=True) == 0
+        del d
+        cp.get_default_memory_pool().free_all_blocks()
+        CALLS[0] += 1
+    c.free()
