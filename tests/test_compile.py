@@ -119,6 +119,18 @@ def test_numba_reduce_compiles(op, suf):
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"sm_{cc}: {info}"
 
 
+@needs_ptxas  # (libNVVM comes with it)
+def test_numba_pack_arguments_fit_the_parameter_space_of_any_cuda():
+    """The pack kernels' parameters, read from the PTX: a full group (what the backend launches) within the
+    4 KiB every CUDA version gives a kernel's parameters; all of a 182-tensor model's tensors in one tuple,
+    as one launch once took them, well past it (a Numba array is 7 words)."""
+    fn = N.pack_kernel(python=True)
+    group = C.param_bytes(C.numba_ptx(fn, N.pack_signature(), 90)[0])
+    assert group <= 4096, group
+    model = C.param_bytes(C.numba_ptx(fn, N.pack_signature(1, 182), 90)[0])
+    assert model > 2 * 4096 and model >= 182 * 56, model
+
+
 @needs_ptxas
 @pytest.mark.parametrize("which", ["pack", "unpack"])
 def test_numba_pack_compiles(which):

@@ -41,8 +41,8 @@ load types); they are the portable path.  The pack kernels take the tensors
 as a tuple of arrays of one word type and a table of 64 KiB pieces, one
 block each (the CuPy backend's layout): the backend launches them on groups
 of at most ``PACK_GROUP`` tensors, each tuple padded to a power of two, so a
-few specializations serve any count and the arguments stay far below the
-4 KiB a kernel's parameters may take (a Numba array argument is 56 bytes).
+few specializations serve any count and the arguments stay within the 4 KiB
+a kernel's parameters may take (a Numba array argument is 7 words).
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ __all__ = [
 ]
 
 OPS = ("sum", "prod", "max", "min", "avg")
-#: Tensors per launch of the pack kernels: 32 arrays are 1.8 KiB of kernel arguments (the tuple of all 182
-#: of a 62 MiB model was 10 KiB, and past about 580 NVVM fails to compile the kernel).
+#: Tensors per launch of the pack kernels: their parameters take 1920 bytes, within the 4 KiB every CUDA version
+#: gives a kernel (all 182 tensors of a model in one tuple took 10320; tests/test_compile.py reads the PTX).
 PACK_GROUP = 32
 SUFFIXES = ("f16", "bf16", "f32", "f64", "i32", "i64")
 #: numpy type of the last kernel argument (the accumulation type).
