@@ -162,3 +162,32 @@ def test_chunk_cost_study_lines_right():
         finally:
             for c in comms:
                 c.free()
+
+
+def test_a_line_another_library_refuses_is_left_out_with_its_reason(monkeypatch):
+    """torch.distributed refuses what a backend lacks (as gloo may an uneven reduce_scatter): the sweep goes
+    on without that line and says why; a ddlkernels line that raises stops it."""
+    real = D._lines
+
+    def with_refusing(comm, dev, dtype, kind):
+        out, missing, comms = real(comm, dev, dtype, kind)
+        missing.pop("gloo", None)
+        out["gloo"] = (lambda n: {"want": None}, lambda s: (_ for _ in ()).throw(RuntimeError("no such op\nmore")),
+                       None)
+        return out, missing, comms
+
+    monkeypatch.setattr(D, "_lines", with_refusing)
+    with emulated_device(seed=R, policy="lazy") as be:
+        rows, missing = D.sweep(COMM, EmuDevice(be), SIZES, "int32", iters=1, warmup=0, collective="reduce_scatter")
+    assert missing["gloo"] == "RuntimeError: no such op"
+    assert all("gloo" not in r["lines"] and "hand-rolled" in r["lines"] for r in rows)
+
+    def broken(comm, dev, dtype, kind):
+        out, missing, comms = real(comm, dev, dtype, kind)
+        out["ddlkernels"] = (out["ddlkernels"][0], lambda s: (_ for _ in ()).throw(RuntimeError("bug")), None)
+        return out, missing, comms
+
+    monkeypatch.setattr(D, "_lines", broken)
+    with emulated_device(seed=R, policy="lazy") as be:
+        with pytest.raises(RuntimeError, match="bug"):
+            D.sweep(COMM, EmuDevice(be), SIZES[:1], "int32", iters=1, warmup=0)

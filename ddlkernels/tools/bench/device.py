@@ -49,6 +49,8 @@ from .buffers import expected, pattern
 __all__ = ["gpu_everywhere", "gpu_name", "CupyDevice", "sweep", "table", "report", "COLLECTIVES"]
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
+#: lines of other libraries, left out (with the reason) where they refuse a call
+OPTIONAL = ("gloo", "nccl")
 
 
 class CupyDevice:
@@ -336,8 +338,17 @@ def sweep(comm, dev, sizes, dtype="float32", iters=10, warmup=3, collective="all
             tuned, staged = comms[0], comms[-2]
             _settle(comm, dev, [tuned, staged, comms[-1]], collective, n, dtype)
             row = {"bytes": n * np.dtype(dtype).itemsize, "collective": collective, "lines": {}}
-            for name, line in lines.items():
-                t, wrong = _measure(comm, dev, line, n, iters, warmup)
+            for name, line in list(lines.items()):
+                try:
+                    t, wrong = _measure(comm, dev, line, n, iters, warmup)
+                except (RuntimeError, NotImplementedError, ValueError) as exc:
+                    if name not in OPTIONAL:
+                        raise
+                    # torch.distributed refuses what a backend lacks (gloo's uneven reduce_scatter, say) on
+                    # every rank alike, before any communication: the line is left out with the reason.
+                    missing[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    del lines[name]
+                    continue
                 row["lines"][name] = {"ms": t * 1e3, "busbw_GBps": row["bytes"] / t * factor / 1e9, "wrong": wrong}
             row["ddlkernels_ran"] = tuned.last_algorithm
             row["staged_ran"] = staged.last_algorithm
