@@ -191,3 +191,12 @@ def test_a_line_another_library_refuses_is_left_out_with_its_reason(monkeypatch)
     with emulated_device(seed=R, policy="lazy") as be:
         with pytest.raises(RuntimeError, match="bug"):
             D.sweep(COMM, EmuDevice(be), SIZES[:1], "int32", iters=1, warmup=0)
+
+
+def test_a_dtype_some_line_cannot_reduce_is_refused_before_any_work():
+    with emulated_device(seed=R, policy="lazy") as be:
+        for dt in ("float16", "bfloat16"):
+            with pytest.raises(SystemExit, match="no float16 or bfloat16"):
+                D.report(COMM, EmuDevice(be), ["allreduce"], ["float32", dt], SIZES, 1, 0)
+            with pytest.raises(ValueError, match="float32, float64, int32, int64"):
+                D.sweep(COMM, EmuDevice(be), SIZES, dt)

@@ -323,11 +323,23 @@ def _settle(comm, dev, comms, kind, n, dtype):
                 getattr(c, kind)(x, "sum")
 
 
+#: what every line can reduce: MPI, the hand-rolled loop's, has no float16 or bfloat16 reduction, nor CuPy bfloat16
+DTYPES = ("float32", "float64", "int32", "int64")
+
+
+def _check_dtype(dtype):
+    if np.dtype(dtype).name not in DTYPES:
+        raise ValueError(f"GPU buffers: dtype {np.dtype(dtype).name} is not one every line reduces (MPI, the "
+                         f"hand-rolled loop's, has no float16 or bfloat16); one of {', '.join(DTYPES)} "
+                         f"(bench/kernels/device_kernels.py times the kernels in float16 and bfloat16)")
+
+
 def sweep(comm, dev, sizes, dtype="float32", iters=10, warmup=3, collective="allreduce"):
     """``(rows, missing)``: every line of ``collective`` at every size in bytes (see the module comment);
     collective.  ``dev``: a ``CupyDevice``."""
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+    _check_dtype(dtype)
     p = comm.Get_size()
     factor = 2 * (p - 1) / p if collective == "allreduce" else (p - 1) / p
     lines, missing, comms = _lines(comm, dev, dtype, collective)
@@ -381,6 +393,11 @@ def report(comm, dev, collectives, dtypes, sizes, iters, warmup, json_path=None)
 
     from . import comment
 
+    for dt in dtypes:  # before any GPU work, the same on every rank
+        try:
+            _check_dtype(dt)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     rank0 = comm.Get_rank() == 0
     if rank0:
         print(comment(f"ddlkernels {', '.join(collectives)} on GPU buffers ({dev.name()}), {comm.Get_size()} ranks, "
