@@ -280,6 +280,7 @@ def _lines(comm, dev, dtype, kind):
         return {"n": n, "x": x, "out": np.empty(m, dt), "want": want}
 
     out["ddlkernels host"] = (host_setup, lambda s: ddl_call(host, s["x"], s["out"], s["n"]), lambda s: s["out"])
+
     def copy_setup(n):  # the whole buffer: what an allreduce reads and writes, a reduce_scatter reads, ...
         return {"a": dev.array(pattern(n, r, p, dt)), "b": dev.empty(n, dt)}
 
