@@ -20,7 +20,7 @@ from pathlib import Path
 from ddlkernels.kernels.sources import kernel_dir, nvrtc_options
 
 __all__ = ["nvrtc", "nvcc", "nvcc_path", "ptxas_path", "ptxas", "parse_ptxas", "ptx_entries", "vectorized",
-           "numba_ptx", "param_bytes", "NVRTC_ARCHS", "NVCC_ARCHS", "NUMBA_ARCHS", "nvrtc_supported", "nvcc_supported"]
+           "numba_ptx", "NVRTC_ARCHS", "NVCC_ARCHS", "NUMBA_ARCHS", "nvrtc_supported", "nvcc_supported"]
 
 #: Targets the kernels are compiled for: the oldest one each compiler still knows (CUDA 12: sm_70; CUDA 13
 #: dropped it: sm_75), Ampere and Hopper.  Asked of the compilers, so CUDA 12 and 13 toolchains both work.
@@ -172,13 +172,3 @@ NVRTC_ARCHS = _pick(nvrtc_supported())
 NVCC_ARCHS = _pick(nvcc_supported())
 #: Numba kernels go through numba-cuda's NVVM and the pip ptxas (CUDA 12 here, which reaches sm_70).
 NUMBA_ARCHS = (70, 80, 90)
-
-
-def param_bytes(ptx: str) -> int:
-    """Bytes of kernel parameters of the (first) entry of ``ptx``: its ``.param .u64``-like scalars and
-    ``.param .align A .b8 name[N]`` blocks (what a launch copies into the kernel's parameter space)."""
-    start = ptx.index(".entry")
-    params = ptx[start:ptx.index(")", start)]
-    scalars = sum(int(b) // 8 for b in re.findall(r"\.param\s+\.[a-z]+?(\d+)\s", params))
-    blocks = sum(int(n) for n in re.findall(r"\.param\s+\.align\s+\d+\s+\.b8\s+\S+?\[(\d+)\]", params))
-    return scalars + blocks

@@ -52,11 +52,10 @@ and ``pack(tensors, buf, offsets)`` / ``unpack(buf, tensors, offsets)``:
 copy a list of flat device buffers into one fusion buffer and back, in one
 kernel launch (offsets in bytes; ``pack_offsets`` computes 16-byte aligned
 ones so every tensor takes the 128-bit path of kernels/pack.cu).  Both
-backends hand their kernel a table of every tensor cut into pieces of at most
-64 KiB (``piece_rows``), one block each, so a long tensor spreads over the
-whole GPU instead of the few blocks a launch per tensor would give it: the
-CuPy one ``pack_pieces`` (addresses), the Numba one places in a tuple of at
-most ``PACK_GROUP`` tensors a launch.
+backends hand their kernel the table of ``pack_pieces``: every tensor cut into
+pieces of at most 64 KiB, one block each, by device address, so a long tensor
+spreads over the whole GPU instead of the few blocks a launch per tensor would
+give it (the Numba kernels read it in words of the widest size that fits).
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ from .._dtypes import BFLOAT16
 from ..kernels.numba_cuda import ARG_TYPES, suffix_of
 from . import Backend
 
-__all__ = ["DeviceBackend", "storage_dtype", "pack_offsets", "pack_pieces", "piece_rows", "PIECE_BYTES"]
+__all__ = ["DeviceBackend", "storage_dtype", "pack_offsets", "pack_pieces", "PIECE_BYTES"]
 
 _REDUCE_OPS = ("sum", "prod", "max", "min")
 
@@ -96,18 +95,6 @@ def pack_offsets(nbytes, align: int = 16) -> tuple[list[int], int]:
 PIECE_BYTES = 1 << 16
 
 
-def piece_rows(nbytes, piece: int):
-    """Every tensor of ``nbytes`` (units) cut into pieces of at most ``piece``: arrays of the tensor each
-    piece belongs to, its start in that tensor and its length, in tensor order; an empty tensor has none.
-
-    Example, piece 4: nbytes (6, 0, 3) give which (0, 0, 2), start (0, 4, 0), length (4, 2, 3)."""
-    n = np.asarray(nbytes, dtype=np.int64).reshape(-1)
-    counts = -(-n // piece)  # 0 for an empty tensor
-    which = np.repeat(np.arange(n.shape[0]), counts)
-    start = (np.arange(which.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)) * piece
-    return which, start, np.minimum(n[which] - start, piece)
-
-
 def pack_pieces(ptrs, nbytes, offsets, piece: int = PIECE_BYTES) -> np.ndarray:
     """The table of kernels/pack.cu (rows of address, length, byte offset in the buffer; uint64) for tensors
     at device addresses ``ptrs`` of ``nbytes`` bytes at ``offsets`` of the buffer, each cut into pieces of
@@ -118,11 +105,13 @@ def pack_pieces(ptrs, nbytes, offsets, piece: int = PIECE_BYTES) -> np.ndarray:
     (0x7f00_0000, 65536, 4096) and (0x7f01_0000, 36864, 69632)."""
     if piece <= 0 or piece % 16:
         raise ValueError(f"piece must be a positive multiple of 16, got {piece}")
-    ptrs, off = (np.asarray(v, dtype=np.int64).reshape(-1) for v in (ptrs, offsets))
-    which, start, length = piece_rows(nbytes, piece)
+    ptrs, n, off = (np.asarray(v, dtype=np.int64).reshape(-1) for v in (ptrs, nbytes, offsets))
+    counts = -(-n // piece)  # 0 for an empty tensor
+    which = np.repeat(np.arange(n.shape[0]), counts)
+    start = (np.arange(which.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)) * piece
     table = np.empty((which.shape[0], 3), dtype=np.int64)
     table[:, 0] = ptrs[which] + start
-    table[:, 1] = length
+    table[:, 1] = np.minimum(n[which] - start, piece)
     table[:, 2] = off[which] + start
     return table.view(np.uint64)
 

@@ -21,9 +21,9 @@ import contextlib
 import numpy as np
 
 from .._dtypes import BFLOAT16
-from ..kernels.numba_cuda import PACK_GROUP, launch_config, pack_kernel, reduce_kernel, unpack_kernel
+from ..kernels.numba_cuda import launch_config, pack_kernel, reduce_kernel, unpack_kernel
 from . import BackendUnavailable
-from ._device import PIECE_BYTES, DeviceBackend, pack_offsets, piece_rows, storage_dtype
+from ._device import DeviceBackend, pack_offsets, pack_pieces, storage_dtype
 
 __all__ = ["NumbaBackend"]
 
@@ -45,11 +45,6 @@ def _stream_key(s) -> int:
         return int(s)
     except TypeError:
         return 0
-
-
-def _padded(n: int) -> int:
-    """``n`` tensors' tuple length: the next power of two (one kernel specialization per length)."""
-    return 1 << max(0, (n - 1).bit_length())
 
 
 class NumbaBackend(DeviceBackend):
@@ -214,11 +209,11 @@ class NumbaBackend(DeviceBackend):
 
     def pack(self, tensors, buf, offsets=None):
         """Copy flat device buffers ``tensors`` into ``buf`` at byte ``offsets`` (default 16-byte aligned)."""
-        return self._table_copy(pack_kernel(), tensors, buf, offsets)
+        return self._table_copy(pack_kernel, tensors, buf, offsets)
 
     def unpack(self, buf, tensors, offsets):
         """Inverse of ``pack``: ``tensors[i]`` receive their bytes from ``buf``."""
-        return self._table_copy(unpack_kernel(), tensors, buf, offsets)
+        return self._table_copy(unpack_kernel, tensors, buf, offsets)
 
     def _table_copy(self, kernel, tensors, buf, offsets):
         sizes = [t.shape[0] * t.dtype.itemsize for t in tensors]
@@ -228,41 +223,33 @@ class NumbaBackend(DeviceBackend):
         for n, o in zip(sizes, offsets):
             if o < 0 or o + n > nbuf:
                 raise ValueError(f"tensor of {n} bytes at offset {o} does not fit a {nbuf}-byte buffer")
-        live = [i for i, n in enumerate(sizes) if n]
-        if live:
+        if any(sizes):
             s = self.compute_stream()
-            ptrs = [self._ptr(tensors[i]) for i in live]
-            word = _word(ptrs + [self._ptr(buf)] + [sizes[i] for i in live] + [offsets[i] for i in live])
-            wt = np.dtype(f"u{word}")
-            bbuf = buf.view(np.uint8)[: nbuf - nbuf % word].view(wt)
-            for group, table, longest in self._pack_tables(s, [sizes[i] for i in live], [offsets[i] for i in live],
-                                                           word):
-                views = [tensors[live[g]].view(wt) for g in group]
-                views += views[:1] * (_padded(len(views)) - len(views))  # no row names the padding
-                kernel[min(table.shape[0], 65535), min(256, longest), s](bbuf, tuple(views), table)
+            ptrs = [self._ptr(t) for t in tensors]
+            live = [i for i, n in enumerate(sizes) if n]  # an empty tensor's address and offset bind nothing
+            word = _word([self._ptr(buf)] + [v for i in live for v in (ptrs[i], sizes[i], offsets[i])])
+            words = buf.view(np.uint8)[: nbuf - nbuf % word].view(np.dtype(f"u{word}"))
+            table, longest = self._pack_table(s, ptrs, sizes, offsets, word)
+            kernel(word)[min(table.shape[0], 65535), min(256, longest), s](table, words)
         return list(offsets)
 
-    def _pack_tables(self, stream, sizes, offsets, word):
-        """[(indices into the live tensors, device table of ``ddl_pack``, its longest row)], a group of at most
-        ``PACK_GROUP`` tensors each.  It names tensors by their place in the list, not their address, so one
-        table serves every pack and unpack of a layout (a training loop packs the same sizes every step).
-        Kept per stream: a table uploaded on one stream is ordered before that stream's launches only."""
-        key = (_stream_key(stream), self.current_device(), word, np.array([sizes, offsets], dtype=np.int64).tobytes())
+    def _pack_table(self, stream, ptrs, sizes, offsets, word):
+        """The device copy of ``pack_pieces``' table in ``word``-byte units (int64: Numba would type a sum of
+        uint64 and int64 as a float), and its longest row; kept per stream, as the CuPy backend's: a
+        training loop packs the same tensors every step, and a table uploaded on one stream is ordered
+        before that stream's launches only."""
+        key = (_stream_key(stream), self.current_device(), word,
+               np.array([ptrs, sizes, offsets], dtype=np.int64).tobytes())
         hit = self._tables.get(key)
         if hit is not None:
             self._tables.move_to_end(key)
-            return hit[0]
-        which, start, length = piece_rows(np.asarray(sizes, dtype=np.int64) // word, PIECE_BYTES // word)
-        words_off = np.asarray(offsets, dtype=np.int64) // word
-        groups = []
-        for g0 in range(0, len(sizes), PACK_GROUP):
-            sel = (which >= g0) & (which < g0 + PACK_GROUP)
-            host = np.stack([which[sel] - g0, start[sel], length[sel], words_off[which[sel]]], axis=1)
-            # From pageable memory the copy takes the bytes before it returns; the cache holds them as well.
-            groups.append((range(g0, min(g0 + PACK_GROUP, len(sizes))),
-                           self._cuda.to_device(np.ascontiguousarray(host), stream=stream), int(host[:, 2].max()),
-                           host))
-        self._tables[key] = ([g[:3] for g in groups], [g[3] for g in groups])
+            return hit[0], hit[1]
+        host = pack_pieces(ptrs, sizes, offsets).view(np.int64)
+        host[:, 1:] //= word
+        # From pageable memory the copy takes the bytes before it returns; the cache holds them as well.
+        table = self._cuda.to_device(host, stream=stream)
+        longest = int(host[:, 1].max())
+        self._tables[key] = (table, longest, host)
         if len(self._tables) > _TABLES:
             self._tables.popitem(last=False)
-        return self._tables[key][0]
+        return table, longest

@@ -37,12 +37,11 @@ Preconditions of every reduce kernel: 1-D C-contiguous arrays of one length;
 ``arg`` has the accumulation type (``ARG_TYPES``); only avg reads it.
 
 Unlike the .cu kernels these do no 128-bit vectorization (Numba has no vector
-load types); they are the portable path.  The pack kernels take the tensors
-as a tuple of arrays of one word type and a table of 64 KiB pieces, one
-block each (the CuPy backend's layout): the backend launches them on groups
-of at most ``PACK_GROUP`` tensors, each tuple padded to a power of two, so a
-few specializations serve any count and the arguments stay within the 4 KiB
-a kernel's parameters may take (a Numba array argument is 7 words).
+load types); they are the portable path.  The pack kernels read the table
+of kernels/pack.cu (every tensor cut into 64 KiB pieces, one block each, by
+device address) in words of 1, 2, 4 or 8 bytes, through two small intrinsics
+that load and store a word at an address (``load_w64(addr, i)``): one launch
+of three arguments packs any number of tensors.
 """
 
 from __future__ import annotations
@@ -60,15 +59,14 @@ __all__ = [
     "suffix_of",
     "kernel_signature",
     "pack_signature",
+    "WORDS",
     "launch_config",
     "numba_cuda_compat",
-    "PACK_GROUP",
 ]
 
 OPS = ("sum", "prod", "max", "min", "avg")
-#: Tensors per launch of the pack kernels: their parameters take 1920 bytes, within the 4 KiB every CUDA version
-#: gives a kernel (all 182 tensors of a model in one tuple took 10320; tests/test_compile.py reads the PTX).
-PACK_GROUP = 32
+#: word sizes (bytes) of the pack kernels: the backend takes the widest every address, length and offset allows
+WORDS = (1, 2, 4, 8)
 SUFFIXES = ("f16", "bf16", "f32", "f64", "i32", "i64")
 #: numpy type of the last kernel argument (the accumulation type).
 ARG_TYPES = {
@@ -182,23 +180,72 @@ def reduce_source(op: str, suf: str) -> str:
     return _KERNEL.format(name=f"ddl_reduce_{op}_{suf}", load=load, body=_body(op, suf))
 
 
-# ddl_pack / ddl_unpack: gather tensors into one fusion buffer and scatter it back (kernels/pack.cu's job).
-# Arguments: ``buf`` and every array of the tuple ``tensors`` share one unsigned word type (the backend picks
-# the widest that divides every address, length and offset); ``table`` has a row per piece: (index in
-# ``tensors``, first word in that tensor, words, word offset of the tensor in ``buf``).  One block per row
-# (the grid strides over rows), its threads over the piece's words.  Preconditions: the pieces lie inside
-# their tensors and ``buf``, no two rows write the same word.  Used by backends/_numba.py's pack/unpack.
-_PACK_TEMPLATE = '''
-def {name}(buf, tensors, table):
+# ddl_pack_w<bits> / ddl_unpack_w<bits>: gather tensors into one fusion buffer and scatter it back (kernels/pack.cu's
+# job, in words of <bits>).  ``table``: int64 rows (tensor piece's device address, words, word offset in ``buf``),
+# one block per row (the grid strides over rows), its threads over the piece's words.  ``buf``: the fusion
+# buffer as an array of that word.  Preconditions: every address a multiple of the word, the pieces inside
+# their tensors and ``buf``, no two rows writing one word.  Used by backends/_numba.py's pack/unpack.
+_PACK = '''
+def ddl_pack_w{bits}(table, buf):
     for r in range(cuda.blockIdx.x, table.shape[0], cuda.gridDim.x):
-        t = tensors[table[r, 0]]
-        start = table[r, 1]
-        o = table[r, 3]
-        for i in range(start + cuda.threadIdx.x, start + table[r, 2], cuda.blockDim.x):
-            {copy}
+        addr = table[r, 0]
+        o = table[r, 2]
+        for i in range(cuda.threadIdx.x, table[r, 1], cuda.blockDim.x):
+            buf[o + i] = load_w{bits}(addr, i)
+
+
+def ddl_unpack_w{bits}(table, buf):
+    for r in range(cuda.blockIdx.x, table.shape[0], cuda.gridDim.x):
+        addr = table[r, 0]
+        o = table[r, 2]
+        for i in range(cuda.threadIdx.x, table[r, 1], cuda.blockDim.x):
+            store_w{bits}(addr, i, buf[o + i])
 '''
-_PACK = (_PACK_TEMPLATE.format(name="ddl_pack", copy="buf[o + i] = t[i]")
-         + _PACK_TEMPLATE.format(name="ddl_unpack", copy="t[i] = buf[o + i]"))
+
+
+def _word_intrinsics(bits):
+    """``load_w<bits>(addr, i)`` and ``store_w<bits>(addr, i, v)``: word ``i`` at device address ``addr``
+    (int64), as the word's unsigned type; compiled inline (an address cast, an offset, a load or store)."""
+    try:
+        from numba.cuda.extending import intrinsic
+    except ImportError:  # older numba-cuda
+        from numba.core.extending import intrinsic
+    from numba import types
+
+    word = getattr(types, f"uint{bits}")
+
+    @intrinsic
+    def load(typingctx, addr, i):
+        def codegen(context, builder, sig, args):
+            ptr = builder.inttoptr(args[0], context.get_value_type(word).as_pointer())
+            return builder.load(builder.gep(ptr, [args[1]]))
+        return word(types.int64, types.int64), codegen
+
+    @intrinsic
+    def store(typingctx, addr, i, v):
+        def codegen(context, builder, sig, args):
+            ptr = builder.inttoptr(args[0], context.get_value_type(word).as_pointer())
+            builder.store(context.cast(builder, args[2], sig.args[2], word), builder.gep(ptr, [args[1]]))
+            return context.get_dummy_value()
+        return types.void(types.int64, types.int64, v), codegen
+
+    return load, store
+
+
+def _sim_word_access(bits):
+    """The simulator's ``load_w<bits>`` and ``store_w<bits>``: its "device" memory is host memory."""
+    import ctypes
+
+    ct = {8: ctypes.c_uint8, 16: ctypes.c_uint16, 32: ctypes.c_uint32, 64: ctypes.c_uint64}[bits]
+    size = bits // 8
+
+    def load(addr, i):
+        return ct.from_address(int(addr) + int(i) * size).value
+
+    def store(addr, i, v):
+        ct.from_address(int(addr) + int(i) * size).value = int(v)
+
+    return load, store
 
 
 # --- compilation -------------------------------------------------------------------
@@ -219,6 +266,11 @@ def _namespace():
     from numba import cuda, float32, int32, uint16, uint32
 
     ns = {"cuda": cuda, "float32": float32, "int32": int32, "uint16": uint16, "uint32": uint32}
+    sim = _simulating()
+    for w in WORDS:
+        if (sim, w) not in _ACCESS:  # made once: each intrinsic registers a typing template
+            _ACCESS[(sim, w)] = (_sim_word_access if sim else _word_intrinsics)(8 * w)
+        ns[f"load_w{8 * w}"], ns[f"store_w{8 * w}"] = _ACCESS[(sim, w)]
     if _simulating():
         ns["_sim_as_f32"] = lambda u: np.array([u], dtype=np.uint32).view(np.float32)[0]
         ns["_sim_as_u32"] = lambda f: np.array([f], dtype=np.float32).view(np.uint32)[0]
@@ -237,6 +289,7 @@ def _simulating() -> bool:
 
 _PY: dict = {}
 _JIT: dict = {}
+_ACCESS: dict = {}  # (simulating, word) -> (load, store)
 
 
 def _pyfunc(name: str, source: str):
@@ -264,12 +317,16 @@ def reduce_kernel(op: str, suf: str, *, python: bool = False):
     return _pyfunc(name, src) if python else _jit(name, src)
 
 
-def pack_kernel(*, python: bool = False):
-    return _pyfunc("ddl_pack", _PACK) if python else _jit("ddl_pack", _PACK)
+def pack_kernel(word: int = 8, *, python: bool = False):
+    """``ddl_pack_w<8 word>`` (``python=True``: the undecorated function)."""
+    name, src = f"ddl_pack_w{8 * word}", _PACK.format(bits=8 * word)
+    return _pyfunc(name, src) if python else _jit(name, src)
 
 
-def unpack_kernel(*, python: bool = False):
-    return _pyfunc("ddl_unpack", _PACK) if python else _jit("ddl_unpack", _PACK)
+def unpack_kernel(word: int = 8, *, python: bool = False):
+    """``ddl_unpack_w<8 word>`` (``python=True``: the undecorated function)."""
+    name, src = f"ddl_unpack_w{8 * word}", _PACK.format(bits=8 * word)
+    return _pyfunc(name, src) if python else _jit(name, src)
 
 
 def kernel_signature(suf: str):
@@ -284,13 +341,11 @@ def kernel_signature(suf: str):
     return (arr, arr, arr, arg)
 
 
-def pack_signature(word: int = 8, group: int = PACK_GROUP):
-    """Numba argument types of the pack kernels for ``word``-byte words and a tuple of ``group`` tensors (the
-    widest words and a full group: what the backend launches most)."""
+def pack_signature(word: int = 8):
+    """Numba argument types of the pack kernels for ``word``-byte words (for ``cuda.compile_ptx``)."""
     from numba import types
 
-    arr = types.Array({1: types.uint8, 2: types.uint16, 4: types.uint32, 8: types.uint64}[word], 1, "C")
-    return (arr, types.UniTuple(arr, group), types.Array(types.int64, 2, "C"))
+    return (types.Array(types.int64, 2, "C"), types.Array(getattr(types, f"uint{8 * word}"), 1, "C"))
 
 
 def launch_config(n: int, threads: int = 256, max_blocks: int = 1024) -> tuple[int, int]:

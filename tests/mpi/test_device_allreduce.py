@@ -184,18 +184,15 @@ def test_out_dtype_and_shape_on_device(dcomm):
 
 
 def _pack_case(layout):
-    """Tensors for the Numba pack, more than two launches' worth (``PACK_GROUP``), empty ones among them, at
-    the default offsets: "wide" of 8-byte elements and one longer than a 64 KiB piece (the 8-byte words),
-    "mixed" with float16 of odd lengths (2-byte words); "odd" puts every tensor and the buffer on odd bytes
-    (single bytes).  Bytes unique per rank and element.  Returns (arrays, offsets or None, buffer skew,
-    the word the backend must choose)."""
-    from ddlkernels.kernels.numba_cuda import PACK_GROUP
-
+    """Tensors for the Numba pack: 69 of them, empty ones among them, at the default offsets: "wide" of 8-byte
+    elements and one longer than a 64 KiB piece (the 8-byte words), "mixed" with float16 of odd lengths
+    (2-byte words); "odd" puts every tensor and the buffer on odd bytes (single bytes).  Bytes unique per
+    rank and element.  Returns (arrays, offsets or None, buffer skew, the word the backend must choose)."""
     lengths = [0, 1, 2, 3, 5, 7, 8, 13, 16, 17, 31, 33]
     dtypes = [np.float64, np.int64] if layout == "wide" else [np.float32, np.float64, np.float16, np.int64, np.int32]
-    specs = [(lengths[k % len(lengths)], dtypes[k % len(dtypes)]) for k in range(2 * PACK_GROUP + 5)]
+    specs = [(lengths[k % len(lengths)], dtypes[k % len(dtypes)]) for k in range(69)]
     if layout == "wide":
-        specs[PACK_GROUP + 3] = ((1 << 16) // 8 + 3, np.float64)
+        specs[35] = ((1 << 16) // 8 + 3, np.float64)
     hosts = []
     for k, (n, dt) in enumerate(specs):
         nbytes = n * np.dtype(dt).itemsize
@@ -228,11 +225,12 @@ def test_numba_pack_unpack_many_tensors(layout):
     assert np.array_equal(got, expect)  # every byte in place, none written outside a tensor
     for h, d in zip(hosts, devs):  # the inputs are untouched
         assert np.array_equal(d.copy_to_host().view(np.uint8), h.view(np.uint8))
-    outs = [cuda.to_device(np.full(h.nbytes, 0x5A, np.uint8)).view(h.dtype) for h in hosts]
-    be.unpack(buf, outs, offs)
-    assert len(be._tables) == tables + 1  # the pack's table serves the unpack of the same layout
-    for h, o in zip(hosts, outs):
-        assert np.array_equal(o.copy_to_host().view(np.uint8), h.view(np.uint8))
+    for d in devs:  # a fusion bucket: reduced in the buffer, unpacked into the tensors it came from
+        d.copy_to_device(np.full(d.shape[0] * d.dtype.itemsize, 0x5A, np.uint8).view(d.dtype))
+    be.unpack(buf, devs, offs)
+    assert len(be._tables) == tables + 1  # the pack's table serves the unpack of the same tensors
+    for h, d in zip(hosts, devs):
+        assert np.array_equal(d.copy_to_host().view(np.uint8), h.view(np.uint8))
 
 
 def test_numba_backend_rejects_bad_reduce_arguments():
