@@ -37,7 +37,7 @@ import numpy as np
 from .._dtypes import BFLOAT16
 from ..kernels.sources import compile_source
 from . import BackendUnavailable
-from ._device import DeviceBackend, pack_offsets, pack_pieces, storage_dtype
+from ._device import DeviceBackend, pack_layout, pack_pieces, storage_dtype
 
 __all__ = ["CupyBackend"]
 
@@ -330,13 +330,7 @@ class CupyBackend(DeviceBackend):
         return self._table_copy("ddl_unpack", tensors, buf, offsets)
 
     def _table_copy(self, name, tensors, buf, offsets):
-        sizes = [t.shape[0] * t.dtype.itemsize for t in tensors]
-        if offsets is None:
-            offsets, _ = pack_offsets(sizes)
-        nbuf = buf.shape[0] * buf.dtype.itemsize
-        for n, o in zip(sizes, offsets):
-            if o < 0 or o + n > nbuf:
-                raise ValueError(f"tensor of {n} bytes at offset {o} does not fit a {nbuf}-byte buffer")
+        sizes, offsets = pack_layout(tensors, buf, offsets)
         if any(sizes):
             table = self._pack_table([self._ptr(t) for t in tensors], sizes, offsets)
             rows = table.shape[0]  # one block per piece (PIECE_BYTES); gridDim.y past 65535 wraps in the kernel

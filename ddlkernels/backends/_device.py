@@ -70,7 +70,7 @@ from .._dtypes import BFLOAT16
 from ..kernels.numba_cuda import ARG_TYPES, suffix_of
 from . import Backend
 
-__all__ = ["DeviceBackend", "storage_dtype", "pack_offsets", "pack_pieces", "PIECE_BYTES"]
+__all__ = ["DeviceBackend", "storage_dtype", "pack_offsets", "pack_layout", "pack_pieces", "PIECE_BYTES"]
 
 _REDUCE_OPS = ("sum", "prod", "max", "min")
 
@@ -88,6 +88,19 @@ def pack_offsets(nbytes, align: int = 16) -> tuple[list[int], int]:
         offs.append(pos)
         pos += int(n)
     return offs, pos
+
+
+def pack_layout(tensors, buf, offsets):
+    """(byte sizes, byte offsets) of a pack or unpack of flat ``tensors`` in ``buf`` (``offsets`` None:
+    ``pack_offsets``'); ``ValueError`` where a tensor does not fit ``buf``."""
+    sizes = [t.shape[0] * t.dtype.itemsize for t in tensors]
+    if offsets is None:
+        offsets, _ = pack_offsets(sizes)
+    nbuf = buf.shape[0] * buf.dtype.itemsize
+    for n, o in zip(sizes, offsets):
+        if o < 0 or o + n > nbuf:
+            raise ValueError(f"tensor of {n} bytes at offset {o} does not fit a {nbuf}-byte buffer")
+    return sizes, list(offsets)
 
 
 #: the most bytes one entry of a pack table (one block of kernels/pack.cu) copies: 256 threads

@@ -23,7 +23,7 @@ import numpy as np
 from .._dtypes import BFLOAT16
 from ..kernels.numba_cuda import launch_config, pack_kernel, reduce_kernel, unpack_kernel
 from . import BackendUnavailable
-from ._device import DeviceBackend, pack_offsets, pack_pieces, storage_dtype
+from ._device import DeviceBackend, pack_layout, pack_pieces, storage_dtype
 
 __all__ = ["NumbaBackend"]
 
@@ -216,18 +216,13 @@ class NumbaBackend(DeviceBackend):
         return self._table_copy(unpack_kernel, tensors, buf, offsets)
 
     def _table_copy(self, kernel, tensors, buf, offsets):
-        sizes = [t.shape[0] * t.dtype.itemsize for t in tensors]
-        if offsets is None:
-            offsets, _ = pack_offsets(sizes)
-        nbuf = buf.shape[0] * buf.dtype.itemsize
-        for n, o in zip(sizes, offsets):
-            if o < 0 or o + n > nbuf:
-                raise ValueError(f"tensor of {n} bytes at offset {o} does not fit a {nbuf}-byte buffer")
+        sizes, offsets = pack_layout(tensors, buf, offsets)
         if any(sizes):
             s = self.compute_stream()
             ptrs = [self._ptr(t) for t in tensors]
             live = [i for i, n in enumerate(sizes) if n]  # an empty tensor's address and offset bind nothing
             word = _word([self._ptr(buf)] + [v for i in live for v in (ptrs[i], sizes[i], offsets[i])])
+            nbuf = buf.shape[0] * buf.dtype.itemsize
             words = buf.view(np.uint8)[: nbuf - nbuf % word].view(np.dtype(f"u{word}"))
             table, longest = self._pack_table(s, ptrs, sizes, offsets, word)
             kernel(word)[min(table.shape[0], 65535), min(256, longest), s](table, words)
