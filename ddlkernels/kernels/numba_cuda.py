@@ -41,7 +41,7 @@ load types); they are the portable path.  The pack kernels read the table
 of kernels/pack.cu (every tensor cut into 64 KiB pieces, one block each, by
 device address) in words of 1, 2, 4 or 8 bytes, through two small intrinsics
 that load and store a word at an address (``load_w64(addr, i)``): one launch
-of three arguments packs any number of tensors.
+of two arguments packs any number of tensors.
 """
 
 from __future__ import annotations
