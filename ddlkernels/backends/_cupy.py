@@ -28,7 +28,6 @@ exported: the algorithm stages it.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 
@@ -37,12 +36,11 @@ import numpy as np
 from .._dtypes import BFLOAT16
 from ..kernels.sources import compile_source
 from . import BackendUnavailable
-from ._device import DeviceBackend, pack_layout, pack_pieces, storage_dtype
+from ._device import DeviceBackend, pack_layout, storage_dtype
 
 __all__ = ["CupyBackend"]
 
 _THREADS = 256
-_TABLES = 64  # pack tables kept, one per (stream, tensors, offsets): pack and unpack of a bucket share one
 
 
 _address_range = None  # the driver's cuMemGetAddressRange_v2, loaded on first use
@@ -101,7 +99,6 @@ class CupyBackend(DeviceBackend):
         self._modules: dict = {}  # (device, source) -> loaded cupy.cuda.function.Module
         self._functions: dict = {}  # (device, kernel name) -> cupy.cuda.function.Function
         self._external: dict = {}  # (stream handle, device) -> cupy.cuda.ExternalStream
-        self._tables = collections.OrderedDict()  # pack tables, least recently used first (_pack_table)
 
     # -- kernels' modules -------------------------------------------------------------
     def _function(self, source, name):
@@ -332,31 +329,14 @@ class CupyBackend(DeviceBackend):
     def _table_copy(self, name, tensors, buf, offsets):
         sizes, offsets = pack_layout(tensors, buf, offsets)
         if any(sizes):
-            table = self._pack_table([self._ptr(t) for t in tensors], sizes, offsets)
+            stream = self._cp.cuda.get_current_stream()
+            table, _ = self._pack_table(stream, [self._ptr(t) for t in tensors], sizes, offsets)
             rows = table.shape[0]  # one block per piece (PIECE_BYTES); gridDim.y past 65535 wraps in the kernel
             self._function("pack.cu", name)((1, min(rows, 65535)), (_THREADS,),
-                                            (table, np.int32(rows), buf),
-                                            stream=self._cp.cuda.get_current_stream())
+                                            (table, np.int32(rows), buf), stream=stream)
         return list(offsets)
 
-    def _pack_table(self, ptrs, sizes, offsets):
-        """The device copy of ``pack_pieces``' table, kept per stream: a training loop packs the same
-        tensors every step, so the table is uploaded once, not once per launch.  Kept per stream
-        because CuPy's pool hands an evicted table's memory to the next allocation on its stream only,
-        which runs after every kernel queued there that reads it."""
-        cp = self._cp
-        stream = cp.cuda.get_current_stream()
-        key = (stream.ptr, self.current_device(), np.array([ptrs, sizes, offsets], dtype=np.int64).tobytes())
-        hit = self._tables.get(key)
-        if hit is not None:
-            self._tables.move_to_end(key)
-            return hit[0]
-        host = pack_pieces(ptrs, sizes, offsets)
-        table = cp.empty(host.shape, dtype=np.uint64)
-        # From pageable memory the copy takes the bytes before it returns (no device-wide sync, unlike
-        # the synchronous copy); the cache holds the host table too.
-        table.set(host, stream=stream)
-        self._tables[key] = (table, host)
-        if len(self._tables) > _TABLES:
-            self._tables.popitem(last=False)
+    def _upload(self, host, stream):
+        table = self._cp.empty(host.shape, dtype=host.dtype)
+        table.set(host, stream=stream)  # from pageable memory: no device-wide sync, unlike the synchronous copy
         return table

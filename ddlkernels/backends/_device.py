@@ -61,6 +61,7 @@ give it (the Numba kernels read it in words of the widest size that fits).
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 import threading
 
@@ -73,6 +74,7 @@ from . import Backend
 __all__ = ["DeviceBackend", "storage_dtype", "pack_offsets", "pack_layout", "pack_pieces", "PIECE_BYTES"]
 
 _REDUCE_OPS = ("sum", "prod", "max", "min")
+_TABLES = 64  # pack tables kept per backend, one per (stream, tensors, offsets)
 
 
 def storage_dtype(dtype) -> np.dtype:
@@ -150,6 +152,7 @@ class DeviceBackend(Backend):
         # The compute stream is per thread: the progress thread of ddlkernels.asynchronous runs calls on a
         # stream of its own while the caller's thread runs others on the caller's stream.
         self._tls = threading.local()
+        self._tables = collections.OrderedDict()  # pack tables, least recently used first (_pack_table)
 
     # -- streams ----------------------------------------------------------------------
     @abc.abstractmethod
@@ -203,7 +206,39 @@ class DeviceBackend(Backend):
         """Block until the work queued on this thread's compute stream has finished."""
         self.sync(self.record(self.compute_stream()))
 
+    def _pack_table(self, stream, ptrs, sizes, offsets, word=1):
+        """(``pack_pieces``' table on the device, its longest row), lengths and offsets in ``word``-byte units
+        past the address column; int64 (the same bits kernels/pack.cu reads as unsigned: Numba would type
+        a sum of uint64 and int64 as a float).  Kept per stream and layout (``_TABLES`` of them): a
+        training loop packs the same tensors every step, and pack and unpack of a bucket share one.  Per
+        stream because a table uploaded on one stream is ordered before that stream's launches only (and
+        CuPy's pool hands an evicted table's memory to the next allocation on that stream only)."""
+        key = (self._stream_id(stream), self.current_device(), word,
+               np.array([ptrs, sizes, offsets], dtype=np.int64).tobytes())
+        hit = self._tables.get(key)
+        if hit is not None:
+            self._tables.move_to_end(key)
+            return hit[0], hit[1]
+        host = pack_pieces(ptrs, sizes, offsets).view(np.int64)
+        if word > 1:
+            host[:, 1:] //= word
+        # From pageable memory the copy takes the bytes before it returns; the cache holds them as well.
+        table = self._upload(host, stream)
+        longest = int(host[:, 1].max())
+        self._tables[key] = (table, longest, host)
+        if len(self._tables) > _TABLES:
+            self._tables.popitem(last=False)
+        return table, longest
+
     # -- subclass hooks ---------------------------------------------------------
+    def _stream_id(self, stream) -> int:
+        """What names ``stream`` across the library's objects wrapping it (its ``cudaStream_t``)."""
+        return int(stream.ptr)
+
+    def _upload(self, host, stream):
+        """A device copy of the numpy array ``host``, queued on ``stream`` (for the pack tables)."""
+        raise NotImplementedError(f"the {self.name} backend has no pack tables")
+
     @abc.abstractmethod
     def _ptr(self, buf) -> int:
         """Device address of ``buf``'s first element."""

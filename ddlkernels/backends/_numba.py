@@ -15,7 +15,6 @@ torch tensor sharing the result's memory.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 
 import numpy as np
@@ -23,12 +22,9 @@ import numpy as np
 from .._dtypes import BFLOAT16
 from ..kernels.numba_cuda import launch_config, pack_kernel, reduce_kernel, unpack_kernel
 from . import BackendUnavailable
-from ._device import DeviceBackend, pack_layout, pack_pieces, storage_dtype
+from ._device import DeviceBackend, pack_layout, storage_dtype
 
 __all__ = ["NumbaBackend"]
-
-_TABLES = 64  # pack tables kept, one per (stream, tensors, offsets): pack and unpack of a bucket share one
-
 
 def _word(values) -> int:
     """The widest unsigned word (8, 4, 2 or 1 bytes) dividing every address, length and offset of a pack."""
@@ -36,15 +32,6 @@ def _word(values) -> int:
     for v in values:
         common |= int(v)
     return next(w for w in (8, 4, 2, 1) if common % w == 0)
-
-
-def _stream_key(s) -> int:
-    """A stream's ``CUstream`` (Numba wraps the same stream in a new object on every ``default_stream()``); the
-    simulator's streams, which run everything at once, are all 0."""
-    try:
-        return int(s)
-    except TypeError:
-        return 0
 
 
 class NumbaBackend(DeviceBackend):
@@ -60,7 +47,6 @@ class NumbaBackend(DeviceBackend):
                 "(or install CuPy: pip install cupy-cuda12x)"
             ) from exc
         self._cuda = cuda
-        self._tables = collections.OrderedDict()  # pack tables, least recently used first (_pack_tables)
         self.simulated = bool(getattr(__import__("numba").config, "ENABLE_CUDASIM", 0))
 
     # -- streams and events ----------------------------------------------------------
@@ -228,23 +214,13 @@ class NumbaBackend(DeviceBackend):
             kernel(word)[min(table.shape[0], 65535), min(256, longest), s](table, words)
         return list(offsets)
 
-    def _pack_table(self, stream, ptrs, sizes, offsets, word):
-        """The device copy of ``pack_pieces``' table in ``word``-byte units (int64: Numba would type a sum of
-        uint64 and int64 as a float), and its longest row; kept per stream, as the CuPy backend's: a
-        training loop packs the same tensors every step, and a table uploaded on one stream is ordered
-        before that stream's launches only."""
-        key = (_stream_key(stream), self.current_device(), word,
-               np.array([ptrs, sizes, offsets], dtype=np.int64).tobytes())
-        hit = self._tables.get(key)
-        if hit is not None:
-            self._tables.move_to_end(key)
-            return hit[0], hit[1]
-        host = pack_pieces(ptrs, sizes, offsets).view(np.int64)
-        host[:, 1:] //= word
-        # From pageable memory the copy takes the bytes before it returns; the cache holds them as well.
-        table = self._cuda.to_device(host, stream=stream)
-        longest = int(host[:, 1].max())
-        self._tables[key] = (table, longest, host)
-        if len(self._tables) > _TABLES:
-            self._tables.popitem(last=False)
-        return table, longest
+    def _stream_id(self, stream):
+        # Numba wraps the same stream in a new object on every default_stream(); the simulator's streams,
+        # which run everything at once, are all 0.
+        try:
+            return int(stream)
+        except TypeError:
+            return 0
+
+    def _upload(self, host, stream):
+        return self._cuda.to_device(host, stream=stream)
