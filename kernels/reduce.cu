@@ -343,12 +343,15 @@ __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, T* c
     X(OPNAME, OPF, i32, int, int)                      \
     X(OPNAME, OPF, i64, long long, long long)
 
-#define DDL_REDUCE_KERNELS(X)                          \
-    DDL_REDUCE_DTYPES(X, sum, OpSum)                   \
-    DDL_REDUCE_DTYPES(X, prod, OpProd)                 \
-    DDL_REDUCE_DTYPES(X, max, OpMax)                   \
-    DDL_REDUCE_DTYPES(X, min, OpMin)                   \
-    DDL_REDUCE_DTYPES(X, avg, OpAvg)
+// Every op x dtype with the functor family F (F##Sum ...): Op for the pairwise kernels, Fold for the folds.
+#define DDL_OPS(X, F)                                  \
+    DDL_REDUCE_DTYPES(X, sum, F##Sum)                  \
+    DDL_REDUCE_DTYPES(X, prod, F##Prod)                \
+    DDL_REDUCE_DTYPES(X, max, F##Max)                  \
+    DDL_REDUCE_DTYPES(X, min, F##Min)                  \
+    DDL_REDUCE_DTYPES(X, avg, F##Avg)
+
+#define DDL_REDUCE_KERNELS(X) DDL_OPS(X, Op)
 
 #define DDL_DEFINE_REDUCE(OPNAME, OPF, SUF, T, ARG)                                          \
     extern "C" __global__ void ddl_reduce_##OPNAME##_##SUF(T* dst, const T* a,                \
@@ -359,12 +362,7 @@ __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, T* c
 
 DDL_REDUCE_KERNELS(DDL_DEFINE_REDUCE)
 
-#define DDL_FOLD_KERNELS(X)                            \
-    DDL_REDUCE_DTYPES(X, sum, FoldSum)                 \
-    DDL_REDUCE_DTYPES(X, prod, FoldProd)               \
-    DDL_REDUCE_DTYPES(X, max, FoldMax)                 \
-    DDL_REDUCE_DTYPES(X, min, FoldMin)                 \
-    DDL_REDUCE_DTYPES(X, avg, FoldAvg)
+#define DDL_FOLD_KERNELS(X) DDL_OPS(X, Fold)
 
 #define DDL_DEFINE_FOLD(OPNAME, OPF, SUF, T, ARG)                                                    \
     extern "C" __global__ void __launch_bounds__(256, 4)                                                \
