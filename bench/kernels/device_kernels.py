@@ -8,11 +8,14 @@
   a 16-byte boundary; GB/s of bytes moved, as STREAM counts them (reduce 3 x size, copy 2 x size),
   median of ``-n`` runs timed with CUDA events;
 * host time per launch: 1000 back-to-back 1 MiB launches of each, divided by 1000 (the device
-  synchronized after, not between);
+  synchronized after, not between), the Numba backend's reduce beside the CuPy backend's;
 * the fold of 4 operands (the CUDA IPC allreduce's reduce-scatter at 4 ranks): one ``ddl_fold`` launch
   against the chain of 3 reduce launches it replaces, the same bits; and the fold writing 4 destinations
   (the IPC allreduce out of place) against the fold and 3 copies;
-* pack: 182 tensors of a ResNet-like mix of sizes (about 62 MiB) into one buffer against ``torch.cat``.
+* pack: 182 tensors of a ResNet-like mix of sizes (about 62 MiB) into one buffer against ``torch.cat``,
+  by the CuPy backend and by the Numba one (the same table of kernels/pack.cu, read in 8-byte words).
+
+The Numba lines are left out, with the reason, where numba-cuda cannot run on the device.
 
 Every ddlkernels result is compared with torch's, bit for bit (one addition rounds alike in
 every library); any difference makes the run exit 1.  Needs CuPy, torch and a CUDA device;
@@ -59,6 +62,21 @@ def _events_ms(cp, fn, iters):
         b.synchronize()
         times.append(cp.cuda.get_elapsed_time(a, b))
     return float(np.median(times))
+
+
+def _numba_backend():
+    """(ddlkernels' Numba backend, numba.cuda) on the device, or (None, why not)."""
+    try:
+        from numba import cuda
+
+        from ddlkernels.backends import get_backend
+
+        nbe = get_backend("numba")
+        if nbe.simulated:
+            return None, "the Numba CUDA simulator is on (NUMBA_ENABLE_CUDASIM)"
+        return nbe, cuda
+    except Exception as exc:  # noqa: BLE001 -- no numba-cuda that runs here: the reason is the message
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
 def main(argv=None):
@@ -150,6 +168,19 @@ def main(argv=None):
     ta, tb, tout = (torch.as_tensor(x, device="cuda") for x in (a, b, out))
     launches = {"ddlkernels": lambda: be.reduce("sum", out, a, b), "cp.add": lambda: cp.add(a, b, out=out),
                 "torch.add": lambda: torch.add(ta, tb, out=tout)}
+    nbe, numba = _numba_backend()
+    if nbe is None:
+        print(f"# the Numba backend's lines are left out: {numba}")
+    else:  # its own output, checked against cp.add's after the launches
+        nout = cp.empty(n, np.float32)
+        try:
+            na, nb, nd = (numba.as_cuda_array(x) for x in (a, b, nout))
+            nbe.reduce("sum", nd, na, nb)
+            cp.cuda.Device().synchronize()
+            launches["ddlkernels numba"] = lambda: nbe.reduce("sum", nd, na, nb)
+        except Exception as exc:  # noqa: BLE001 -- a Numba that fails here: the other lines still run
+            print(f"# the Numba backend's lines are left out: {type(exc).__name__}: {exc}".splitlines()[0])
+            nbe = None
     host_us = {}
     for k, fn in launches.items():
         fn()
@@ -162,6 +193,8 @@ def main(argv=None):
     print("\n# host time per launch, 1 MiB float32, 1000 back to back: "
           + ", ".join(f"{k} {v:.1f} us" for k, v in host_us.items())
           + f"; ddlkernels / cp.add {host_us['ddlkernels'] / host_us['cp.add']:.2f}")
+    if nbe is not None:
+        wrong += int(cp.count_nonzero(nout.view(np.uint32) != cp.add(a, b).view(np.uint32)))
     # Pack: a ResNet-50-like mix of 182 tensors.
     rng = np.random.default_rng(0)
     counts = [int(c) for c in rng.choice([64, 256, 2048, 4096, 36864, 147456, 589824, 2359296], 182)]
@@ -179,13 +212,24 @@ def main(argv=None):
     nbytes = sum(t.nbytes for t in tensors)
     print(f"# pack of {len(tensors)} tensors ({nbytes / 2**20:.0f} MiB): ddlkernels {2 * nbytes / pack_ms / 1e6:.0f} GB/s, "
           f"torch.cat {2 * nbytes / cat_ms / 1e6:.0f} GB/s, ratio {cat_ms / pack_ms:.2f}")
+    npack_ms = None
+    if nbe is not None:  # the same pack by the Numba backend, into a buffer of its own
+        nbuf = cp.zeros_like(buf)
+        nts, nbd = [numba.as_cuda_array(t) for t in tensors], numba.as_cuda_array(nbuf)
+        nbe.pack(nts, nbd)
+        for t, o in zip(tensors, offs):
+            wrong += int(cp.count_nonzero(nbuf[o // 4: o // 4 + t.size].view(np.uint32) != t.view(np.uint32)))
+        npack_ms = _events_ms(cp, lambda: nbe.pack(nts, nbd), args.iters)
+        print(f"# the same pack by the Numba backend: {2 * nbytes / npack_ms / 1e6:.0f} GB/s, "
+              f"ratio to torch.cat {cat_ms / npack_ms:.2f}")
     print(f"\nwrong elements in all: {wrong}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu, "reduce": rows, "host_us_per_launch": host_us,
                        "fold4_ms": fold_ms, "chain3_ms": chain_ms,
                        "fold4_into4_ms": multi_ms, "fold4_copies3_ms": copies_ms,
-                       "pack": {"tensors": len(tensors), "bytes": nbytes, "ms": pack_ms, "torch_cat_ms": cat_ms},
+                       "pack": {"tensors": len(tensors), "bytes": nbytes, "ms": pack_ms, "torch_cat_ms": cat_ms,
+                                "numba_ms": npack_ms},
                        "wrong": wrong}, f, indent=1)
     return 1 if wrong else 0
 
