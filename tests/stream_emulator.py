@@ -27,6 +27,18 @@ kernels compute, so results compare bitwise with the host path.  New device
 memory and pinned memory are filled with a marker byte, so reading memory
 nothing has written yet shows as wrong values too.
 
+Memory comes from pools that behave as CuPy's (and torch's caching
+allocator): once the last array over a block is gone, the next request of
+its size may take it, whatever work is still queued on it.  The emulator
+plays the next owner at once, writing the marker byte into the freed block:
+for device memory on the stream the block was taken on (CuPy's device pool
+keeps a free list per stream, whose later work runs after its earlier), so
+work still queued on another stream for a dropped buffer meets it; for
+pinned memory from the host at that moment (CuPy's pinned pool keeps no
+order at all), so a queued copy of a dropped pinned buffer meets it.  Blocks
+are never given back to the system: queued work that kept an address stays
+within valid memory (``_live``).
+
 Use (tests/mpi/test_stream_emulator.py)::
 
     with emulated_device(seed=3, policy="lazy") as be:
@@ -53,7 +65,9 @@ work queued before it, and nothing else.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import ctypes
 import os
 import random
 import shutil
@@ -75,6 +89,61 @@ POLICIES = ("lazy", "random", "eager")
 GARBAGE = 0xA5
 #: How long a host wait may spin on a peer's work before it is called a hang.
 SPIN_SECONDS = 60.0
+
+
+#: CuPy's pools hand out memory in multiples of 512 bytes (its device pool and its pinned pool alike).
+POOL_UNIT = 512
+
+
+class _Pool:
+    """Blocks as CuPy's memory pools hand them out (the module comment): ``take`` gives a uint8 array over a
+    block of at least ``nbytes``, one freed under the same ``key`` (the allocation stream; None: any) if
+    there is one.  A block is freed when the last array over it is gone (every array over it leads back to
+    one ctypes object, whose finalizer frees it): ``scribble(key, block)`` plays its next owner's first
+    write, then it goes on the free list."""
+
+    def __init__(self, alloc, scribble):
+        self.alloc, self.scribble = alloc, scribble  # alloc: nbytes -> a new uint8 array, GARBAGE-filled
+        self.blocks: list = []  # every block, kept for good
+        self.free = collections.defaultdict(list)  # (key, size) -> blocks freed
+        self.freed = self.reused = 0  # blocks freed, requests served by a freed block (tests see the pool work)
+        self.active = True  # False once the emulated_device block that made it has ended
+
+    def take(self, nbytes, key=None):
+        """A uint8 array of ``nbytes`` over a block of the pool."""
+        size = max(-(-int(nbytes) // POOL_UNIT), 1) * POOL_UNIT
+        free = self.free[(key, size)]
+        if free:
+            raw = free.pop()
+            self.reused += 1
+        else:
+            raw = self.alloc(size)
+            self.blocks.append(raw)
+        owner = (ctypes.c_uint8 * size).from_address(raw.ctypes.data)
+        owner.raw = raw  # an array that outlives the pool keeps its memory
+        weakref.finalize(owner, self._release, key, size, raw).atexit = False
+        return np.frombuffer(owner, np.uint8)[: int(nbytes)]
+
+    def _release(self, key, size, raw):
+        if self.active:
+            self.freed += 1
+            self.scribble(key, raw)
+            self.free[(key, size)].append(raw)
+
+
+def _live(a: np.ndarray) -> np.ndarray:
+    """``a``, or where it lies in a pool block, an array over the same memory that does not keep the block
+    taken: what queued work holds, so that dropping the last array of a buffer frees its block while work
+    on it is still queued, as a CUDA pool frees it."""
+    root = a
+    while isinstance(root, np.ndarray) and root.base is not None:
+        root = root.base
+    if not isinstance(root, ctypes.Array) or a.nbytes == 0:
+        return a
+    if not a.flags.c_contiguous:
+        raise AssertionError("the emulator queues work on contiguous arrays only")
+    mem = (ctypes.c_uint8 * a.nbytes).from_address(a.ctypes.data)
+    return np.frombuffer(mem, np.uint8).view(a.dtype).reshape(a.shape)
 
 
 class _Op:
@@ -313,6 +382,11 @@ def _bytes(x) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
+def _queued(x) -> np.ndarray:
+    """The memory of ``x`` as queued work holds it (``_live``)."""
+    return _live(_host(x))
+
+
 class _SharedHeap:
     """This process's "device" memory where peers can map it: one file under /dev/shm per allocation, its
     name the IPC handle.  Allocations live until ``close`` (the end of the ``emulated_device`` block)."""
@@ -427,7 +501,33 @@ class EmuBackend(DeviceBackend):
         from ddlkernels.backends import get_backend
 
         self._numpy = get_backend("numpy")
-        self.locked: dict = {}  # page-locked host memory: address -> (bytes, weak reference to ``pinned``'s array)
+        self.reset_pools()
+
+    def reset_pools(self):
+        """New pools (each ``emulated_device`` block: the shared heap's files go with the block)."""
+        for pool in (getattr(self, n, None) for n in ("device_pool", "shared_pool", "pinned_pool")):
+            if pool is not None:
+                pool.active = False
+        self.locked: dict = {}  # page-locked host memory (the pinned pool's blocks): address -> bytes
+        self.device_pool = _Pool(self._fresh, self._scribble_device)
+        self.shared_pool = _Pool(lambda nbytes: self.heap.alloc(nbytes), self._scribble_device)
+        self.pinned_pool = _Pool(self._fresh_pinned, self._scribble_pinned)
+
+    def _scribble_device(self, stream, raw):
+        self.emu.enqueue(stream, lambda: raw.__setitem__(Ellipsis, GARBAGE), "next owner of a freed block")
+
+    @staticmethod
+    def _scribble_pinned(_, raw):
+        raw[...] = GARBAGE
+
+    @staticmethod
+    def _fresh(nbytes):
+        return np.full(int(nbytes), GARBAGE, np.uint8)
+
+    def _fresh_pinned(self, nbytes):
+        a = self._fresh(nbytes)
+        self.locked[a.ctypes.data] = a.nbytes  # the pool keeps its blocks page-locked
+        return a
 
     def configure(self, seed, policy):
         self.emu.drain()
@@ -449,35 +549,35 @@ class EmuBackend(DeviceBackend):
         s = getattr(self._current, "s", None)
         return self._default if s is None else s
 
-    def _new(self, shape, dtype, shareable=True) -> np.ndarray:
-        """New "device" memory, filled with GARBAGE: in the shared heap while ``ipc`` (unless not
-        ``shareable``: memory CUDA IPC cannot export, as from cudaMallocAsync)."""
+    def _new(self, shape, dtype, stream, shareable=True) -> np.ndarray:
+        """"Device" memory from the pool of ``stream`` (the module comment), GARBAGE until written: in the
+        shared heap while ``ipc`` (unless not ``shareable``: memory CUDA IPC cannot export, as from
+        cudaMallocAsync, whose pool is stream-ordered too)."""
         dt = storage_dtype(dtype)
-        if self.ipc and shareable:
-            n = int(np.prod(shape, dtype=np.int64))
-            return self.heap.alloc(n * dt.itemsize).view(dt).reshape(shape)
-        a = np.empty(shape, dt)
-        a.view(np.uint8)[...] = GARBAGE
-        return a
+        n = int(np.prod(shape, dtype=np.int64))
+        pool = self.shared_pool if self.ipc and shareable else self.device_pool
+        return pool.take(n * dt.itemsize, stream).view(dt).reshape(shape)
 
     def to_device(self, host, stream=None, shareable=True):
         """A new device array holding ``host`` (the copy queued on ``stream``, default the current one);
         ``shareable=False``: memory peers cannot map (with ``ipc``)."""
         host = np.ascontiguousarray(host)
         snap = host.copy()
-        dev = self._new(host.shape, host.dtype, shareable)
+        s = stream or self.current_stream()
+        dev = self._new(host.shape, host.dtype, s, shareable)
+        mem = _live(dev)
 
         def fn():
-            dev[...] = snap.view(dev.dtype)
+            mem[...] = snap.view(mem.dtype)
 
-        self.emu.enqueue(stream or self.current_stream(), fn, "to_device")
+        self.emu.enqueue(s, fn, "to_device")
         out = EmuArray(dev)
         return out.view(host.dtype) if host.dtype == BFLOAT16 else out
 
     def to_host(self, x, stream=None):
         """``x`` copied to a new host array, after the work queued on ``stream`` (default the current one)."""
         s = stream or self.current_stream()
-        a = _host(x)
+        a = _queued(x)
         out = np.empty(a.shape, a.dtype)
         self.emu.enqueue(s, lambda: out.__setitem__(Ellipsis, a), "to_host")
         self.emu.sync_stream(s)
@@ -485,7 +585,7 @@ class EmuBackend(DeviceBackend):
 
     def write(self, x, host, stream=None):
         """Queue ``x[...] = host`` on ``stream`` (default the current one), as a kernel of the caller would."""
-        a, snap = _host(x), np.ascontiguousarray(host).copy()
+        a, snap = _queued(x), np.ascontiguousarray(host).copy()
         self.emu.enqueue(stream or self.current_stream(), lambda: a.__setitem__(Ellipsis, snap.view(a.dtype)),
                          "write")
 
@@ -529,15 +629,11 @@ class EmuBackend(DeviceBackend):
         return self.emu.query(ev)
 
     def pinned(self, nbytes):
-        a = np.full(int(nbytes), GARBAGE, np.uint8)
-        self.locked[a.ctypes.data] = (a.nbytes, weakref.ref(a))  # until it is freed (then its address is free)
-        return a
+        return self.pinned_pool.take(nbytes)
 
     def _lock_of(self, lo, nbytes):
         """The page-locked range holding ``[lo, lo + nbytes)``, or None."""
-        for b in [b for b, (_, ref) in self.locked.items() if ref() is None]:
-            del self.locked[b]
-        return next((b for b, (m, _) in self.locked.items() if b <= lo and lo + nbytes <= b + m), None)
+        return next((b for b, m in self.locked.items() if b <= lo and lo + nbytes <= b + m), None)
 
     def _page_locked(self, host, what):
         """CUDA copies asynchronously only from page-locked memory: ``host`` must lie in some."""
@@ -547,12 +643,12 @@ class EmuBackend(DeviceBackend):
 
     def d2h(self, host, dev, stream):
         self._page_locked(host, "d2h")
-        src, dst = _bytes(dev), _bytes(host)
+        src, dst = _live(_bytes(dev)), _live(_bytes(host))
         self.emu.enqueue(stream, lambda: dst.__setitem__(Ellipsis, src), "d2h")
 
     def h2d(self, dev, host, stream):
         self._page_locked(host, "h2d")
-        src, dst = _bytes(host), _bytes(dev)
+        src, dst = _live(_bytes(host)), _live(_bytes(dev))
         self.emu.enqueue(stream, lambda: dst.__setitem__(Ellipsis, src), "h2d")
 
     # -- arrays --------------------------------------------------------------------------
@@ -580,7 +676,7 @@ class EmuBackend(DeviceBackend):
         return EmuArray(a)
 
     def empty(self, n, dtype):
-        return EmuArray(self._new((int(n),), dtype))
+        return EmuArray(self._new((int(n),), dtype, self.compute_stream()))
 
     def like(self, flat, x):
         a = flat._a
@@ -652,12 +748,12 @@ class EmuBackend(DeviceBackend):
         if dst.shape[0] != src.shape[0]:
             raise ValueError(f"copy: lengths differ ({dst.shape[0]} vs {src.shape[0]})")
         if dst.shape[0]:
-            d, s = _bytes(dst), _bytes(src)
+            d, s = _live(_bytes(dst)), _live(_bytes(src))
             self.emu.enqueue(self.compute_stream(), lambda: d.__setitem__(Ellipsis, s), "copy")
 
     def _launch_reduce(self, name, dst, a, b, n, arg):
         _, op, suf = name.rsplit("_", 2)
-        typed = (lambda v: _host(v).view(BFLOAT16)) if suf == "bf16" else _host
+        typed = (lambda v: _queued(v).view(BFLOAT16)) if suf == "bf16" else _queued
         d, x, y = typed(dst), typed(a), typed(b)
         if op == "avg":  # the kernel's argument: 1/p in the accumulation type for floats, p for integers
             p = int(arg) if suf.startswith("i") else int(round(1.0 / float(arg)))
@@ -670,7 +766,7 @@ class EmuBackend(DeviceBackend):
         """kernels/reduce.cu's ddl_fold, one queued operation: the chain of two-operand reductions over
         ``srcs`` ("avg" scaling in the last step) into ``dst`` and every buffer of ``also``."""
         _, _, op, suf = name.split("_")
-        typed = (lambda v: _host(v).view(BFLOAT16)) if suf == "bf16" else _host
+        typed = (lambda v: _queued(v).view(BFLOAT16)) if suf == "bf16" else _queued
         d, xs, es = typed(dst), [typed(x) for x in srcs], [typed(e) for e in also]
         p = (int(arg) if suf.startswith("i") else int(round(1.0 / float(arg)))) if op == "avg" else None
         last = len(xs) - 1
@@ -697,11 +793,11 @@ class EmuBackend(DeviceBackend):
         sizes = [t.shape[0] * t.dtype.itemsize for t in tensors]
         if offsets is None:
             offsets, _ = pack_offsets(sizes)
-        whole = _bytes(buf)
+        whole = _live(_bytes(buf))
         for n, o in zip(sizes, offsets):
             if o < 0 or o + n > whole.shape[0]:
                 raise ValueError(f"tensor of {n} bytes at offset {o} does not fit a {whole.shape[0]}-byte buffer")
-        pairs = [(_bytes(t), whole[o : o + n]) for t, n, o in zip(tensors, sizes, offsets)]
+        pairs = [(_live(_bytes(t)), whole[o : o + n]) for t, n, o in zip(tensors, sizes, offsets)]
 
         def fn():
             for t, part in pairs:
@@ -742,6 +838,7 @@ def emulated_device(seed=0, policy="lazy", claim_torch=False, ipc=False):
     be.configure(seed, policy)
     EmuBackend.claim_torch = claim_torch
     be.ipc, be.heap, be.ipc_events = ipc, (_SharedHeap() if ipc else None), []
+    be.reset_pools()
     device = _DeviceThread(be) if ipc else None
     if device is not None:
         device.start()

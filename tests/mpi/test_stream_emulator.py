@@ -227,9 +227,11 @@ def ipc_workload(be, c):
 
 def host_workload(be, c):
     """The "host" algorithm in pieces of 16 bytes (its 3 pinned slots reused within each call and across
-    calls, its inner tuner settling new piece sizes between calls): in and out of place on two caller
-    streams, the output's old contents written on the caller's stream just before each call, the input
-    overwritten right after it, results read at the end (exact sums: every inner algorithm's bits)."""
+    calls, its inner tuner settling new piece sizes between calls), then of 64 (new slots, while the last
+    calls' copies up from the old ones are still queued: the pinned pool's next owner scribbles on them as
+    they are dropped): in and out of place on two caller streams, the output's old contents written on the
+    caller's stream just before each call, the input overwritten right after it, results read at the end
+    (exact sums: every inner algorithm's bits)."""
     c = ddlkernels.Communicator(COMM, shm=False, ipc=False)
     algo = c.algorithms["host"]
     algo.piece_bytes = 16
@@ -237,9 +239,11 @@ def host_workload(be, c):
     pending = []
     # 37 first: the slots take 4 elements at once, so later calls' new piece sizes (the inner tuner's trials,
     # in slot 0) meet copies up of earlier calls still queued.
-    for k, n in enumerate([37] + SIZES + [2 * P + 3, 38]):
+    for k, n in enumerate([37] + SIZES + [2 * P + 3, 38, 41]):
         s = a if k % 2 else b
         x = data(n, np.float32, salt=k)
+        if n == 41:
+            algo.piece_bytes = 64
         with be.current(s):
             d = be.to_device(x)
             out = d if k % 3 == 0 else be.to_device(np.zeros_like(x))
@@ -331,6 +335,44 @@ def test_eager_schedule_is_what_launch_blocking_does():
         assert wrong_anywhere(ring_workload(be, comm_for(False))) == 0
 
 
+def test_a_dropped_buffer_meets_its_next_owner_as_with_cupys_pools():
+    """The emulator's pools (tests/stream_emulator.py): a device buffer dropped while a copy on another stream
+    still reads it gives that copy the next owner's bytes, as CuPy's pool would; work queued on the stream
+    the buffer was taken on runs before its next owner, so reading it there stays right; a pinned buffer
+    dropped while a copy still writes it puts that copy's bytes into the next pinned buffer of its size."""
+    x = np.arange(64, dtype=np.float32) + R
+    garbage = np.full(x.nbytes, 0xA5, np.uint8)
+    with emulated_device(seed=R, policy="lazy") as be:
+        other = be.new_stream()
+        for keep in (True, False):
+            d = be.to_device(x)  # on the current stream
+            host = be.pinned(x.nbytes)
+            be.wait(other, be.record(be.current_stream()))
+            be.d2h(host, d, other)
+            kept = d if keep else None
+            del d  # with keep False, the last reference: the block goes back to the current stream's pool
+            be.sync(be.record(be.current_stream()))  # that stream runs first: its next owner's write too
+            be.sync(be.record(other))
+            assert np.array_equal(host, x.view(np.uint8) if keep else garbage), keep
+            del kept
+        d = be.to_device(x)
+        same = be.pinned(x.nbytes)
+        be.d2h(same, d, be.current_stream())  # queued where the block was taken: before its next owner
+        del d
+        be.sync(be.record(be.current_stream()))
+        assert np.array_equal(same, x.view(np.uint8))
+        d = be.to_device(x)
+        late = be.pinned(x.nbytes)
+        be.wait(other, be.record(be.current_stream()))
+        be.d2h(late, d, other)
+        del late  # dropped while the copy into it is queued
+        mine = be.pinned(x.nbytes)  # the same block, at once
+        mine[...] = 7
+        be.sync(be.record(other))
+        assert np.array_equal(mine, x.view(np.uint8))  # the late copy wrote into the next owner's buffer
+        assert be.device_pool.freed >= 2 and be.pinned_pool.reused >= 1
+
+
 def test_stream_argument_orders_the_call_on_that_stream():
     """``stream=`` instead of the current stream: the input is written on s, the call ordered on s."""
     with emulated_device(seed=11 + R, policy="lazy") as be:
@@ -395,6 +437,7 @@ MUTATIONS = [
     ("host-reads-after-copy-down", _host.Host, "_pipeline", "be.sync(landed[k])", 0, HOSTS),
     ("host-caller-waits-for-copies-up", _host.Host, "_pipeline", "be.wait(compute, cp.freed[", 0, HOSTS),
     ("host-inner-trials-wait-for-copies-up", _host.Host, "_settle_inner", "cp.drain()", 0, HOSTS),
+    ("host-old-slots-drained-before-dropped", _host.Host, "_copies_for", "cp.drain()", 0, ["host"]),
 ]
 
 
