@@ -1,0 +1,84 @@
+"""DistributedDataParallel on a CUDA model with ddlkernels' hooks, under ``mpirun -n 2, 3, 4`` on the one GPU.
+
+The hooks reduce each bucket on the progress thread (``ddlkernels.torch.ddp``), ordered after the
+backward kernels that wrote it and before DDP's use of the result by CUDA events: a missing one
+shows as parameters that differ between ranks or from the same training with DDP's own gloo
+allreduce.  With the default state the Communicator's tuner picks among its device algorithms (the
+staged ring, "host", CUDA IPC) bucket size by bucket size, trials included; "ring" pins the staged
+ring.  Tolerances as tests/mpi/test_torch_ddp.py states them for the same model and data.
+
+Never the simulator (tests/gpu/gpu_env.py): without a device every test skips.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import gpu_env as G
+import ddlkernels
+
+pytestmark = G.needs_device
+COMM = MPI.COMM_WORLD
+P, R = COMM.Get_size(), COMM.Get_rank()
+STEPS, LR = 4, 0.1
+
+
+@pytest.fixture(scope="module")
+def ddt():
+    G.torch_cuda()
+    import torch.distributed as dist
+
+    import ddlkernels.torch as ddt
+
+    if not dist.is_gloo_available():
+        pytest.skip("torch.distributed without gloo: no reference run")
+    ddt.init_process_group("gloo")
+    yield ddt
+    COMM.Barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ring(ddt):
+    with ddlkernels.Communicator(COMM, small_bytes=0, ipc=False) as dc:
+        state = ddt.HookState(dc)
+        yield state
+        state.engine.close()
+
+
+def train(torch, hook=None, state=None):
+    """STEPS of SGD with momentum through DDP on the GPU (buckets of ~2 KB: several per step); the
+    parameters, flat, on the host."""
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                              torch.nn.Linear(32, 4)).cuda()
+    ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=2e-3)
+    if hook is not None:
+        ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
+    for s in range(STEPS):
+        g = torch.Generator().manual_seed(7919 * s + R)
+        x, y = torch.randn(6, 10, generator=g).cuda(), torch.randint(0, 4, (6,), generator=g).cuda()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).cpu()
+
+
+@pytest.mark.parametrize("hook,state,rtol,atol", [
+    ("allreduce_hook", "ring", 2e-6, 1e-6),
+    ("allreduce_hook", None, 2e-6, 1e-6),
+    ("bfloat16_compress_hook", "ring", 1e-2, 2e-3),
+])
+def test_ddp_with_the_hook_on_a_cuda_model(ddt, ring, hook, state, rtol, atol):
+    torch = G.torch_cuda()
+    ours = train(torch, getattr(ddt, hook), ring if state == "ring" else state)
+    gloo = train(torch)
+    crc = zlib.crc32(ours.numpy().view(np.uint8).tobytes())
+    assert len(set(COMM.allgather(crc))) == 1, f"{hook}: parameters differ between ranks"
+    err = (ours - gloo).abs()
+    assert torch.all(err <= atol + rtol * gloo.abs()), f"{hook}: max difference {float(err.max()):.3g} from gloo"
