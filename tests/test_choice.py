@@ -25,6 +25,7 @@ class Stub:
 
 
 class Device:
+    name = "device"  # what names a backend (the algorithms keep per-backend state by it)
     device = True
     ipc = False
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ..ring.segments import Segments
 
-__all__ = ["Algorithm", "Work", "pack_segments"]
+__all__ = ["Algorithm", "Work", "pack_segments", "run_instead"]
 
 
 def pack_segments(w) -> None:
@@ -67,6 +67,15 @@ class Work:
     @property
     def nbytes(self) -> int:
         return self.count * self.dtype.itemsize
+
+
+def run_instead(comm, kind, w, name="ring"):
+    """Run the call ``w`` (of ``kind``) with the Communicator ``comm``'s algorithm ``name`` instead of the one
+    chosen, which found it cannot (every rank alike): the ring by default, which computes every call."""
+    algorithm = comm.algorithms.by_name[name]
+    w.prepared = algorithm.prepare(w)
+    comm.last_algorithm = algorithm.name
+    getattr(algorithm, kind)(w)
 
 
 class Algorithm:

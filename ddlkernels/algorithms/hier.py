@@ -40,12 +40,14 @@ operand (x + -0 is x, bit for bit, -0 included).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from .._dtypes import is_half, scale_inplace
 from ..ring.schedule import split
 from ..safety.deadline import complete
-from .base import Algorithm, pack_segments
+from .base import Algorithm, pack_segments, run_instead
 from .ipc import IpcNode
 from .shm import ShmAllreduce
 
@@ -194,13 +196,15 @@ class Hier(Algorithm):
         super().__init__(comm, placement)
         self.node = placement.hier_node
         self._hier = None
+        self.broken: dict = {}  # backend name -> why CUDA IPC cannot serve its arrays inside the nodes
 
     @classmethod
     def probe(cls, comm, placement):
         return placement.hier_node is not None
 
     def serves(self, kind, w):
-        device_ok = getattr(w.be, "ipc", False) and w.dims is None and self.comm.ipc is not False
+        device_ok = (getattr(w.be, "ipc", False) and w.dims is None and self.comm.ipc is not False
+                     and w.be.name not in self.broken)
         return (kind == "allreduce" and (not w.be.device or device_ok)
                 and not (w.avg and is_half(w.dtype)))
 
@@ -214,6 +218,13 @@ class Hier(Algorithm):
             self._hier = HierAllreduce(c.comm, self.node, lambda cross: type(c)(cross, shm=False))
         avg_p = self.comm.size if w.avg else None
         if w.be.device:
+            # CUDA IPC inside the nodes, or the ring for every rank (ddlkernels.algorithms.ipc's module comment).
+            why = self._hier.ipc.check(w.be, w.deadline, agree=self.comm.comm)
+            if why is not None:
+                self.broken[w.be.name] = why
+                warnings.warn(f"ddlkernels: {why}; device calls take the other algorithms", RuntimeWarning,
+                              stacklevel=2)
+                return run_instead(self.comm, "allreduce", w)
             self._hier.run_device(w.be, w.src, w.dst, w.dtype, w.redop, avg_p=avg_p, deadline=w.deadline)
         else:
             self._hier.run(w.src, w.dst, w.redop, w.be.reduce, avg_p=avg_p, deadline=w.deadline)

@@ -39,16 +39,26 @@ the stream emulator's under ``ipc=True``) and every rank on one node; the
 tuner measures it beside the ring (and "host") for device allreduce, and
 beside the ring for device reduce_scatter and allgather (the same steps
 alone, on the Communicator's shard bounds) (``Communicator(ipc=)``).
+
+Whether CUDA IPC works at all is a property of the machine that no rank can
+see alone: ranks in containers of their own, or on GPUs without peer access,
+cannot map each other's memory.  So the first call on a backend maps every
+peer's small probe buffer and events first, before any user buffer is
+touched (``IpcNode.check``), and every rank learns whether all succeeded; if
+not, that call and every later one take the ring instead (``ipc=True``:
+every rank raises the same error), where a failure halfway through a call
+would have left the ranks waiting for each other.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import numpy as np
 
 from ..safety.deadline import complete
-from .base import Algorithm
+from .base import Algorithm, run_instead
 from .window_shards import cuts
 
 __all__ = ["Ipc", "IpcNode", "Mapped", "MAPPED", "KEY_BYTES"]
@@ -160,6 +170,7 @@ class IpcNode:
         self.comm = comm
         self.p, self.me = comm.Get_size(), comm.Get_rank()
         self._devices: dict = {}  # (backend name, device) -> _Device
+        self._verdicts: dict = {}  # backend name -> None where CUDA IPC works, else why not (``check``)
 
     def _device(self, be) -> _Device:
         key = (be.name, be.current_device())
@@ -167,6 +178,49 @@ class IpcNode:
         if d is None:
             d = self._devices[key] = _Device(be)
         return d
+
+    def check(self, be, deadline=None, agree=None):
+        """None where every rank of the node can map every peer's memory and events on ``be``, else why not:
+        the same answer on every rank (the module comment).  Tried once per backend, at its first call (every
+        rank's same call): each rank exports a small buffer of its own, maps its peers' and their two
+        events, closes the mappings, then the ranks agree over ``comm``, or over ``agree`` (a communicator
+        of several nodes, which must decide alike)."""
+        if be.name in self._verdicts:
+            return self._verdicts[be.name]
+        why, probe, d = None, None, None
+        rec = np.zeros(1, _RECORD)
+        try:
+            d = self._device(be)
+            probe = be.ipc_alloc(1)
+            got = be.ipc_export(probe)
+            if got is None:
+                raise RuntimeError("a buffer of its own ipc_alloc cannot be exported")
+            _pack(rec, 0, _SRC, got[0])
+            _pack(rec, 0, _READY, d.ready_key)
+            _pack(rec, 0, _DONE, d.done_key)
+        except Exception as exc:  # noqa: BLE001 -- every failure is this rank's answer, told to the others
+            why = f"{type(exc).__name__}: {exc}"
+        recs = np.zeros(self.p, _RECORD)
+        complete(self.comm.Iallgather(rec.view(np.uint8), recs.view(np.uint8)), deadline,
+                 "the CUDA IPC check's exchange of handles (MPI_Iallgather)")
+        for q in range(self.p):
+            if why is None and q != self.me and recs["len"][q, _SRC]:
+                try:
+                    be.ipc_close(be.ipc_open(_unpack(recs, q, _SRC)))
+                    d.event(_unpack(recs, q, _READY))
+                    d.event(_unpack(recs, q, _DONE))
+                except Exception as exc:  # noqa: BLE001 -- as above
+                    why = f"{type(exc).__name__}: {exc} (mapping rank {q}'s memory)"
+        over = self.comm if agree is None else agree
+        failed = np.empty(over.Get_size(), np.uint8)
+        complete(over.Iallgather(np.array([why is not None], np.uint8), failed), deadline,
+                 "the CUDA IPC check's verdict (MPI_Iallgather)")
+        verdict = None
+        if failed.any():
+            verdict = (f"CUDA IPC failed on rank(s) {np.flatnonzero(failed).tolist()} of {over.Get_size()}"
+                       + (f"; here: {why}" if why else ""))
+        self._verdicts[be.name] = verdict
+        return verdict
 
     @staticmethod
     def _exported(be, d, buf, tag):
@@ -324,6 +378,7 @@ class Ipc(Algorithm):
     def __init__(self, comm, placement):
         super().__init__(comm, placement)
         self._node = None
+        self.broken: dict = {}  # backend name -> why CUDA IPC cannot serve its arrays here (IpcNode.check)
 
     @property
     def node(self) -> IpcNode:
@@ -336,18 +391,37 @@ class Ipc(Algorithm):
         return placement.one_node and comm.ipc is not False
 
     def serves(self, kind, w):
-        return kind in self.kinds and w.be.device and getattr(w.be, "ipc", False) and w.dims is None
+        return (kind in self.kinds and w.be.device and getattr(w.be, "ipc", False) and w.dims is None
+                and w.be.name not in self.broken)
+
+    def _works(self, w) -> bool:
+        """Whether CUDA IPC works for ``w``'s backend (``IpcNode.check``, collective at its first call); where
+        it does not, this algorithm no longer serves that backend: ``ipc=True`` raises, else a warning."""
+        why = self.node.check(w.be, w.deadline)
+        if why is None:
+            return True
+        self.broken[w.be.name] = why
+        if self.comm.ipc is True:
+            raise RuntimeError(f"ipc=True, but {why}; pass ipc=None to let device calls take the ring")
+        warnings.warn(f"ddlkernels: {why}; device calls take the other algorithms", RuntimeWarning, stacklevel=2)
+        return False
 
     def allreduce(self, w):
+        if not self._works(w):
+            return run_instead(self.comm, "allreduce", w)
         self.node.allreduce(w.be, w.src, w.dst, w.redop, self.comm.size if w.avg else None, w.deadline)
 
     # A caller's out= is reduced into as the backend's flat storage view (a torch tensor's CuPy view,
     # bfloat16 as its bits), as the inputs are.
     def reduce_scatter(self, w):
+        if not self._works(w):
+            return run_instead(self.comm, "reduce_scatter", w)
         self.node.reduce_scatter(w.be, w.src, w.be.flat(w.dst), w.bounds, w.redop,
                                  self.comm.size if w.avg else None, w.deadline)
 
     def allgather(self, w):
+        if not self._works(w):
+            return run_instead(self.comm, "allgather", w)
         self.node.allgather(w.be, w.src, w.be.flat(w.dst), w.bounds, w.deadline)
 
     def mapped(self, now=False) -> int:

@@ -165,6 +165,46 @@ def test_under_a_deadline_and_validation():
         c.free()
 
 
+def _cannot_map(monkeypatch, what):
+    """The last rank cannot map its peers' memory (or their events), as ranks in containers of their own, or
+    on GPUs without peer access, cannot."""
+    import stream_emulator as SE
+
+    def refused(self, key):
+        raise RuntimeError("emulated cudaErrorMapBufferObjectFailed")
+
+    if R == P - 1:
+        monkeypatch.setattr(SE.EmuBackend, "ipc_open" if what == "memory" else "ipc_open_event", refused)
+
+
+@pytest.mark.parametrize("what", ["memory", "events"])
+def test_where_a_rank_cannot_map_its_peers_every_rank_takes_the_ring(monkeypatch, what):
+    """The first call that chose "ipc" finds out on every rank, before it touches any buffer (a failure
+    halfway through would leave the ranks waiting for each other): it warns and runs the ring, and "ipc" is
+    no candidate for that backend any more; ``ipc=True`` raises the same error on every rank."""
+    _cannot_map(monkeypatch, what)
+    x = rank_data(999, R, P, np.int64, salt=3)
+    want = fold(COMM.allgather(x), "sum")
+    lo, hi = ddlkernels.shard_range(x.size)
+    with emulated_device(seed=R, policy="lazy", ipc=True) as be:
+        c = ddlkernels.Communicator(COMM, shm=False)
+        d = be.to_device(x)
+        c.settle(d, "ipc")
+        with pytest.warns(RuntimeWarning, match=rf"CUDA IPC failed on rank\(s\) \[{P - 1}\] of {P}"):
+            got = c.allreduce(d, "sum")
+        assert c.last_algorithm == "ring" and same_bits(be.to_host(got), want)
+        for kind in ("allreduce", "reduce_scatter", "allgather"):
+            assert "ipc" not in c.candidates(d, collective=kind), kind
+        assert same_bits(be.to_host(c.allreduce(d, "sum")), want)
+        assert same_bits(be.to_host(c.reduce_scatter(d, "sum")), want[lo:hi])
+        c.free()
+        forced = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+        with pytest.raises(RuntimeError, match=rf"ipc=True, but CUDA IPC failed on rank\(s\) \[{P - 1}\]"):
+            forced.allreduce(d, "sum")
+        forced.free()
+    COMM.Barrier()  # nobody was left in a collective
+
+
 def test_ipc_setting_is_checked():
     with pytest.raises(ValueError, match="ipc must be None, True or False"):
         ddlkernels.Communicator(COMM, ipc="yes")
@@ -210,6 +250,31 @@ def test_hierarchical_over_ipc_inside_made_up_nodes(placement, policy):
                     h.run_device(be, be.flat(d), be.flat(d), np.dtype(dtype), redop, avg_p=avg_p)
                     assert same_bits(be.to_host(d), y), f"{what}: in place"
         h.free()
+
+
+@pytest.mark.skipif(K is None, reason=f"{P} ranks cannot be split into 2+ nodes of 2+ ranks each")
+def test_hierarchical_where_one_node_cannot_map_takes_the_ring_on_every_node(monkeypatch):
+    """Nodes of K ranks (as tests/mpi/test_hier.py makes them), the last rank's unable to map its peers'
+    memory: every rank of every node learns it at the first call that chose "hier" for device arrays, warns
+    and runs the ring (a node that went on alone would wait for the others forever)."""
+    import ddlkernels.algorithms as where
+
+    monkeypatch.setattr(where, "one_node", lambda comm: False)
+    monkeypatch.setattr(where, "node_split", lambda comm: comm.Split(color=comm.Get_rank() // K, key=comm.Get_rank()))
+    _cannot_map(monkeypatch, "memory")
+    x = rank_data(777, R, P, np.int64, salt=4)
+    want = fold(COMM.allgather(x), "max")
+    with emulated_device(seed=R, policy="random", ipc=True) as be:
+        c = ddlkernels.Communicator(COMM)
+        d = be.to_device(x)
+        assert "hier" in c.candidates(d, "max")
+        c.settle(d, "hier", "max")
+        with pytest.warns(RuntimeWarning, match=r"CUDA IPC failed on rank\(s\)"):
+            got = c.allreduce(d, "max")
+        assert c.last_algorithm == "ring" and same_bits(be.to_host(got), want)
+        assert "hier" not in c.candidates(d, "max")
+        c.free()
+    COMM.Barrier()
 
 
 def test_fusion_and_the_progress_thread_run_it_too():
