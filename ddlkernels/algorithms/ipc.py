@@ -47,7 +47,11 @@ peer's small probe buffer and events first, before any user buffer is
 touched (``IpcNode.check``), and every rank learns whether all succeeded; if
 not, that call and every later one take the ring instead (``ipc=True``:
 every rank raises the same error), where a failure halfway through a call
-would have left the ranks waiting for each other.
+would have left the ranks waiting for each other.  A rank that fails inside
+a later call all the same (a new buffer it cannot map, a stage it cannot
+allocate) says so in the call's next exchange (the second "barrier" is an
+allgather of such flags): every rank raises the same error, the output
+undefined, and the next call starts afresh.
 """
 
 from __future__ import annotations
@@ -69,8 +73,10 @@ MAPPED = 256
 #: Room for one IPC handle in the exchange (CUDA's are 64 bytes; the emulator's are file names).
 KEY_BYTES = 240
 
-# One rank's part of the exchange: where its input and output lie, and its two events.
-_RECORD = np.dtype([("key", np.uint8, (4, KEY_BYTES)), ("len", np.int64, 4), ("off", np.int64, 2)])
+# One rank's part of the exchange: where its input and output lie, and its two events; ``failed``: it could
+# not make its part (every rank then raises, see ``IpcNode._call``).
+_RECORD = np.dtype([("key", np.uint8, (4, KEY_BYTES)), ("len", np.int64, 4), ("off", np.int64, 2),
+                    ("failed", np.int64)])
 _SRC, _DST, _READY, _DONE = range(4)
 
 
@@ -235,53 +241,76 @@ class IpcNode:
     def _call(self, be, src, dst, deadline, what, body):
         """One collective in which peers read ``src`` and write ``dst`` (None: they touch none):
         ``body(mine_in, mine_out, peer)`` queues its kernels and copies, ``peer(q, role, lo, hi, dtype)``
-        being rank q's input (``_SRC``) or output (``_DST``) elements ``[lo, hi)``."""
+        being rank q's input (``_SRC``) or output (``_DST``) elements ``[lo, hi)``.
+
+        A rank that fails before the exchange (an exportable stage it cannot allocate) or after it (a peer's
+        memory it cannot map, a launch that fails) says so in the exchange that follows, so that every rank
+        raises the same error instead of waiting for it in the next collective (its output then undefined)."""
         p, me = self.p, self.me
         d = self._device(be)
         s = be.compute_stream()
         rec = np.zeros(1, _RECORD)
-        mine_in = mine_out = None
-        if src is not None:
-            mine_in, key, off = self._exported(be, d, src, "src")
-            if mine_in is not src:
-                be.copy(mine_in, src)
-            _pack(rec, 0, _SRC, key)
-            rec["off"][0, _SRC] = off
-        if dst is not None:
-            if dst is src:  # in place: my output lies where my input does (or in its stage)
-                mine_out = mine_in
-            else:
-                mine_out, key, off = self._exported(be, d, dst, "dst")
-            _pack(rec, 0, _DST, key)
-            rec["off"][0, _DST] = off
+        mine_in = mine_out = failure = None
+        try:
+            if src is not None:
+                mine_in, key, off = self._exported(be, d, src, "src")
+                if mine_in is not src:
+                    be.copy(mine_in, src)
+                _pack(rec, 0, _SRC, key)
+                rec["off"][0, _SRC] = off
+            if dst is not None:
+                if dst is src:  # in place: my output lies where my input does (or in its stage)
+                    mine_out = mine_in
+                else:
+                    mine_out, key, off = self._exported(be, d, dst, "dst")
+                _pack(rec, 0, _DST, key)
+                rec["off"][0, _DST] = off
+        except Exception as exc:  # noqa: BLE001 -- told to every rank, raised by every rank below
+            failure = exc
+            rec["failed"] = 1
         _pack(rec, 0, _READY, d.ready_key)
         _pack(rec, 0, _DONE, d.done_key)
         be.record_on(s, d.ready)
         recs = np.empty(p, _RECORD)
         complete(self.comm.Iallgather(rec.view(np.uint8), recs.view(np.uint8)), deadline,
                  f"the IPC {what}'s exchange of handles (MPI_Iallgather)")
-        roles = [r for r, buf in ((_SRC, src), (_DST, dst)) if buf is not None]
-        d.mapped.reap()
-        d.mapped.retire({_unpack(recs, q, r) for q in range(p) if q != me for r in roles}, s)
-        # Barrier 1 passed: every peer has recorded "ready" after the work that wrote its input.
-        for q in range(p):
-            if q != me:
-                be.wait(s, d.event(_unpack(recs, q, _READY)))
+        self._raise_if_failed(recs["failed"], failure, what)
+        try:
+            roles = [r for r, buf in ((_SRC, src), (_DST, dst)) if buf is not None]
+            d.mapped.reap()
+            d.mapped.retire({_unpack(recs, q, r) for q in range(p) if q != me for r in roles}, s)
+            # Barrier 1 passed: every peer has recorded "ready" after the work that wrote its input.
+            for q in range(p):
+                if q != me:
+                    be.wait(s, d.event(_unpack(recs, q, _READY)))
 
-        def peer(q, role, lo, hi, dtype):
-            dt = np.dtype(dtype)
-            return be.ipc_view(d.mapped.get(_unpack(recs, q, role)), int(recs["off"][q, role]) + lo * dt.itemsize,
-                               hi - lo, dt)
+            def peer(q, role, lo, hi, dtype):
+                dt = np.dtype(dtype)
+                return be.ipc_view(d.mapped.get(_unpack(recs, q, role)),
+                                   int(recs["off"][q, role]) + lo * dt.itemsize, hi - lo, dt)
 
-        body(mine_in, mine_out, peer)
+            body(mine_in, mine_out, peer)
+        except Exception as exc:  # noqa: BLE001 -- as above
+            failure = exc
         be.record_on(s, d.done)
-        complete(self.comm.Ibarrier(), deadline, f"the IPC {what}'s last barrier (MPI_Ibarrier)")
+        failed = np.empty(p, np.uint8)
+        complete(self.comm.Iallgather(np.array([failure is not None], np.uint8), failed), deadline,
+                 f"the IPC {what}'s last exchange (MPI_Iallgather)")
         # Barrier 2 passed: every peer has recorded "done" after its last read of my input and write of my output.
         for q in range(p):
             if q != me:
                 be.wait(s, d.event(_unpack(recs, q, _DONE)))
+        self._raise_if_failed(failed, failure, what)
         if dst is not None and mine_out is not dst:
             be.copy(dst, mine_out)
+
+    def _raise_if_failed(self, failed, failure, what) -> None:
+        """Every rank raises where any rank's ``failed`` flag is set (``failure``: this rank's exception)."""
+        if np.any(failed):
+            ranks = np.flatnonzero(failed).tolist()
+            here = f"; here: {type(failure).__name__}: {failure}" if failure is not None else ""
+            raise RuntimeError(f"the CUDA IPC {what} failed on rank(s) {ranks} of {self.p}{here}; "
+                               f"its output is undefined") from failure
 
     def _fold(self, be, mine_in, peer, lo, hi, redop, avg_p, into, also=()):
         """My shard ``[lo, hi)`` of every rank's input, folded in rank order into ``into`` and each buffer of

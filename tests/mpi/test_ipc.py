@@ -205,6 +205,33 @@ def test_where_a_rank_cannot_map_its_peers_every_rank_takes_the_ring(monkeypatch
     COMM.Barrier()  # nobody was left in a collective
 
 
+@pytest.mark.parametrize("where", ["mapping", "stage"])
+def test_a_failure_inside_a_call_raises_on_every_rank_and_the_next_call_works(monkeypatch, where):
+    """After the check passed, the last rank cannot map a peer's new buffer (after the exchange of handles)
+    or cannot allocate the exportable stage of memory IPC cannot export (before it): every rank raises the
+    same error from that call, none waits for another in a collective; once it can again, calls are right."""
+    import stream_emulator as SE
+
+    def refused(self, *args):
+        raise RuntimeError("emulated cudaErrorMemoryAllocation")
+
+    with emulated_device(seed=R, policy="random", ipc=True) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+        for k, n in enumerate((999, 5000, 7001)):  # each a new allocation, and a larger stage
+            x = rank_data(n, R, P, np.float32, salt=k)
+            want = fold(COMM.allgather(x), "sum")
+            d = be.to_device(x, shareable=where == "mapping")
+            if k == 1 and R == P - 1:
+                monkeypatch.setattr(SE.EmuBackend, "ipc_open" if where == "mapping" else "ipc_alloc", refused)
+            if k == 1:
+                with pytest.raises(RuntimeError, match=rf"the CUDA IPC allreduce failed on rank\(s\) \[{P - 1}\]"):
+                    c.allreduce(d, "sum")
+                monkeypatch.undo()
+            else:
+                assert same_bits(be.to_host(c.allreduce(d, "sum")), want), k
+        c.free()
+
+
 def test_ipc_setting_is_checked():
     with pytest.raises(ValueError, match="ipc must be None, True or False"):
         ddlkernels.Communicator(COMM, ipc="yes")
