@@ -6,7 +6,9 @@
   backend, host arrays and CPU torch tensors to numpy;
 * CUDA-aware detection: the override wins, an MPI 4.1 ``mpi_memory_alloc_kinds``
   containing "cuda" means aware, otherwise the vendor query decides;
-* the kernel sources are found in a checkout and inside a built wheel.
+* the kernel sources are found in a checkout and inside a built wheel;
+* the CuPy backend's question to the driver (where an allocation starts) makes the thread's context
+  first where the thread has none yet (the driver answers as it does then, a stand-in for it).
 """
 
 from __future__ import annotations
@@ -173,3 +175,30 @@ def test_kernel_sources_in_a_wheel(tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(site)), cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
     assert Path(res.stdout.strip()) == site / "ddlkernels" / "kernels" / "cuda"
+
+
+def test_allocation_base_makes_the_context_of_a_thread_that_has_none(monkeypatch):
+    """cuMemGetAddressRange answers CUDA_ERROR_INVALID_CONTEXT (201) in a thread that has made no runtime call
+    yet: the runtime call given makes the context, and the question is asked again; other errors raise."""
+    pytest.importorskip("cupy")
+    import ctypes
+
+    from ddlkernels.backends import _cupy
+
+    state = {"context": False, "asked": 0}
+
+    def driver(base, size, ptr):  # what the driver answers, with and without a current context
+        state["asked"] += 1
+        if not state["context"]:
+            return 201
+        ctypes.cast(base, ctypes.POINTER(ctypes.c_uint64))[0] = ptr.value - 4096
+        return 0
+
+    monkeypatch.setattr(_cupy, "_address_range", driver)
+    assert _cupy._allocation_base(0x7F00_1000, lambda: state.update(context=True)) == 0x7F00_0000
+    assert state["asked"] == 2
+    state["context"] = False
+    with pytest.raises(RuntimeError, match="CUresult 201"):
+        _cupy._allocation_base(0x7F00_1000)  # nothing to make it with
+    with pytest.raises(RuntimeError, match="CUresult 201"):
+        _cupy._allocation_base(0x7F00_1000, lambda: None)  # a call that made none

@@ -46,8 +46,16 @@ _THREADS = 256
 _address_range = None  # the driver's cuMemGetAddressRange_v2, loaded on first use
 
 
-def _allocation_base(ptr: int) -> int:
-    """The start of the allocation holding device address ``ptr`` (in the current context)."""
+#: CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context.
+_NO_CONTEXT = 201
+
+
+def _allocation_base(ptr: int, make_context=None) -> int:
+    """The start of the allocation holding device address ``ptr`` (in the current context).
+
+    A driver call needs a current context, which the runtime makes current in a thread only at that
+    thread's first runtime call: where there is none yet, ``make_context()`` (a runtime call) makes it,
+    as CuPy's own allocator does, and the question is asked again."""
     global _address_range
     if _address_range is None:
         fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
@@ -56,6 +64,9 @@ def _allocation_base(ptr: int) -> int:
         _address_range = fn
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     rc = _address_range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc == _NO_CONTEXT and make_context is not None:
+        make_context()
+        rc = _address_range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
     if rc != 0:
         raise RuntimeError(f"cuMemGetAddressRange({ptr:#x}) failed: CUresult {rc}")
     return int(base.value)
@@ -208,7 +219,7 @@ class CupyBackend(DeviceBackend):
             return None
         ptr = self._ptr(buf)
         try:
-            base = _allocation_base(ptr)
+            base = _allocation_base(ptr, lambda: self._cp.cuda.runtime.free(0))  # cudaFree(0): the context
             key = self._cp.cuda.runtime.ipcGetMemHandle(base)
         except Exception:  # noqa: BLE001 -- memory legacy IPC cannot export: the caller stages it
             return None
