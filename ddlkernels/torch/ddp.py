@@ -128,6 +128,15 @@ class HookState:
         # The ring runs on the progress thread: DDP waits on the returned future from C++, which
         # cannot poll MPI_Iallreduce requests (progress="hooks").
         self.engine = progress_engine(self.comm, "thread")
+        self._streams: dict = {}  # CUDA device index -> the stream the buckets of that device are reduced on
+
+    def stream(self, device):
+        """The CUDA stream this state reduces ``device``'s buckets on (made at the first): a stream of its own,
+        as NCCL's, so that the reductions run beside the backward kernels instead of in their queue."""
+        s = self._streams.get(device.index)
+        if s is None:
+            s = self._streams[device.index] = torch.cuda.Stream(device)
+        return s
 
 
 _DEFAULT_HOOK_STATE = None
@@ -162,12 +171,13 @@ def _bucket_hook(state, bucket, wire=None):
     CPU: the reduction runs in the bucket's memory; the future is completed
     from the progress thread when it is done, so backward goes on meanwhile.
     CUDA: an event recorded on the current stream at the call marks the
-    bucket's values as produced; the progress thread waits for it before
-    reducing, then for the reduction's kernels (its current stream); the
+    bucket's values as produced; on the progress thread the state's stream of
+    the device waits for it and runs the reduction (ddlkernels runs a torch
+    tensor's call on torch's current stream) and the decompressing copy; the
     future is a CUDA-aware ``torch.futures.Future(devices=[...])``, whose
-    ``set_result`` records an event on the progress thread's current stream
-    (where the decompressing copy ran), and DDP's wait makes its own stream
-    wait for that event.
+    ``set_result`` records an event on that stream, and DDP's wait makes its
+    own stream wait for that event.  The host waits for neither: the next
+    bucket's reduction is queued while the GPU still runs this one.
     """
     st = _hook_state(state)
     buf = bucket.buffer()
@@ -189,18 +199,22 @@ def _bucket_hook(state, bucket, wire=None):
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(dev))
 
+    def reduce(c):
+        c.allreduce(send, op, out=send)  # on this thread's current torch stream of dev (Backend.stream_of)
+        if send is not buf:
+            buf.copy_(send)
+        fut.set_result(buf)
+
     def run(c):
         try:
-            if ready is not None:
-                ready.synchronize()
-            c.allreduce(send, op, out=send)  # on this thread's current torch stream of dev (Backend.stream_of)
-            if cuda:
-                torch.cuda.current_stream(dev).synchronize()
-            if send is not buf:
-                buf.copy_(send)
-                if cuda:  # send's memory must outlive the copy queued on this thread's stream
-                    send.record_stream(torch.cuda.current_stream(dev))
-            fut.set_result(buf)
+            if not cuda:
+                return reduce(c)
+            side = st.stream(dev)
+            with torch.cuda.stream(side):
+                side.wait_event(ready)
+                if send is not buf:  # made on the caller's stream, used on this one until its work has run
+                    send.record_stream(side)
+                reduce(c)
         except BaseException as exc:
             fut.set_exception(exc)
             raise
