@@ -425,13 +425,14 @@ class Ipc(Algorithm):
 
     def _works(self, w) -> bool:
         """Whether CUDA IPC works for ``w``'s backend (``IpcNode.check``, collective at its first call); where
-        it does not, this algorithm no longer serves that backend: ``ipc=True`` raises, else a warning."""
+        it does not, ``ipc=True`` raises (at every call: the verdict is kept), else a warning, and this
+        algorithm no longer serves that backend."""
         why = self.node.check(w.be, w.deadline)
         if why is None:
             return True
-        self.broken[w.be.name] = why
         if self.comm.ipc is True:
             raise RuntimeError(f"ipc=True, but {why}; pass ipc=None to let device calls take the ring")
+        self.broken[w.be.name] = why
         warnings.warn(f"ddlkernels: {why}; device calls take the other algorithms", RuntimeWarning, stacklevel=2)
         return False
 

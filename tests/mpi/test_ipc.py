@@ -199,8 +199,9 @@ def test_where_a_rank_cannot_map_its_peers_every_rank_takes_the_ring(monkeypatch
         assert same_bits(be.to_host(c.reduce_scatter(d, "sum")), want[lo:hi])
         c.free()
         forced = ddlkernels.Communicator(COMM, shm=False, ipc=True)
-        with pytest.raises(RuntimeError, match=rf"ipc=True, but CUDA IPC failed on rank\(s\) \[{P - 1}\]"):
-            forced.allreduce(d, "sum")
+        for _ in range(2):  # the second call from the verdict kept
+            with pytest.raises(RuntimeError, match=rf"ipc=True, but CUDA IPC failed on rank\(s\) \[{P - 1}\]"):
+                forced.allreduce(d, "sum")
         forced.free()
     COMM.Barrier()  # nobody was left in a collective
 
