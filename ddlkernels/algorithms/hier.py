@@ -154,14 +154,15 @@ class HierAllreduce:
         bounds = self.bounds(n)
         lo, hi = bounds[self.local]
         shard = self._shard(src.dtype, hi - lo, be)
-        self.ipc.reduce_scatter(be, src, shard, bounds, op, deadline=deadline)
+        # agree=: a node whose IPC step fails raises on every rank, not only its own (ipc.IpcNode._call).
+        self.ipc.reduce_scatter(be, src, shard, bounds, op, deadline=deadline, agree=self.comm)
         self.cross.allreduce_buffer(be, shard, dtype, op, deadline)
         if avg_p is not None and hi > lo:
             # The "avg" kernel's sum with -0 is the shard itself, then scaled as scale_inplace scales.
             be.reduce("sum", shard, shard, self._shard(src.dtype, hi - lo, be, _negative_zero(src.dtype)),
                       avg_p=avg_p)
         # Nobody reads src after the reduce-scatter's last barrier: an in-place call may now overwrite it.
-        self.ipc.allgather(be, shard, dst, bounds, deadline=deadline)
+        self.ipc.allgather(be, shard, dst, bounds, deadline=deadline, agree=self.comm)
 
     def run(self, src, dst, op, reduce, avg_p=None, deadline=None) -> None:
         """``dst = op over all ranks of src`` (1-D host arrays of one dtype; ``src is dst`` allowed).

@@ -91,6 +91,10 @@ def _unpack(recs, r, i) -> bytes:
     return recs["key"][r, i, : recs["len"][r, i]].tobytes()
 
 
+class _Skipped(Exception):
+    """A rank of the node failed before the exchange of handles (``IpcNode._call``)."""
+
+
 class Mapped:
     """Peers' allocations opened in this process, by IPC handle, least recently used first; those taken out
     of use wait in ``closing`` until the work that used them has run (no host block)."""
@@ -238,14 +242,16 @@ class IpcNode:
         stage, key, off = d.stage(tag, buf.nbytes)
         return stage[: buf.nbytes].view(buf.dtype), key, off
 
-    def _call(self, be, src, dst, deadline, what, body):
+    def _call(self, be, src, dst, deadline, what, body, agree=None):
         """One collective in which peers read ``src`` and write ``dst`` (None: they touch none):
         ``body(mine_in, mine_out, peer)`` queues its kernels and copies, ``peer(q, role, lo, hi, dtype)``
         being rank q's input (``_SRC``) or output (``_DST``) elements ``[lo, hi)``.
 
-        A rank that fails before the exchange (an exportable stage it cannot allocate) or after it (a peer's
-        memory it cannot map, a launch that fails) says so in the exchange that follows, so that every rank
-        raises the same error instead of waiting for it in the next collective (its output then undefined)."""
+        A rank that fails before the exchange of handles (an exportable stage it cannot allocate: then no
+        rank of the node queues anything) or after it (a peer's memory it cannot map, a launch that fails)
+        says so in the last exchange, so that every rank raises the same error instead of waiting for it in
+        a later collective (the output is then undefined).  ``agree``: a communicator of several nodes over
+        which that last exchange runs instead (``hier``: the other nodes must raise too)."""
         p, me = self.p, self.me
         d = self._device(be)
         s = be.compute_stream()
@@ -274,8 +280,9 @@ class IpcNode:
         recs = np.empty(p, _RECORD)
         complete(self.comm.Iallgather(rec.view(np.uint8), recs.view(np.uint8)), deadline,
                  f"the IPC {what}'s exchange of handles (MPI_Iallgather)")
-        self._raise_if_failed(recs["failed"], failure, what)
         try:
+            if recs["failed"].any():  # a rank of the node has no part to offer: nobody touches anything
+                raise _Skipped()
             roles = [r for r, buf in ((_SRC, src), (_DST, dst)) if buf is not None]
             d.mapped.reap()
             d.mapped.retire({_unpack(recs, q, r) for q in range(p) if q != me for r in roles}, s)
@@ -290,27 +297,25 @@ class IpcNode:
                                    int(recs["off"][q, role]) + lo * dt.itemsize, hi - lo, dt)
 
             body(mine_in, mine_out, peer)
+        except _Skipped:
+            pass
         except Exception as exc:  # noqa: BLE001 -- as above
             failure = exc
         be.record_on(s, d.done)
-        failed = np.empty(p, np.uint8)
-        complete(self.comm.Iallgather(np.array([failure is not None], np.uint8), failed), deadline,
+        over = self.comm if agree is None else agree
+        failed = np.empty(over.Get_size(), np.uint8)
+        complete(over.Iallgather(np.array([failure is not None], np.uint8), failed), deadline,
                  f"the IPC {what}'s last exchange (MPI_Iallgather)")
         # Barrier 2 passed: every peer has recorded "done" after its last read of my input and write of my output.
         for q in range(p):
             if q != me:
                 be.wait(s, d.event(_unpack(recs, q, _DONE)))
-        self._raise_if_failed(failed, failure, what)
+        if failed.any():
+            here = f"; here: {type(failure).__name__}: {failure}" if failure is not None else ""
+            raise RuntimeError(f"the CUDA IPC {what} failed on rank(s) {np.flatnonzero(failed).tolist()} of "
+                               f"{over.Get_size()}{here}; its output is undefined") from failure
         if dst is not None and mine_out is not dst:
             be.copy(dst, mine_out)
-
-    def _raise_if_failed(self, failed, failure, what) -> None:
-        """Every rank raises where any rank's ``failed`` flag is set (``failure``: this rank's exception)."""
-        if np.any(failed):
-            ranks = np.flatnonzero(failed).tolist()
-            here = f"; here: {type(failure).__name__}: {failure}" if failure is not None else ""
-            raise RuntimeError(f"the CUDA IPC {what} failed on rank(s) {ranks} of {self.p}{here}; "
-                               f"its output is undefined") from failure
 
     def _fold(self, be, mine_in, peer, lo, hi, redop, avg_p, into, also=()):
         """My shard ``[lo, hi)`` of every rank's input, folded in rank order into ``into`` and each buffer of
@@ -349,9 +354,9 @@ class IpcNode:
 
         self._call(be, src, dst, deadline, "allreduce", body)
 
-    def reduce_scatter(self, be, src, shard, bounds, redop, avg_p=None, deadline=None) -> None:
+    def reduce_scatter(self, be, src, shard, bounds, redop, avg_p=None, deadline=None, agree=None) -> None:
         """``shard`` (this rank's, a buffer apart from ``src``) = elements ``bounds[me]`` of every rank's
-        ``src``, folded in rank order."""
+        ``src``, folded in rank order (``agree``: ``_call``'s)."""
         lo, hi = bounds[self.me]
 
         def body(mine_in, mine_out, peer):
@@ -359,10 +364,11 @@ class IpcNode:
                 self._fold(be, mine_in, peer, lo, hi, redop, avg_p, shard)
 
         if any(b > a for a, b in bounds):
-            self._call(be, src, None, deadline, "reduce_scatter", body)
+            self._call(be, src, None, deadline, "reduce_scatter", body, agree)
 
-    def allgather(self, be, shard, dst, bounds, deadline=None) -> None:
-        """Every rank's ``shard`` into its ``bounds`` of every rank's ``dst`` (``shard`` apart from ``dst``)."""
+    def allgather(self, be, shard, dst, bounds, deadline=None, agree=None) -> None:
+        """Every rank's ``shard`` into its ``bounds`` of every rank's ``dst`` (``shard`` apart from ``dst``;
+        ``agree``: ``_call``'s)."""
         lo, hi = bounds[self.me]
 
         def body(mine_in, mine_out, peer):
@@ -370,7 +376,7 @@ class IpcNode:
                 self._push(be, shard, mine_out, peer, lo, hi)
 
         if any(b > a for a, b in bounds):
-            self._call(be, None, dst, deadline, "allgather", body)
+            self._call(be, None, dst, deadline, "allgather", body, agree)
 
     def mapped(self, now=False) -> int:
         """How many peers' allocations this rank has opened so far, or with ``now`` holds open in use, over

@@ -305,6 +305,36 @@ def test_hierarchical_where_one_node_cannot_map_takes_the_ring_on_every_node(mon
     COMM.Barrier()
 
 
+@pytest.mark.skipif(K is None, reason=f"{P} ranks cannot be split into 2+ nodes of 2+ ranks each")
+def test_hierarchical_where_a_node_fails_inside_a_call_every_node_raises(monkeypatch):
+    """The last rank cannot map a peer's new buffer (after the check passed): its node's IPC step fails, and
+    every rank of every node raises the same error (the other nodes would otherwise wait for it across
+    nodes); once it can again, the next call is right."""
+    import stream_emulator as SE
+    from ddlkernels.algorithms.hier import HierAllreduce
+
+    def refused(self, key):
+        raise RuntimeError("emulated cudaErrorMemoryAllocation")
+
+    with emulated_device(seed=R, policy="random", ipc=True) as be:
+        node = COMM.Split(color=R // K, key=R)
+        h = HierAllreduce(COMM, node, lambda cross: ddlkernels.Communicator(cross, shm=False, ipc=False))
+        for k, n in enumerate((999, 5000, 7001)):  # each a new allocation
+            x = rank_data(n, R, P, np.int64, salt=k)
+            d, out = be.to_device(x), be.to_device(np.zeros_like(x))
+            if k == 1:
+                if R == P - 1:
+                    monkeypatch.setattr(SE.EmuBackend, "ipc_open", refused)
+                with pytest.raises(RuntimeError, match=rf"CUDA IPC reduce_scatter failed on rank\(s\) \[{P - 1}\] of {P}"):
+                    h.run_device(be, be.flat(d), be.flat(out), np.dtype(np.int64), "sum")
+                monkeypatch.undo()
+            else:
+                h.run_device(be, be.flat(d), be.flat(out), np.dtype(np.int64), "sum")
+                assert same_bits(be.to_host(out), sum(COMM.allgather(x))), k
+        h.free()
+    COMM.Barrier()
+
+
 def test_fusion_and_the_progress_thread_run_it_too():
     """allreduce_many (pack, the IPC allreduce of the bucket, unpack) and allreduce_async (the progress
     thread's own stream) on ipc=True: the rank-order fold of each array, bit for bit."""
