@@ -60,7 +60,10 @@ for an IPC event.  A host wait that needs a peer's work spins, running its
 own ready work meanwhile, and fails after ``SPIN_SECONDS``; and since a GPU
 runs whatever its host does (blocked in MPI, say), each process's device
 thread runs a record of its own as soon as a peer waits for it, with the
-work queued before it, and nothing else.
+work queued before it, and nothing else.  A peer's allocation is mapped
+until ``ipc_close``: queued work that reads or writes it through a mapping
+closed before that work runs does nothing and counts a fault (``faults``; on
+a GPU, an illegal address or garbage).
 """
 
 from __future__ import annotations
@@ -337,12 +340,13 @@ class Emulator:
 
 
 class EmuArray:
-    """A 1-D or n-D "device" array: a numpy array only queued work may read or write."""
+    """A 1-D or n-D "device" array: a numpy array only queued work may read or write; ``_m``: the peer's
+    mapping it lies in (``EmuBackend.ipc_open``), else None."""
 
-    __slots__ = ("_a",)
+    __slots__ = ("_a", "_m")
 
-    def __init__(self, a):
-        self._a = a
+    def __init__(self, a, m=None):
+        self._a, self._m = a, m
 
     # What the engine and the backends read of an array.
     shape = property(lambda self: self._a.shape)
@@ -357,13 +361,13 @@ class EmuArray:
     def __getitem__(self, key):
         if not isinstance(key, slice):
             raise TypeError("an emulated device array is indexed by slices only (its elements are on the device)")
-        return EmuArray(self._a[key])
+        return EmuArray(self._a[key], self._m)
 
     def view(self, dtype):
-        return EmuArray(self._a.view(dtype))
+        return EmuArray(self._a.view(dtype), self._m)
 
     def reshape(self, *shape):
-        return EmuArray(self._a.reshape(*shape))
+        return EmuArray(self._a.reshape(*shape), self._m)
 
     def __array__(self, *args, **kwargs):
         raise TypeError("emulated device memory: copy it to the host first (EmuBackend.to_host)")
@@ -385,6 +389,16 @@ def _bytes(x) -> np.ndarray:
 def _queued(x) -> np.ndarray:
     """The memory of ``x`` as queued work holds it (``_live``)."""
     return _live(_host(x))
+
+
+class _Mapping:
+    """A peer's allocation mapped in this process (``EmuBackend.ipc_open``) until ``ipc_close``."""
+
+    __slots__ = ("array", "open")
+
+    def __init__(self, array):
+        self.array, self.open = array, True
+
 
 
 class _SharedHeap:
@@ -494,6 +508,7 @@ class EmuBackend(DeviceBackend):
     def __init__(self):
         super().__init__()
         self.heap = None  # the _SharedHeap while ``ipc``
+        self.faults = 0  # queued work that ran through a peer's mapping closed before it (``_mapped``)
         self.ipc_events: list = []  # this process's IPC events (``ipc_event``)
         self.emu = Emulator()
         self._default = self.emu.stream("default")
@@ -709,15 +724,32 @@ class EmuBackend(DeviceBackend):
             return None
         return self.heap.export(self._ptr(buf))
 
+    def _mapped(self, fn, *arrays):
+        """``fn``, or where any of ``arrays`` lies in a peer's mapping: ``fn`` unless that mapping was closed
+        by the time it runs (then nothing, and a fault)."""
+        maps = [a._m for a in arrays if isinstance(a, EmuArray) and a._m is not None]
+        if not maps:
+            return fn
+
+        def checked():
+            if all(m.open for m in maps):
+                fn()
+            else:
+                self.faults += 1
+
+        return checked
+
     def ipc_open(self, key):
-        return self.heap.open(key)
+        return _Mapping(self.heap.open(key))
 
     def ipc_view(self, mapping, offset, count, dtype):
         dt = np.dtype(dtype)
-        return EmuArray(mapping[offset: offset + count * dt.itemsize].view(dt))
+        assert mapping.open, "a view of a closed mapping"
+        return EmuArray(mapping.array[offset: offset + count * dt.itemsize].view(dt), mapping)
 
     def ipc_close(self, mapping):
-        pass  # the mapping goes with its last reference
+        assert mapping.open, "a mapping closed twice"
+        mapping.open = False  # the memory stays (the file's mapping goes with its last reference)
 
     def ipc_alloc(self, nbytes):
         return EmuArray(self.heap.alloc(nbytes))
@@ -749,7 +781,7 @@ class EmuBackend(DeviceBackend):
             raise ValueError(f"copy: lengths differ ({dst.shape[0]} vs {src.shape[0]})")
         if dst.shape[0]:
             d, s = _live(_bytes(dst)), _live(_bytes(src))
-            self.emu.enqueue(self.compute_stream(), lambda: d.__setitem__(Ellipsis, s), "copy")
+            self.emu.enqueue(self.compute_stream(), self._mapped(lambda: d.__setitem__(Ellipsis, s), dst, src), "copy")
 
     def _launch_reduce(self, name, dst, a, b, n, arg):
         _, op, suf = name.rsplit("_", 2)
@@ -760,7 +792,7 @@ class EmuBackend(DeviceBackend):
             fn = lambda: self._numpy.reduce("sum", d, x, y, avg_p=p)  # noqa: E731
         else:
             fn = lambda: self._numpy.reduce(op, d, x, y)  # noqa: E731
-        self.emu.enqueue(self.compute_stream(), fn, name)
+        self.emu.enqueue(self.compute_stream(), self._mapped(fn, dst, a, b), name)
 
     def _launch_fold(self, name, dst, srcs, n, arg, also=()):
         """kernels/reduce.cu's ddl_fold, one queued operation: the chain of two-operand reductions over
@@ -781,7 +813,7 @@ class EmuBackend(DeviceBackend):
             for out in [d] + es:
                 out[...] = acc
 
-        self.emu.enqueue(self.compute_stream(), fn, name)
+        self.emu.enqueue(self.compute_stream(), self._mapped(fn, dst, *srcs, *also), name)
 
     def pack(self, tensors, buf, offsets=None):
         return self._table_copy(True, tensors, buf, offsets)
@@ -807,7 +839,7 @@ class EmuBackend(DeviceBackend):
                     t[...] = part
 
         if pairs:
-            self.emu.enqueue(self.compute_stream(), fn, "pack" if pack else "unpack")
+            self.emu.enqueue(self.compute_stream(), self._mapped(fn, buf, *tensors), "pack" if pack else "unpack")
         return list(offsets)
 
 
@@ -839,6 +871,7 @@ def emulated_device(seed=0, policy="lazy", claim_torch=False, ipc=False):
     EmuBackend.claim_torch = claim_torch
     be.ipc, be.heap, be.ipc_events = ipc, (_SharedHeap() if ipc else None), []
     be.reset_pools()
+    be.faults = 0
     device = _DeviceThread(be) if ipc else None
     if device is not None:
         device.start()

@@ -132,8 +132,11 @@ class Mapped:
 
     def reap(self) -> None:
         """Close the retired mappings whose last use has run."""
-        for k in [k for k, (_, ev) in self.closing.items() if self.be.query(ev)]:
-            self.be.ipc_close(self.closing.pop(k)[0])
+        for k, (m, ev) in list(self.closing.items()):
+            if not self.be.query(ev):
+                continue  # queued work may still read or write through it
+            del self.closing[k]
+            self.be.ipc_close(m)
 
     def close(self) -> None:
         """Close every mapping (the caller has synchronized the work that used them)."""

@@ -205,19 +205,28 @@ def long_workload(be, c):
 
 def ipc_workload(be, c):
     """The CUDA IPC allreduce (device memory the peers map): in and out of place on two caller streams in
-    turn, the input overwritten right after each call, results read at the end through their streams."""
+    turn, the input overwritten right after each call, results read at the end through their streams; at
+    most 2 peers' allocations mapped at once (new buffers every call: mappings retired while queued work
+    still uses them), and ``close_peer_memory`` before the last call, every earlier call's work still queued.  A mapping closed before
+    its last use fails the work that uses it."""
     c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
     a, b = be.new_stream(), be.new_stream()
     pending = []
-    for k, n in enumerate(SIZES + [2 * P + 3]):
-        s = a if k % 2 else b
-        x = data(n, np.float32, salt=k)
-        with be.current(s):
-            d = be.to_device(x)
-            out = c.allreduce(d, "sum", out=None if k % 3 else d)
-            if out is not d:
-                be.write(d, np.zeros_like(x))  # the caller reuses its input at once
-        pending.append((s, out, c.allreduce(x, "sum")))
+    saved, _ipc.MAPPED = _ipc.MAPPED, 2  # read when the first call maps
+    try:
+        for k, n in enumerate(SIZES + [2 * P + 3]):
+            s = a if k % 2 else b
+            x = data(n, np.float32, salt=k)
+            with be.current(s):
+                d = be.to_device(x)
+                out = c.allreduce(d, "sum", out=None if k % 3 else d)
+                if out is not d:
+                    be.write(d, np.zeros_like(x))  # the caller reuses its input at once
+            pending.append((s, out, c.allreduce(x, "sum")))
+            if k == len(SIZES) - 1:  # with every call's work still queued
+                c.close_peer_memory()
+    finally:
+        _ipc.MAPPED = saved
     if R % 2:  # the even ranks' devices run first: a read of an odd rank's input before it is written shows
         time.sleep(0.2)
     bad = sum(not np.array_equal(be.to_host(o, s), ref) for s, o, ref in pending)
@@ -309,8 +318,9 @@ WORKLOADS = {
 
 
 def run(workload, policy, seed):
+    """Wrong results of ``workload``, and work that ran through a peer's mapping already closed."""
     with emulated_device(seed=1000 * seed + R, policy=policy, ipc=workload == "ipc") as be:
-        return WORKLOADS[workload](be)
+        return WORKLOADS[workload](be) + be.faults
 
 
 # -- the device path is right on a device that runs late -----------------------------------------------
@@ -432,6 +442,9 @@ MUTATIONS = [
      ["ipc"]),
     ("ipc-inputs-ready-recorded", _ipc.IpcNode, "_call", "be.record_on(s, d.ready)", 0, ["ipc"]),
     ("ipc-writes-done-recorded", _ipc.IpcNode, "_call", "be.record_on(s, d.done)", 0, ["ipc"]),
+    ("ipc-mapping-closed-after-its-last-use", _ipc.Mapped, "reap", "continue  # queued work", 0, ["ipc"]),
+    ("close-peer-memory-waits-for-device-work", ddlkernels.Communicator, "close_peer_memory",
+     "get_backend(key[0]).sync(ev)", 0, ["ipc"]),
     ("host-down-waits-for-caller", _host.Host, "_pipeline", "be.wait(cp.d2h, be.record(compute))", 0, HOSTS),
     ("host-slot-reuse-waits-for-its-copy-up", _host.Host, "_pipeline", "be.wait(cp.d2h, cp.freed[s])", 0, HOSTS),
     ("host-reads-after-copy-down", _host.Host, "_pipeline", "be.sync(landed[k])", 0, HOSTS),
