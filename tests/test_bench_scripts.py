@@ -148,9 +148,10 @@ def test_chunk_cost_counts_chunks_and_fits_their_cost():
     assert "us per chunk (slope)" in out and "wrong elements in all: 0" in out, out
 
 
-def test_device_benchmarks_time_nothing_without_a_gpu():
+def test_device_benchmarks_time_nothing_without_a_gpu(tmp_path):
     """Without a CUDA device the device sweep and kernel benchmark say why and exit 2, with no line of
-    numbers (never a host stand-in); with one tests/gpu/run_on_device.sh runs them."""
+    numbers (never a host stand-in), and so does tests/gpu/run_on_device.sh, which runs them where there
+    is one."""
     try:
         import cupy
 
@@ -166,3 +167,9 @@ def test_device_benchmarks_time_nothing_without_a_gpu():
         assert proc.returncode == 2, script + proc.stdout + proc.stderr
         assert "no GPU to measure on" in proc.stdout and "nothing was timed" in proc.stdout, script
         assert "GB/s" not in proc.stdout and "##" not in proc.stdout, script
+    # The GPU session's script: its MPI and device probes run here too, and it stops before any step.
+    proc = subprocess.run(["bash", "tests/gpu/run_on_device.sh"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHON=sys.executable, TMPDIR=str(tmp_path)))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "device: none: " in proc.stdout and "no CUDA device: nothing was tested" in proc.stdout, proc.stdout
+    assert "===" not in proc.stdout, proc.stdout
