@@ -207,8 +207,8 @@ def ipc_workload(be, c):
     """The CUDA IPC allreduce (device memory the peers map): in and out of place on two caller streams in
     turn, the input overwritten right after each call, results read at the end through their streams; at
     most 2 peers' allocations mapped at once (new buffers every call: mappings retired while queued work
-    still uses them), and ``close_peer_memory`` before the last call, every earlier call's work still queued.  A mapping closed before
-    its last use fails the work that uses it."""
+    still uses them), and ``close_peer_memory`` before the last call, with every earlier call's work still
+    queued.  A mapping closed before its last use fails the work that uses it (``run`` counts it)."""
     c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
     a, b = be.new_stream(), be.new_stream()
     pending = []
