@@ -127,6 +127,7 @@ def test_peers_allocations_are_opened_once_and_the_least_recent_closed(monkeypat
         assert 0 < held <= max(2, 2 * (P - 1)), held  # this call's own are never closed
         assert c.algorithms["ipc"].mapped() > 2 * (P - 1)  # new buffers: new opens
         c.free()
+        assert be.faults == 0  # no queued work ran through a mapping closed before it (the emulator counts)
 
 
 def test_the_tuner_measures_ipc_beside_the_ring_for_device_arrays():
@@ -449,4 +450,4 @@ def test_close_peer_memory_closes_every_mapping_and_later_calls_open_again():
         host.close_peer_memory()  # nothing mapped, no device call: a barrier
         host.free()
         c.free()
-        assert algo.mapped(now=True) == 0
+        assert algo.mapped(now=True) == 0 and be.faults == 0
