@@ -207,7 +207,7 @@ def ipc_workload(be, c):
     """The CUDA IPC allreduce (device memory the peers map): in and out of place on two caller streams in
     turn, the input overwritten right after each call, results read at the end through their streams; at
     most 2 peers' allocations mapped at once (new buffers every call: mappings retired while queued work
-    still uses them), and ``close_peer_memory`` before the last call, with every earlier call's work still
+    still uses them), and ``close_peer_memory`` after the last call, with every call's work still
     queued.  A mapping closed before its last use fails the work that uses it (``run`` counts it)."""
     c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
     a, b = be.new_stream(), be.new_stream()
@@ -223,12 +223,11 @@ def ipc_workload(be, c):
                 if out is not d:
                     be.write(d, np.zeros_like(x))  # the caller reuses its input at once
             pending.append((s, out, c.allreduce(x, "sum")))
-            if k == len(SIZES) - 1:  # with every call's work still queued
-                c.close_peer_memory()
     finally:
         _ipc.MAPPED = saved
     if R % 2:  # the even ranks' devices run first: a read of an odd rank's input before it is written shows
         time.sleep(0.2)
+    c.close_peer_memory()  # with every call's work still queued
     bad = sum(not np.array_equal(be.to_host(o, s), ref) for s, o, ref in pending)
     c.free()
     return bad
