@@ -400,7 +400,6 @@ class _Mapping:
         self.array, self.open = array, True
 
 
-
 class _SharedHeap:
     """This process's "device" memory where peers can map it: one file under /dev/shm per allocation, its
     name the IPC handle.  Allocations live until ``close`` (the end of the ``emulated_device`` block)."""
