@@ -40,15 +40,13 @@ operand (x + -0 is x, bit for bit, -0 included).
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
 from .._dtypes import is_half, scale_inplace
 from ..ring.schedule import split
 from ..safety.deadline import complete
 from .base import Algorithm, pack_segments, run_instead
-from .ipc import IpcNode
+from .ipc import IpcNode, give_up
 from .shm import ShmAllreduce
 
 __all__ = ["Hier", "HierAllreduce", "node_split", "uniform_nodes"]
@@ -222,9 +220,7 @@ class Hier(Algorithm):
             # CUDA IPC inside the nodes, or the ring for every rank (ddlkernels.algorithms.ipc's module comment).
             why = self._hier.ipc.check(w.be, w.deadline, agree=self.comm.comm)
             if why is not None:
-                self.broken[w.be.name] = why
-                warnings.warn(f"ddlkernels: {why}; device calls take the other algorithms", RuntimeWarning,
-                              stacklevel=2)
+                give_up(self, w.be, why)
                 return run_instead(self.comm, "allreduce", w)
             self._hier.run_device(w.be, w.src, w.dst, w.dtype, w.redop, avg_p=avg_p, deadline=w.deadline)
         else:

@@ -65,7 +65,7 @@ from ..safety.deadline import complete
 from .base import Algorithm, run_instead
 from .window_shards import cuts
 
-__all__ = ["Ipc", "IpcNode", "Mapped", "MAPPED", "KEY_BYTES"]
+__all__ = ["Ipc", "IpcNode", "Mapped", "MAPPED", "KEY_BYTES", "give_up"]
 
 #: Peers' allocations kept open per rank; past it the least recently used is closed (a job whose buffers are new
 #: every call would otherwise map without bound).
@@ -89,6 +89,13 @@ def _pack(recs, r, i, key):
 
 def _unpack(recs, r, i) -> bytes:
     return recs["key"][r, i, : recs["len"][r, i]].tobytes()
+
+
+def give_up(algorithm, be, why) -> None:
+    """``algorithm`` (``ipc``, or ``hier`` on device arrays) no longer serves ``be``'s arrays: CUDA IPC cannot
+    work here (``IpcNode.check``'s ``why``), which the user is told once."""
+    algorithm.broken[be.name] = why
+    warnings.warn(f"ddlkernels: {why}; device calls take the other algorithms", RuntimeWarning, stacklevel=4)
 
 
 class _Skipped(Exception):
@@ -441,8 +448,7 @@ class Ipc(Algorithm):
             return True
         if self.comm.ipc is True:
             raise RuntimeError(f"ipc=True, but {why}; pass ipc=None to let device calls take the ring")
-        self.broken[w.be.name] = why
-        warnings.warn(f"ddlkernels: {why}; device calls take the other algorithms", RuntimeWarning, stacklevel=2)
+        give_up(self, w.be, why)
         return False
 
     def allreduce(self, w):

@@ -26,6 +26,7 @@ from ._device import DeviceBackend, pack_layout, storage_dtype
 
 __all__ = ["NumbaBackend"]
 
+
 def _word(values) -> int:
     """The widest unsigned word (8, 4, 2 or 1 bytes) dividing every address, length and offset of a pack."""
     common = 0
