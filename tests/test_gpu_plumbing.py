@@ -202,3 +202,70 @@ def test_allocation_base_makes_the_context_of_a_thread_that_has_none(monkeypatch
         _cupy._allocation_base(0x7F00_1000)  # nothing to make it with
     with pytest.raises(RuntimeError, match="CUresult 201"):
         _cupy._allocation_base(0x7F00_1000, lambda: None)  # a call that made none
+
+
+def _ranges(most):
+    from hypothesis import strategies as st
+
+    # Small addresses and lengths, so that ranges often meet, nest, touch end to start and start together.
+    return st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)).map(lambda t: (t[0], t[0] + t[1])),
+                    min_size=1, max_size=most)
+
+
+def test_fold_checks_answer_as_every_pair_compared():
+    """``reduce_many`` sorts the outputs' byte ranges once instead of comparing every pair (``_disjoint``,
+    ``_against``): the same answers as the pairwise definitions, for ranges that meet, nest and touch."""
+    from hypothesis import given, settings
+
+    from ddlkernels.backends._device import _against, _disjoint
+
+    def meet(a, b):
+        return a[0] < b[1] and b[0] < a[1]
+
+    @settings(max_examples=400, deadline=None)
+    @given(_ranges(9), _ranges(9))
+    def check(outs, spans):
+        outs = sorted(outs)
+        apart = not any(meet(outs[i], outs[j]) for i in range(len(outs)) for j in range(i))
+        assert _disjoint(outs) == apart
+        if apart:
+            exact, touch = _against(outs, spans)
+            assert exact == [any(s[0] == o[0] for o in outs) for s in spans]
+            assert touch == [any(meet(s, o) for o in outs) for s in spans]
+
+    check()
+
+
+def test_reduce_many_refuses_outputs_that_overlap():
+    """Overlapping outputs raise before any launch; an operand that is exactly an output folds in one launch."""
+    from ddlkernels.backends._device import DeviceBackend
+
+    class Checks:  # what reduce_many asks before its launch
+        def __init__(self):
+            self.launched = []
+
+        def _span(self, x):
+            return x.ctypes.data, x.ctypes.data + x.nbytes
+
+        _ptr = staticmethod(lambda x: x.ctypes.data)
+
+        def _launch_fold(self, name, dst, srcs, n, arg, also=()):
+            self.launched.append((len(srcs), len(also)))
+
+    buf = np.zeros(64, np.float32)
+    be = Checks()
+    with pytest.raises(ValueError, match="overlap"):
+        DeviceBackend.reduce_many(be, "sum", buf[0:16], [buf[32:48], buf[48:64]], also=[buf[8:24]])
+    assert be.launched == []
+    DeviceBackend.reduce_many(be, "sum", buf[0:16], [buf[0:16], buf[16:32]], also=[buf[16:32]])
+    assert be.launched == [(2, 1)]
+
+
+def test_fold_checks_study_times_one_launch_per_call():
+    """``bench/studies/fold_checks.py`` runs without a GPU, and exits non-zero where a call took another path
+    than the one launch it means to time."""
+    pytest.importorskip("cupy")
+    res = subprocess.run([sys.executable, "bench/studies/fold_checks.py", "--calls", "20", "--ranks", "2,8"],
+                         cwd=str(Path(__file__).resolve().parents[1]), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [ln.split()[0] for ln in res.stdout.splitlines()[1:]] == ["p=2", "p=2", "p=8", "p=8"]
