@@ -261,11 +261,29 @@ def test_reduce_many_refuses_outputs_that_overlap():
     assert be.launched == [(2, 1)]
 
 
-def test_fold_checks_study_times_one_launch_per_call():
-    """``bench/studies/fold_checks.py`` runs without a GPU, and exits non-zero where a call took another path
-    than the one launch it means to time."""
+def test_prelaunch_costs_study_times_one_launch_per_call():
+    """``bench/studies/prelaunch_costs.py`` runs without a GPU, and exits non-zero where a call took another
+    path than the one launch it means to time."""
     pytest.importorskip("cupy")
-    res = subprocess.run([sys.executable, "bench/studies/fold_checks.py", "--calls", "20", "--ranks", "2,8"],
+    res = subprocess.run([sys.executable, "bench/studies/prelaunch_costs.py", "--calls", "20", "--ranks", "2,8"],
                          cwd=str(Path(__file__).resolve().parents[1]), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert [ln.split()[0] for ln in res.stdout.splitlines()[1:]] == ["p=2", "p=2", "p=8", "p=8"]
+    lines = res.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines[1:5]] == ["p=2", "p=2", "p=8", "p=8"]
+    assert "reduce_kernel lookup" in lines[5] and len(lines) == 12, res.stdout
+
+
+def test_numba_kernel_lookup_makes_its_source_once(monkeypatch):
+    """Every Numba launch looks its kernel up: the source (1-3 us of formatting a launch) is made only when
+    the kernel is not there yet."""
+    from ddlkernels.kernels import numba_cuda
+
+    made = []
+    real = numba_cuda.reduce_source
+    monkeypatch.setattr(numba_cuda, "reduce_source", lambda op, suf: made.append((op, suf)) or real(op, suf))
+    monkeypatch.setattr(numba_cuda, "_PY", {})
+    first = numba_cuda.reduce_kernel("max", "bf16", python=True)
+    assert numba_cuda.reduce_kernel("max", "bf16", python=True) is first
+    assert made == [("max", "bf16")]
+    with pytest.raises(ValueError, match="no kernel"):
+        numba_cuda.reduce_kernel("mean", "bf16", python=True)

@@ -292,17 +292,18 @@ _JIT: dict = {}
 _ACCESS: dict = {}  # (simulating, word) -> (load, store)
 
 
-def _pyfunc(name: str, source: str):
-    """The plain Python function for ``source`` (what ``cuda.jit``/``compile_ptx`` take)."""
+def _pyfunc(name: str, source):
+    """The plain Python function ``name`` of the source ``source()`` makes (what ``cuda.jit``/``compile_ptx``
+    take); the source is made only the first time: a launch asks for its kernel every time."""
     if name not in _PY:
         ns = _namespace()
-        code = compile(source, f"<ddlkernels numba kernel {name}>", "exec")
+        code = compile(source(), f"<ddlkernels numba kernel {name}>", "exec")
         exec(code, ns)
         _PY[name] = ns[name]
     return _PY[name]
 
 
-def _jit(name: str, source: str):
+def _jit(name: str, source):
     if name not in _JIT:
         from numba import cuda
 
@@ -310,23 +311,23 @@ def _jit(name: str, source: str):
     return _JIT[name]
 
 
+def _kernel(name, source, python):
+    return _pyfunc(name, source) if python else _jit(name, source)
+
+
 def reduce_kernel(op: str, suf: str, *, python: bool = False):
     """The ``cuda.jit`` kernel ``ddl_reduce_<op>_<suf>`` (``python=True``: the undecorated function)."""
-    name = f"ddl_reduce_{op}_{suf}"
-    src = reduce_source(op, suf)
-    return _pyfunc(name, src) if python else _jit(name, src)
+    return _kernel(f"ddl_reduce_{op}_{suf}", lambda: reduce_source(op, suf), python)
 
 
 def pack_kernel(word: int = 8, *, python: bool = False):
     """``ddl_pack_w<8 word>`` (``python=True``: the undecorated function)."""
-    name, src = f"ddl_pack_w{8 * word}", _PACK.format(bits=8 * word)
-    return _pyfunc(name, src) if python else _jit(name, src)
+    return _kernel(f"ddl_pack_w{8 * word}", lambda: _PACK.format(bits=8 * word), python)
 
 
 def unpack_kernel(word: int = 8, *, python: bool = False):
     """``ddl_unpack_w<8 word>`` (``python=True``: the undecorated function)."""
-    name, src = f"ddl_unpack_w{8 * word}", _PACK.format(bits=8 * word)
-    return _pyfunc(name, src) if python else _jit(name, src)
+    return _kernel(f"ddl_unpack_w{8 * word}", lambda: _PACK.format(bits=8 * word), python)
 
 
 def kernel_signature(suf: str):

@@ -1,18 +1,19 @@
-"""Host time of ``reduce_many``'s argument checks: what the IPC allreduce's fold costs before its launch.
+"""Host time of ddlkernels' own work before a kernel launch, without a GPU (nothing is launched).
 
-The CUDA IPC allreduce of p ranks folds p shards into p outputs in one kernel
-(``ddlkernels.algorithms.ipc``); before the launch, ``DeviceBackend.reduce_many``
-checks that the outputs are disjoint and which operands are, or touch, an
-output.  This times that host work alone on the CuPy backend: CuPy arrays over
-made-up device addresses (nothing reads them: the launch is replaced by one
-that does nothing), so it runs with or without a GPU.  The shapes are the IPC
-allreduce's own: in place, each rank's input shard is an output; out of place,
-the operands lie apart from the outputs.
+1. ``reduce_many``'s argument checks: what the CUDA IPC allreduce's fold costs
+   before its launch.  The IPC allreduce of p ranks folds p shards into p
+   outputs in one kernel (``ddlkernels.algorithms.ipc``); before the launch,
+   ``DeviceBackend.reduce_many`` checks that the outputs are disjoint and which
+   operands are, or touch, an output.  Timed on the CuPy backend: CuPy arrays
+   over made-up device addresses (the launch is replaced by one that does
+   nothing).  The shapes are the IPC allreduce's own: in place, each rank's
+   input shard is an output; out of place, the operands lie apart from the
+   outputs.  Up to 8 ranks, the fold of one launch (beyond, an in-place fold
+   goes through a scratch buffer these made-up addresses cannot give).
+2. The Numba backend's lookup of its kernel, which every launch makes
+   (``ddlkernels.kernels.numba_cuda.reduce_kernel``), per dtype.
 
-    python bench/studies/fold_checks.py [--calls 20000] [--ranks 2,4,8]
-
-Up to 8 ranks, the fold of one launch (beyond, an in-place fold goes through a
-scratch buffer these made-up addresses cannot give).
+    python bench/studies/prelaunch_costs.py [--calls 20000] [--ranks 2,4,8]
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
 
         from ddlkernels.backends._cupy import CupyBackend
     except ImportError as exc:
-        print(f"fold_checks: needs CuPy ({exc})")
+        print(f"prelaunch_costs: needs CuPy ({exc})")
         return 2
     be = CupyBackend()
     launches = []
@@ -70,6 +71,25 @@ def main(argv=None) -> int:
                 print(f"p={p} {shape}: launches of {sorted(set(launches))} operands, not one of {p} per call")
                 return 1
             print(f"p={p} {shape:13s} {us:7.2f} us per call")
+    return numba_lookup(args.calls)
+
+
+def numba_lookup(calls) -> int:
+    """(2) The kernel lookup of every Numba launch, per dtype suffix (the kernel made once before)."""
+    try:
+        from ddlkernels.kernels.numba_cuda import SUFFIXES, reduce_kernel
+
+        for suf in SUFFIXES:
+            reduce_kernel("sum", suf)  # made (not compiled) once
+    except ImportError as exc:
+        print(f"numba-cuda: left out ({exc})")
+        return 0
+    print(f"Numba backend: reduce_kernel lookup per launch, {calls} calls")
+    for suf in SUFFIXES:
+        t = time.perf_counter()
+        for _ in range(calls):
+            reduce_kernel("sum", suf)
+        print(f"{suf:5s} {(time.perf_counter() - t) / calls * 1e6:7.2f} us per launch")
     return 0
 
 
