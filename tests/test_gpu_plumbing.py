@@ -270,7 +270,8 @@ def test_prelaunch_costs_study_times_one_launch_per_call():
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     assert [ln.split()[0] for ln in lines[1:5]] == ["p=2", "p=2", "p=8", "p=8"]
-    assert "reduce_kernel lookup" in lines[5] and len(lines) == 12, res.stdout
+    assert [ln.split()[:2] for ln in lines[5:7]] == [["reduce", "sum"], ["reduce", "avg"]], res.stdout
+    assert "reduce_kernel lookup" in lines[7] and len(lines) == 14, res.stdout
 
 
 def test_numba_kernel_lookup_makes_its_source_once(monkeypatch):

@@ -10,7 +10,10 @@
    input shard is an output; out of place, the operands lie apart from the
    outputs.  Up to 8 ranks, the fold of one launch (beyond, an in-place fold
    goes through a scratch buffer these made-up addresses cannot give).
-2. The Numba backend's lookup of its kernel, which every launch makes
+2. ``reduce``'s checks before the pairwise reduce kernel's launch (CuPy
+   backend, as in 1): the part of "host time per launch" that is ours, which
+   ``bench/kernels/device_kernels.py`` measures whole on a GPU beside cp.add.
+3. The Numba backend's lookup of its kernel, which every launch makes
    (``ddlkernels.kernels.numba_cuda.reduce_kernel``), per dtype.
 
     python bench/studies/prelaunch_costs.py [--calls 20000] [--ranks 2,4,8]
@@ -71,11 +74,29 @@ def main(argv=None) -> int:
                 print(f"p={p} {shape}: launches of {sorted(set(launches))} operands, not one of {p} per call")
                 return 1
             print(f"p={p} {shape:13s} {us:7.2f} us per call")
-    return numba_lookup(args.calls)
+    return pairwise(be, cp, args.calls) or numba_lookup(args.calls)
+
+
+def pairwise(be, cp, calls) -> int:
+    """(2) ``reduce("sum", out, a, b)`` of three buffers apart, the launch replaced by nothing."""
+    (out,), (a,), (b,) = (arrays(cp, base, 1, 0) for base in (0x7D0000000000, 0x7C0000000000, 0x7B0000000000))
+    names = []
+    be._launch_reduce = lambda name, dst, x, y, n, arg: names.append(name)
+    for label, avg_p in (("sum", None), ("avg", 4)):
+        names.clear()
+        t = time.perf_counter()
+        for _ in range(calls):
+            be.reduce("sum", out, a, b, avg_p=avg_p)
+        us = (time.perf_counter() - t) / calls * 1e6
+        if names != [f"ddl_reduce_{label}_f32"] * calls:
+            print(f"reduce {label}: launched {sorted(set(names))}, not one ddl_reduce_{label}_f32 per call")
+            return 1
+        print(f"reduce {label} of 3 buffers apart {us:7.2f} us per call")
+    return 0
 
 
 def numba_lookup(calls) -> int:
-    """(2) The kernel lookup of every Numba launch, per dtype suffix (the kernel made once before)."""
+    """(3) The kernel lookup of every Numba launch, per dtype suffix (the kernel made once before)."""
     try:
         from ddlkernels.kernels.numba_cuda import SUFFIXES, reduce_kernel
 

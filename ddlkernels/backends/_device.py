@@ -151,13 +151,16 @@ def pack_pieces(ptrs, nbytes, offsets, piece: int = PIECE_BYTES) -> np.ndarray:
     return table.view(np.uint64)
 
 
+_NO_ARG = {suf: argt(0) for suf, argt in ARG_TYPES.items()}  # what the kernels that do not scale are passed
+
+
 def _kernel_op(op, suf, avg_p):
     """(the kernel's op name, its last argument) for ``op`` on storage suffix ``suf``; with ``avg_p`` "avg"
     and 1/p in the accumulation type (ARG_TYPES: the numpy backend's acc_dtype(dtype).type(1.0 / p), bit for
     bit), p itself for integers."""
-    argt = ARG_TYPES[suf]
     if avg_p is None:
-        return op, argt(0)
+        return op, _NO_ARG[suf]
+    argt = ARG_TYPES[suf]
     p = int(avg_p)
     if p < 1:
         raise ValueError(f"avg_p must be >= 1, got {avg_p!r}")
@@ -301,9 +304,11 @@ class DeviceBackend(Backend):
         kop, arg = _kernel_op(op, suf, avg_p)
         # Kernel preconditions: b never overlaps dst; a is dst or disjoint.
         # The engine never breaks them; a caller that does gets a copy.
-        if self.overlaps(b, dst):
+        # (Each address asked once: three buffers of one byte length.)
+        at, pa, pb, size = self._ptr(dst), self._ptr(a), self._ptr(b), n * dst.dtype.itemsize
+        if pb < at + size and at < pb + size:
             b = self._dup(b)
-        if self._ptr(a) != self._ptr(dst) and self.overlaps(a, dst):
+        if pa != at and pa < at + size and at < pa + size:
             a = self._dup(a)
         self._launch_reduce(f"ddl_reduce_{kop}_{suf}", dst, a, b, n, arg)
 

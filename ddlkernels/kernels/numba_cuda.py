@@ -88,7 +88,17 @@ _STORAGE = {
 
 
 def suffix_of(dtype) -> str:
-    """Kernel suffix for a *storage* dtype (uint16 = bfloat16 bits)."""
+    """Kernel suffix for a *storage* dtype (uint16 = bfloat16 bits); asked at every launch, so remembered."""
+    suf = _SUFFIX_OF.get(dtype)
+    if suf is None:
+        suf = _SUFFIX_OF[dtype] = _suffix_of(dtype)
+    return suf
+
+
+_SUFFIX_OF: dict = {}  # dtype -> suffix, for the few dtypes a process reduces
+
+
+def _suffix_of(dtype) -> str:
     dt = np.dtype(dtype)
     for suf, st in _STORAGE.items():
         if dt == np.dtype(st):

@@ -248,14 +248,18 @@ def test_numba_backend_rejects_bad_reduce_arguments():
         be.reduce("max", a, cuda.to_device(np.ones(4, np.float32)), avg_p=2)
 
 
-def test_numba_backend_handles_overlapping_operands():
-    """b overlapping dst breaks a kernel precondition: the backend copies b first, and the result is numpy's."""
+@pytest.mark.parametrize("dst, a, b", [((0, 8), (0, 8), (2, 10)), ((2, 10), (2, 10), (0, 8)),
+                                       ((0, 8), (1, 9), (12, 20)), ((4, 12), (0, 8), (12, 20)),
+                                       ((0, 8), (8, 16), (16, 24)), ((8, 16), (0, 8), (16, 24))])
+def test_numba_backend_handles_overlapping_operands(dst, a, b):
+    """An operand overlapping dst, from either side, breaks a kernel precondition (a may be dst itself): the
+    backend copies it first, and the result is numpy's; buffers that only touch end to start are apart."""
     be = get_backend("numba")
-    x = np.arange(10, dtype=np.float32)
+    x = np.arange(24, dtype=np.float32) * 3 + R
     d = cuda.to_device(x)
-    be.reduce("sum", d[0:8], d[0:8], d[2:10])
+    be.reduce("sum", d[slice(*dst)], d[slice(*a)], d[slice(*b)])
     ref = x.copy()
-    ref[0:8] = x[0:8] + x[2:10]
+    ref[slice(*dst)] = x[slice(*a)] + x[slice(*b)]
     assert np.array_equal(d.copy_to_host(), ref)
 
 
