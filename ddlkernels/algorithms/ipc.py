@@ -245,7 +245,9 @@ class IpcNode:
     @staticmethod
     def _exported(be, d, buf, tag):
         """(array peers use, its handle, offset): ``buf`` itself where it can be exported, else the stage
-        ``tag`` (the caller copies into or out of it)."""
+        ``tag`` (the caller copies into or out of it).  Asked at every call, not cached: CUDA documents
+        getting a handle as lightweight, and memory freed and allocated again at one address gets a new
+        handle, so no call reaches memory freed since through a mapping a peer kept (by handle)."""
         got = be.ipc_export(buf)
         if got is not None:
             return buf, got[0], got[1]
