@@ -83,7 +83,7 @@ import numpy as np
 
 from ddlkernels._dtypes import BFLOAT16
 from ddlkernels.backends import _REGISTRY
-from ddlkernels.backends._device import DeviceBackend, pack_offsets, storage_dtype
+from ddlkernels.backends._device import DeviceBackend, pack_layout, storage_dtype
 
 __all__ = ["Emulator", "EmuArray", "EmuBackend", "emulated_device", "POLICIES"]
 
@@ -821,13 +821,8 @@ class EmuBackend(DeviceBackend):
         return self._table_copy(False, tensors, buf, offsets)
 
     def _table_copy(self, pack, tensors, buf, offsets):
-        sizes = [t.shape[0] * t.dtype.itemsize for t in tensors]
-        if offsets is None:
-            offsets, _ = pack_offsets(sizes)
+        sizes, offsets = pack_layout(tensors, buf, offsets)
         whole = _live(_bytes(buf))
-        for n, o in zip(sizes, offsets):
-            if o < 0 or o + n > whole.shape[0]:
-                raise ValueError(f"tensor of {n} bytes at offset {o} does not fit a {whole.shape[0]}-byte buffer")
         pairs = [(_live(_bytes(t)), whole[o : o + n]) for t, n, o in zip(tensors, sizes, offsets)]
 
         def fn():

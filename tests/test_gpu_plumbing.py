@@ -271,7 +271,8 @@ def test_prelaunch_costs_study_times_one_launch_per_call():
     lines = res.stdout.splitlines()
     assert [ln.split()[0] for ln in lines[1:5]] == ["p=2", "p=2", "p=8", "p=8"]
     assert [ln.split()[:2] for ln in lines[5:7]] == [["reduce", "sum"], ["reduce", "avg"]], res.stdout
-    assert "reduce_kernel lookup" in lines[7] and len(lines) == 14, res.stdout
+    assert "reduce_kernel lookup" in lines[7] and lines[14].startswith("pack of 182 tensors"), res.stdout
+    assert len(lines) == 15, res.stdout
 
 
 def test_numba_kernel_lookup_makes_its_source_once(monkeypatch):
@@ -288,3 +289,45 @@ def test_numba_kernel_lookup_makes_its_source_once(monkeypatch):
     assert made == [("max", "bf16")]
     with pytest.raises(ValueError, match="no kernel"):
         numba_cuda.reduce_kernel("mean", "bf16", python=True)
+
+
+def test_pack_offsets_are_the_aligned_running_sum():
+    """``pack_offsets`` (numpy's running sum) gives what placing the tensors one by one at the next aligned
+    byte gives, empty tensors and a last one that ends unaligned included."""
+    from hypothesis import given, settings, strategies as st
+
+    from ddlkernels.backends._device import pack_offsets
+
+    def one_by_one(nbytes, align):
+        offs, pos = [], 0
+        for n in nbytes:
+            pos = -(-pos // align) * align
+            offs.append(pos)
+            pos += n
+        return offs, pos
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.integers(0, 5000), max_size=40), st.sampled_from([1, 4, 16, 256]))
+    def check(nbytes, align):
+        got = pack_offsets(nbytes, align)
+        assert got == one_by_one(nbytes, align)
+        assert all(type(v) is int for v in got[0]) and type(got[1]) is int
+
+    check()
+    assert pack_offsets([5, 20, 3]) == ([0, 16, 48], 51)  # the docstring's example
+
+
+def test_pack_layout_refuses_what_does_not_fit_before_any_launch():
+    from ddlkernels.backends._device import pack_layout
+
+    tensors = [np.zeros(n, np.uint8) for n in (5, 20, 3)]
+    assert pack_layout(tensors, np.zeros(51, np.uint8), None) == ((5, 20, 3), (0, 16, 48))
+    with pytest.raises(ValueError, match="tensors of 51 bytes packed do not fit a 50-byte buffer"):
+        pack_layout(tensors, np.zeros(50, np.uint8), None)
+    assert pack_layout(tensors, np.zeros(28, np.uint8), [0, 5, 25]) == ((5, 20, 3), (0, 5, 25))
+    with pytest.raises(ValueError, match="tensor of 3 bytes at offset 26 does not fit a 28-byte buffer"):
+        pack_layout(tensors, np.zeros(28, np.uint8), [0, 5, 26])
+    with pytest.raises(ValueError, match="tensor of 5 bytes at offset -1"):
+        pack_layout(tensors, np.zeros(28, np.uint8), [-1, 5, 25])
+    with pytest.raises(ValueError, match="2 offsets for 3 tensors"):
+        pack_layout(tensors, np.zeros(64, np.uint8), [0, 16])

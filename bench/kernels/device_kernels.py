@@ -12,7 +12,7 @@
 * the fold of 4 operands (the CUDA IPC allreduce's reduce-scatter at 4 ranks): one ``ddl_fold`` launch
   against the chain of 3 reduce launches it replaces, the same bits; and the fold writing 4 destinations
   (the IPC allreduce out of place) against the fold and 3 copies;
-* pack: 182 tensors of a ResNet-like mix of sizes (about 62 MiB) into one buffer against ``torch.cat``,
+* pack: 182 tensors of a ResNet-like mix of sizes (313 MiB) into one buffer against ``torch.cat``,
   by the CuPy backend and by the Numba one (the same table of kernels/pack.cu, read in 8-byte words).
 
 The Numba lines are left out, with the reason, where numba-cuda cannot run on the device.

@@ -15,6 +15,11 @@
    ``bench/kernels/device_kernels.py`` measures whole on a GPU beside cp.add.
 3. The Numba backend's lookup of its kernel, which every launch makes
    (``ddlkernels.kernels.numba_cuda.reduce_kernel``), per dtype.
+4. A pack of 182 tensors (the mix ``bench/kernels/device_kernels.py`` packs
+   against ``torch.cat``: 313 MiB) before its one launch, its table
+   already on the device (CuPy backend, as in 1; the stream and the kernel
+   replaced).  ``device_kernels.py`` times the pack between two CUDA events
+   recorded around the call, so this host time is part of what it measures.
 
     python bench/studies/prelaunch_costs.py [--calls 20000] [--ranks 2,4,8]
 """
@@ -74,7 +79,7 @@ def main(argv=None) -> int:
                 print(f"p={p} {shape}: launches of {sorted(set(launches))} operands, not one of {p} per call")
                 return 1
             print(f"p={p} {shape:13s} {us:7.2f} us per call")
-    return pairwise(be, cp, args.calls) or numba_lookup(args.calls)
+    return pairwise(be, cp, args.calls) or numba_lookup(args.calls) or pack(cp, max(1, args.calls // 20))
 
 
 def pairwise(be, cp, calls) -> int:
@@ -111,6 +116,43 @@ def numba_lookup(calls) -> int:
         for _ in range(calls):
             reduce_kernel("sum", suf)
         print(f"{suf:5s} {(time.perf_counter() - t) / calls * 1e6:7.2f} us per launch")
+    return 0
+
+
+
+def pack(cp, calls) -> int:
+    """(4) ``CupyBackend.pack`` of device_kernels.py's 182 tensors, offsets chosen by the pack, table cached."""
+    from ddlkernels.backends._cupy import CupyBackend
+
+    be = CupyBackend()
+    rng = np.random.default_rng(0)  # device_kernels.py's mix
+    counts = [int(c) for c in rng.choice([64, 256, 2048, 4096, 36864, 147456, 589824, 2359296], 182)]
+    tensors, at = [], 0x7A0000000000
+    for c in counts:
+        mem = cp.cuda.UnownedMemory(at, c * 4, None, 0)
+        tensors.append(cp.ndarray((c,), np.float32, cp.cuda.MemoryPointer(mem, 0)))
+        at += -(-c * 4 // 512) * 512
+    total = sum(-(-c * 4 // 16) * 16 for c in counts)
+    buf = cp.ndarray((total // 4,), np.float32, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(at, total, None, 0), 0))
+
+    class Stream:  # what the pack asks of CuPy's current stream: its handle
+        ptr = 0
+
+    launches = []
+    cp.cuda.get_current_stream = lambda: Stream
+    be.current_device = lambda: 0
+    be._upload = lambda host, stream: host
+    be._function = lambda source, name: lambda grid, block, args, stream=None: launches.append(name)
+    be.pack(tensors, buf)  # the table made
+    launches.clear()
+    t = time.perf_counter()
+    for _ in range(calls):
+        be.pack(tensors, buf)
+    us = (time.perf_counter() - t) / calls * 1e6
+    if launches != ["ddl_pack"] * calls:
+        print(f"pack: launched {sorted(set(launches))}, not one ddl_pack per call")
+        return 1
+    print(f"pack of {len(tensors)} tensors ({sum(counts) * 4 / 2**20:.0f} MiB), {calls} calls: {us:.1f} us per call")
     return 0
 
 

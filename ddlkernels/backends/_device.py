@@ -64,6 +64,7 @@ import abc
 import bisect
 import collections
 import contextlib
+import functools
 import threading
 
 import numpy as np
@@ -103,26 +104,41 @@ def _against(outs, spans):
 
 
 def pack_offsets(nbytes, align: int = 16) -> tuple[list[int], int]:
-    """Byte offsets of tensors of ``nbytes`` bytes packed at ``align``-byte boundaries, and the total."""
-    offs, pos = [], 0
-    for n in nbytes:
-        pos = -(-pos // align) * align
-        offs.append(pos)
-        pos += int(n)
-    return offs, pos
+    """Byte offsets of tensors of ``nbytes`` bytes packed at ``align``-byte boundaries, and the total.
+
+    Each offset is the sum of the sizes before it, each rounded up to ``align``: e.g. 5, 20 and 3 bytes at 16
+    give offsets 0, 16 and 48, total 51."""
+    n = np.asarray(nbytes, dtype=np.int64).reshape(-1)
+    if not n.shape[0]:
+        return [], 0
+    offs = np.zeros_like(n)
+    np.cumsum(-(-n[:-1] // align) * align, out=offs[1:])
+    return offs.tolist(), int(offs[-1] + n[-1])
+
+
+@functools.lru_cache(maxsize=64)
+def _packed(sizes: tuple) -> tuple[tuple, int]:
+    """``pack_offsets(sizes)``, remembered: a training loop packs buckets of the same sizes every step."""
+    offs, total = pack_offsets(sizes)
+    return tuple(offs), total
 
 
 def pack_layout(tensors, buf, offsets):
-    """(byte sizes, byte offsets) of a pack or unpack of flat ``tensors`` in ``buf`` (``offsets`` None:
-    ``pack_offsets``'); ``ValueError`` where a tensor does not fit ``buf``."""
-    sizes = [t.shape[0] * t.dtype.itemsize for t in tensors]
+    """(byte sizes, byte offsets), tuples, of a pack or unpack of flat ``tensors`` in ``buf`` (``offsets``
+    None: ``pack_offsets``'); ``ValueError`` where a tensor does not fit ``buf``."""
+    sizes = tuple([t.nbytes for t in tensors])
+    nbuf = buf.nbytes
     if offsets is None:
-        offsets, _ = pack_offsets(sizes)
-    nbuf = buf.shape[0] * buf.dtype.itemsize
+        offsets, total = _packed(sizes)
+        if total > nbuf:  # the offsets grow with the sizes: the last tensor ends last
+            raise ValueError(f"tensors of {total} bytes packed do not fit a {nbuf}-byte buffer")
+        return sizes, offsets
+    if len(offsets) != len(sizes):
+        raise ValueError(f"{len(offsets)} offsets for {len(sizes)} tensors")
     for n, o in zip(sizes, offsets):
         if o < 0 or o + n > nbuf:
             raise ValueError(f"tensor of {n} bytes at offset {o} does not fit a {nbuf}-byte buffer")
-    return sizes, list(offsets)
+    return sizes, tuple(offsets)
 
 
 #: the most bytes one entry of a pack table (one block of kernels/pack.cu) copies: 256 threads
@@ -236,8 +252,7 @@ class DeviceBackend(Backend):
         training loop packs the same tensors every step, and pack and unpack of a bucket share one.  Per
         stream because a table uploaded on one stream is ordered before that stream's launches only (and
         CuPy's pool hands an evicted table's memory to the next allocation on that stream only)."""
-        key = (self._stream_id(stream), self.current_device(), word,
-               np.array([ptrs, sizes, offsets], dtype=np.int64).tobytes())
+        key = (self._stream_id(stream), self.current_device(), word, tuple(ptrs), tuple(sizes), tuple(offsets))
         hit = self._tables.get(key)
         if hit is not None:
             self._tables.move_to_end(key)
