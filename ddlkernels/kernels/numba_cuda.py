@@ -46,6 +46,8 @@ of two arguments packs any number of tensors.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 __all__ = [
@@ -302,7 +304,7 @@ _JIT: dict = {}
 _ACCESS: dict = {}  # (simulating, word) -> (load, store)
 
 
-def _pyfunc(name: str, source):
+def _pyfunc(name: str, source: Callable[[], str]):
     """The plain Python function ``name`` of the source ``source()`` makes (what ``cuda.jit``/``compile_ptx``
     take); the source is made only the first time: a launch asks for its kernel every time."""
     if name not in _PY:
@@ -313,7 +315,7 @@ def _pyfunc(name: str, source):
     return _PY[name]
 
 
-def _jit(name: str, source):
+def _jit(name: str, source: Callable[[], str]):
     if name not in _JIT:
         from numba import cuda
 
