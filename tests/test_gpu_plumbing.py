@@ -331,3 +331,26 @@ def test_pack_layout_refuses_what_does_not_fit_before_any_launch():
         pack_layout(tensors, np.zeros(28, np.uint8), [-1, 5, 25])
     with pytest.raises(ValueError, match="2 offsets for 3 tensors"):
         pack_layout(tensors, np.zeros(64, np.uint8), [0, 16])
+
+
+def test_numba_backend_reads_the_address_the_array_interface_gives():
+    """The Numba backend's ``_ptr`` reads a device array's address where ``__cuda_array_interface__`` does,
+    without building its dict; checked on a DeviceNDArray over a made-up allocation (no GPU needed)."""
+    code = """if True:
+        import ctypes, numpy as np
+        from numba.cuda.cudadrv import devicearray
+        from ddlkernels.backends._numba import NumbaBackend
+
+        class Allocation:  # what a DeviceNDArray asks of its memory for its address
+            device_ctypes_pointer = ctypes.c_size_t(0x7F0000001000)
+
+        be = NumbaBackend()
+        a = devicearray.DeviceNDArray(shape=(64,), strides=(4,), dtype=np.float32, gpu_data=Allocation())
+        assert be._ptr(a) == a.__cuda_array_interface__["data"][0]
+        print("ok", hex(be._ptr(a)))
+    """
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"))
+    if res.returncode and "numba" in res.stderr and "No module named" in res.stderr:
+        pytest.skip("numba-cuda is not installed")
+    assert res.returncode == 0 and res.stdout.split() == ["ok", "0x7f0000001000"], res.stdout + res.stderr

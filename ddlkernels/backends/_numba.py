@@ -178,7 +178,8 @@ class NumbaBackend(DeviceBackend):
 
     def _ptr(self, buf):
         try:
-            return int(buf.__cuda_array_interface__["data"][0])
+            # What __cuda_array_interface__["data"] reads, without the dict it builds (a pack asks per tensor).
+            return buf.device_ctypes_pointer.value or 0
         except AttributeError:  # simulator arrays wrap numpy arrays
             return int(buf.ctypes.data)
 
