@@ -354,3 +354,17 @@ def test_numba_backend_reads_the_address_the_array_interface_gives():
     if res.returncode and "numba" in res.stderr and "No module named" in res.stderr:
         pytest.skip("numba-cuda is not installed")
     assert res.returncode == 0 and res.stdout.split() == ["ok", "0x7f0000001000"], res.stdout + res.stderr
+
+
+def test_numba_pack_word_ignores_what_empty_tensors_bind():
+    """The Numba pack reads in the widest word dividing every address, length and offset it uses: an empty
+    tensor's odd address and offset do not narrow it; any other odd value, the buffer's included, does."""
+    from ddlkernels.backends._numba import _word
+
+    ptrs, sizes, offsets = [0x2000, 0x3001, 0x4000], [16, 0, 8], [0, 3, 16]
+    assert _word(0x1000, ptrs, sizes, offsets) == 8
+    assert _word(0x1000, ptrs, [16, 2, 8], [0, 16, 24]) == 1  # the odd address now binds
+    assert _word(0x1000, [0x2000, 0x3002, 0x4000], [16, 2, 8], [0, 16, 24]) == 2
+    assert _word(0x1004, ptrs, sizes, offsets) == 4
+    assert _word(0x1001, ptrs, sizes, offsets) == 1
+    assert _word(0x1000, [], [], []) == 8

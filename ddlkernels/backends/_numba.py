@@ -16,6 +16,9 @@ torch tensor sharing the result's memory.
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
+import operator
 
 import numpy as np
 
@@ -27,11 +30,11 @@ from ._device import DeviceBackend, pack_layout, storage_dtype
 __all__ = ["NumbaBackend"]
 
 
-def _word(values) -> int:
-    """The widest unsigned word (8, 4, 2 or 1 bytes) dividing every address, length and offset of a pack."""
-    common = 0
-    for v in values:
-        common |= int(v)
+def _word(buf_at, ptrs, sizes, offsets) -> int:
+    """The widest unsigned word (8, 4, 2 or 1 bytes) dividing the buffer's address and every address, length
+    and offset of a pack but an empty tensor's (they bind nothing): their bits or-ed in one C loop."""
+    common = functools.reduce(operator.or_, itertools.chain(
+        itertools.compress(ptrs, sizes), sizes, itertools.compress(offsets, sizes)), int(buf_at))
     return next(w for w in (8, 4, 2, 1) if common % w == 0)
 
 
@@ -208,8 +211,7 @@ class NumbaBackend(DeviceBackend):
         if any(sizes):
             s = self.compute_stream()
             ptrs = [self._ptr(t) for t in tensors]
-            live = [i for i, n in enumerate(sizes) if n]  # an empty tensor's address and offset bind nothing
-            word = _word([self._ptr(buf)] + [v for i in live for v in (ptrs[i], sizes[i], offsets[i])])
+            word = _word(self._ptr(buf), ptrs, sizes, offsets)
             nbuf = buf.shape[0] * buf.dtype.itemsize
             words = buf.view(np.uint8)[: nbuf - nbuf % word].view(np.dtype(f"u{word}"))
             table, longest = self._pack_table(s, ptrs, sizes, offsets, word)
