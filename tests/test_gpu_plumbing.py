@@ -261,18 +261,18 @@ def test_reduce_many_refuses_outputs_that_overlap():
     assert be.launched == [(2, 1)]
 
 
-def test_prelaunch_costs_study_times_one_launch_per_call():
-    """``bench/studies/prelaunch_costs.py`` runs without a GPU, and exits non-zero where a call took another
-    path than the one launch it means to time."""
+def test_host_costs_study_times_what_it_means_to():
+    """``bench/studies/host_costs.py`` runs without a GPU, and exits non-zero where a call took another path
+    than the one launch (or fold) it means to time."""
     pytest.importorskip("cupy")
-    res = subprocess.run([sys.executable, "bench/studies/prelaunch_costs.py", "--calls", "20", "--ranks", "2,8"],
+    res = subprocess.run([sys.executable, "bench/studies/host_costs.py", "--calls", "20", "--ranks", "2,8"],
                          cwd=str(Path(__file__).resolve().parents[1]), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     assert [ln.split()[0] for ln in lines[1:5]] == ["p=2", "p=2", "p=8", "p=8"]
     assert [ln.split()[:2] for ln in lines[5:7]] == [["reduce", "sum"], ["reduce", "avg"]], res.stdout
     assert "reduce_kernel lookup" in lines[7] and lines[14].startswith("pack of 182 tensors"), res.stdout
-    assert len(lines) == 15, res.stdout
+    assert lines[15].startswith("CUDA IPC allreduce") and [ln.split()[0] for ln in lines[16:]] == ["p=2", "p=8"]
 
 
 def test_numba_kernel_lookup_makes_its_source_once(monkeypatch):

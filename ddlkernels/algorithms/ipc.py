@@ -87,8 +87,12 @@ def _pack(recs, r, i, key):
     recs["len"][r, i] = len(key)
 
 
-def _unpack(recs, r, i) -> bytes:
-    return recs["key"][r, i, : recs["len"][r, i]].tobytes()
+def _decode(recs) -> list:
+    """Every rank's part of an exchange as Python values: (its four handles, its two offsets, whether it
+    failed), in rank order."""
+    keys, lens, offs = recs["key"], recs["len"].tolist(), recs["off"].tolist()
+    return [(tuple(keys[q, i, : lens[q][i]].tobytes() for i in range(4)), offs[q], f)
+            for q, f in enumerate(recs["failed"].tolist())]
 
 
 def give_up(algorithm, be, why) -> None:
@@ -163,6 +167,30 @@ class _Device:
         self.events: dict = {}  # a peer's event handle -> the opened event
         self.mapped = Mapped(be)
         self.stages: dict = {}  # "src" / "dst" -> (uint8 device buffer, its IPC handle, offset)
+        # A training loop's calls repeat their exchanges: my last part (its fields, its bytes) and the last
+        # exchange (its bytes, ``_decode`` of them) are kept, and made again only when they change.
+        self.mine = (None, None)
+        self.seen = (b"", [])
+
+    def record(self, src_key, src_off, dst_key, dst_off, failed) -> np.ndarray:
+        """My part of an exchange, as the bytes sent: my input's and output's handles and offsets (empty where
+        none), my two events' handles, and whether I failed to make it."""
+        fields = (src_key, src_off, dst_key, dst_off, failed)
+        if fields != self.mine[0]:
+            rec = np.zeros(1, _RECORD)
+            for i, key in ((_SRC, src_key), (_DST, dst_key), (_READY, self.ready_key), (_DONE, self.done_key)):
+                _pack(rec, 0, i, key)
+            rec["off"][0] = (src_off, dst_off)
+            rec["failed"] = int(failed)
+            self.mine = (fields, rec.view(np.uint8))
+        return self.mine[1]
+
+    def parts(self, raw) -> list:
+        """``_decode`` of every rank's part (``raw``: the exchange's bytes), decoded again only when they change."""
+        got = raw.tobytes()
+        if got != self.seen[0]:
+            self.seen = (got, _decode(raw.view(_RECORD)))
+        return self.seen[1]
 
     def event(self, key):
         ev = self.events.get(key)
@@ -223,12 +251,12 @@ class IpcNode:
         recs = np.zeros(self.p, _RECORD)
         complete(self.comm.Iallgather(rec.view(np.uint8), recs.view(np.uint8)), deadline,
                  "the CUDA IPC check's exchange of handles (MPI_Iallgather)")
-        for q in range(self.p):
-            if why is None and q != self.me and recs["len"][q, _SRC]:
+        for q, (keys, _, _) in enumerate(_decode(recs)):
+            if why is None and q != self.me and keys[_SRC]:
                 try:
-                    be.ipc_close(be.ipc_open(_unpack(recs, q, _SRC)))
-                    d.event(_unpack(recs, q, _READY))
-                    d.event(_unpack(recs, q, _DONE))
+                    be.ipc_close(be.ipc_open(keys[_SRC]))
+                    d.event(keys[_READY])
+                    d.event(keys[_DONE])
                 except Exception as exc:  # noqa: BLE001 -- as above
                     why = f"{type(exc).__name__}: {exc} (mapping rank {q}'s memory)"
         over = self.comm if agree is None else agree
@@ -267,46 +295,41 @@ class IpcNode:
         p, me = self.p, self.me
         d = self._device(be)
         s = be.compute_stream()
-        rec = np.zeros(1, _RECORD)
+        mine = [b"", 0, b"", 0]  # where my input and output lie (handle, offset; empty where peers touch none)
         mine_in = mine_out = failure = None
         try:
             if src is not None:
-                mine_in, key, off = self._exported(be, d, src, "src")
+                mine_in, mine[0], mine[1] = self._exported(be, d, src, "src")
                 if mine_in is not src:
                     be.copy(mine_in, src)
-                _pack(rec, 0, _SRC, key)
-                rec["off"][0, _SRC] = off
             if dst is not None:
                 if dst is src:  # in place: my output lies where my input does (or in its stage)
-                    mine_out = mine_in
+                    mine_out, mine[2], mine[3] = mine_in, mine[0], mine[1]
                 else:
-                    mine_out, key, off = self._exported(be, d, dst, "dst")
-                _pack(rec, 0, _DST, key)
-                rec["off"][0, _DST] = off
+                    mine_out, mine[2], mine[3] = self._exported(be, d, dst, "dst")
+            rec = d.record(*mine, False)
         except Exception as exc:  # noqa: BLE001 -- told to every rank, raised by every rank below
             failure = exc
-            rec["failed"] = 1
-        _pack(rec, 0, _READY, d.ready_key)
-        _pack(rec, 0, _DONE, d.done_key)
+            rec = d.record(b"", 0, b"", 0, True)
         be.record_on(s, d.ready)
-        recs = np.empty(p, _RECORD)
-        complete(self.comm.Iallgather(rec.view(np.uint8), recs.view(np.uint8)), deadline,
+        recs = np.empty(p * _RECORD.itemsize, np.uint8)
+        complete(self.comm.Iallgather(rec, recs), deadline,
                  f"the IPC {what}'s exchange of handles (MPI_Iallgather)")
+        parts = d.parts(recs)
         try:
-            if recs["failed"].any():  # a rank of the node has no part to offer: nobody touches anything
+            if any(f for _, _, f in parts):  # a rank of the node has no part to offer: nobody touches anything
                 raise _Skipped()
             roles = [r for r, buf in ((_SRC, src), (_DST, dst)) if buf is not None]
             d.mapped.reap()
-            d.mapped.retire({_unpack(recs, q, r) for q in range(p) if q != me for r in roles}, s)
+            d.mapped.retire({parts[q][0][r] for q in range(p) if q != me for r in roles}, s)
             # Barrier 1 passed: every peer has recorded "ready" after the work that wrote its input.
             for q in range(p):
                 if q != me:
-                    be.wait(s, d.event(_unpack(recs, q, _READY)))
+                    be.wait(s, d.event(parts[q][0][_READY]))
 
             def peer(q, role, lo, hi, dtype):
                 dt = np.dtype(dtype)
-                return be.ipc_view(d.mapped.get(_unpack(recs, q, role)),
-                                   int(recs["off"][q, role]) + lo * dt.itemsize, hi - lo, dt)
+                return be.ipc_view(d.mapped.get(parts[q][0][role]), parts[q][1][role] + lo * dt.itemsize, hi - lo, dt)
 
             body(mine_in, mine_out, peer)
         except _Skipped:
@@ -321,7 +344,7 @@ class IpcNode:
         # Barrier 2 passed: every peer has recorded "done" after its last read of my input and write of my output.
         for q in range(p):
             if q != me:
-                be.wait(s, d.event(_unpack(recs, q, _DONE)))
+                be.wait(s, d.event(parts[q][0][_DONE]))
         if failed.any():
             here = f"; here: {type(failure).__name__}: {failure}" if failure is not None else ""
             raise RuntimeError(f"the CUDA IPC {what} failed on rank(s) {np.flatnonzero(failed).tolist()} of "

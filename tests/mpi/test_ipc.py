@@ -207,14 +207,17 @@ def test_where_a_rank_cannot_map_its_peers_every_rank_takes_the_ring(monkeypatch
     COMM.Barrier()  # nobody was left in a collective
 
 
-@pytest.mark.parametrize("where", ["mapping", "stage"])
+@pytest.mark.parametrize("where", ["mapping", "stage", "handle"])
 def test_a_failure_inside_a_call_raises_on_every_rank_and_the_next_call_works(monkeypatch, where):
-    """After the check passed, the last rank cannot map a peer's new buffer (after the exchange of handles)
-    or cannot allocate the exportable stage of memory IPC cannot export (before it): every rank raises the
-    same error from that call, none waits for another in a collective; once it can again, calls are right."""
+    """After the check passed, the last rank cannot map a peer's new buffer (after the exchange of handles),
+    cannot allocate the exportable stage of memory IPC cannot export, or has a handle too long for the
+    exchange (both before it): every rank raises the same error from that call, none waits for another in
+    a collective; once it can again, calls are right."""
     import stream_emulator as SE
 
     def refused(self, *args):
+        if where == "handle":
+            return b"h" * (ipc_module.KEY_BYTES + 1), 0
         raise RuntimeError("emulated cudaErrorMemoryAllocation")
 
     with emulated_device(seed=R, policy="random", ipc=True) as be:
@@ -222,9 +225,10 @@ def test_a_failure_inside_a_call_raises_on_every_rank_and_the_next_call_works(mo
         for k, n in enumerate((999, 5000, 7001)):  # each a new allocation, and a larger stage
             x = rank_data(n, R, P, np.float32, salt=k)
             want = fold(COMM.allgather(x), "sum")
-            d = be.to_device(x, shareable=where == "mapping")
+            d = be.to_device(x, shareable=where != "stage")
             if k == 1 and R == P - 1:
-                monkeypatch.setattr(SE.EmuBackend, "ipc_open" if where == "mapping" else "ipc_alloc", refused)
+                monkeypatch.setattr(SE.EmuBackend, {"mapping": "ipc_open", "stage": "ipc_alloc",
+                                                    "handle": "ipc_export"}[where], refused)
             if k == 1:
                 with pytest.raises(RuntimeError, match=rf"the CUDA IPC allreduce failed on rank\(s\) \[{P - 1}\]"):
                     c.allreduce(d, "sum")

@@ -1,4 +1,9 @@
-"""Host time of ddlkernels' own work before a kernel launch, without a GPU (nothing is launched).
+"""ddlkernels' own host time around its device work, without a GPU (nothing is launched, nothing copied).
+
+On a GPU every microsecond of Python before a launch is a microsecond the
+device may wait, and where a benchmark times a call between CUDA events it is
+part of the time.  Each part below runs the library's code with the CUDA calls
+taken out, so that only our own work is timed:
 
 1. ``reduce_many``'s argument checks: what the CUDA IPC allreduce's fold costs
    before its launch.  The IPC allreduce of p ranks folds p shards into p
@@ -20,8 +25,12 @@
    already on the device (CuPy backend, as in 1; the stream and the kernel
    replaced).  ``device_kernels.py`` times the pack between two CUDA events
    recorded around the call, so this host time is part of what it measures.
+5. One CUDA IPC allreduce's own host time (``IpcNode.allreduce``, the same
+   buffers every call, as a training loop's) at 2, 4 and 8 ranks: one
+   process, with a backend whose device calls do nothing and an exchange in
+   which the other ranks' parts are this rank's with handles of their own.
 
-    python bench/studies/prelaunch_costs.py [--calls 20000] [--ranks 2,4,8]
+    python bench/studies/host_costs.py [--calls 20000] [--ranks 2,4,8]
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ def main(argv=None) -> int:
 
         from ddlkernels.backends._cupy import CupyBackend
     except ImportError as exc:
-        print(f"prelaunch_costs: needs CuPy ({exc})")
+        print(f"host_costs: needs CuPy ({exc})")
         return 2
     be = CupyBackend()
     launches = []
@@ -79,7 +88,8 @@ def main(argv=None) -> int:
                 print(f"p={p} {shape}: launches of {sorted(set(launches))} operands, not one of {p} per call")
                 return 1
             print(f"p={p} {shape:13s} {us:7.2f} us per call")
-    return pairwise(be, cp, args.calls) or numba_lookup(args.calls) or pack(cp, max(1, args.calls // 20))
+    return (pairwise(be, cp, args.calls) or numba_lookup(args.calls) or pack(cp, max(1, args.calls // 20))
+            or ipc(ranks, max(1, args.calls // 4)))
 
 
 def pairwise(be, cp, calls) -> int:
@@ -153,6 +163,83 @@ def pack(cp, calls) -> int:
         print(f"pack: launched {sorted(set(launches))}, not one ddl_pack per call")
         return 1
     print(f"pack of {len(tensors)} tensors ({sum(counts) * 4 / 2**20:.0f} MiB), {calls} calls: {us:.1f} us per call")
+    return 0
+
+
+
+def ipc(ranks, calls) -> int:
+    """(5) ``IpcNode.allreduce`` of 1 MiB of float32 on made-up buffers, with nothing behind its CUDA calls."""
+    from ddlkernels.algorithms import ipc as I
+    from ddlkernels.backends._device import DeviceBackend
+
+    class Done:
+        def Wait(self):
+            pass
+
+    class Exchange:
+        """p ranks in this process: every rank's part of an exchange is this rank's, the handles apart."""
+
+        def __init__(self, p):
+            self.p = p
+
+        def Get_size(self):
+            return self.p
+
+        def Get_rank(self):
+            return 0
+
+        def Iallgather(self, send, recv):
+            n = send.shape[0]
+            for q in range(self.p):
+                recv[q * n:(q + 1) * n] = send
+                if n == I._RECORD.itemsize:
+                    recv[q * n:(q + 1) * n].view(I._RECORD)["key"][0, :, 0] = 100 + q
+            return Done()
+
+    class Buffer:  # what the algorithm reads of a device array
+        __slots__ = ("ptr", "shape", "dtype")
+
+        def __init__(self, ptr, n, dtype=np.dtype(np.float32)):
+            self.ptr, self.shape, self.dtype = ptr, (n,), dtype
+
+        nbytes = property(lambda self: self.shape[0] * self.dtype.itemsize)
+
+        def __getitem__(self, k):
+            lo, hi, _ = k.indices(self.shape[0])
+            return Buffer(self.ptr + lo * self.dtype.itemsize, hi - lo, self.dtype)
+
+    class NoDevice(DeviceBackend):
+        """Every CUDA call a no-op; handles name the buffer, a peer's mapping lies where its handle says."""
+
+        name, ipc = "host-cost", True
+        _ptr = staticmethod(lambda b: b.ptr)
+        default_stream = new_stream = stream_of = record = lambda self, *a, **k: 0
+        record_on = wait = sync = copy = _launch_reduce = ipc_close = lambda self, *a, **k: None
+        _launch_fold = lambda self, name, dst, srcs, n, arg, also=(): folds.append(len(srcs))  # noqa: E731
+        query = lambda self, ev: True  # noqa: E731
+        ipc_export = lambda self, b: ((b"h%x" % b.ptr).ljust(64, b"\0"), 0)  # noqa: E731
+        ipc_open = lambda self, key: 0x500000000000 + key[0] * (1 << 36)  # noqa: E731
+        ipc_view = lambda self, m, off, n, dt: Buffer(m + off, n, np.dtype(dt))  # noqa: E731
+        ipc_event = lambda self: (object(), b"e".ljust(64, b"\0"))  # noqa: E731
+        ipc_open_event = lambda self, key: object()  # noqa: E731
+        pinned = d2h = h2d = empty = flat = like = dtype = device_id = lambda self, *a: None
+
+    folds = []
+    print(f"CUDA IPC allreduce, 1 MiB float32, its own host time ({calls} calls)")
+    n = 1 << 18
+    for p in ranks:
+        be, node = NoDevice(), I.IpcNode(Exchange(p))
+        x, y = Buffer(0x100000000000, n), Buffer(0x200000000000, n)
+        node.allreduce(be, x, y, "sum")  # maps the made-up peers once
+        folds.clear()
+        t = time.perf_counter()
+        for _ in range(calls):
+            node.allreduce(be, x, y, "sum")
+        us = (time.perf_counter() - t) / calls * 1e6
+        if folds != [p] * calls:  # one fold of every rank's shard per call, or another path was timed
+            print(f"p={p}: folds of {sorted(set(folds))} operands, not one of {p} per call")
+            return 1
+        print(f"p={p} {us:7.2f} us per call")
     return 0
 
 
