@@ -27,8 +27,9 @@ taken out, so that only our own work is timed:
    recorded around the call, so this host time is part of what it measures.
 5. One CUDA IPC allreduce's own host time (``IpcNode.allreduce``, the same
    buffers every call, as a training loop's) at 2, 4 and 8 ranks: one
-   process, with a backend whose device calls do nothing and an exchange in
-   which the other ranks' parts are this rank's with handles of their own.
+   process, the CuPy backend with its CUDA calls doing nothing (as in 1), and
+   an exchange in which the other ranks' parts are this rank's with handles
+   of their own.
 
     python bench/studies/host_costs.py [--calls 20000] [--ranks 2,4,8]
 """
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
                 return 1
             print(f"p={p} {shape:13s} {us:7.2f} us per call")
     return (pairwise(be, cp, args.calls) or numba_lookup(args.calls) or pack(cp, max(1, args.calls // 20))
-            or ipc(ranks, max(1, args.calls // 4)))
+            or ipc(cp, ranks, max(1, args.calls // 4)))
 
 
 def pairwise(be, cp, calls) -> int:
@@ -167,10 +168,12 @@ def pack(cp, calls) -> int:
 
 
 
-def ipc(ranks, calls) -> int:
-    """(5) ``IpcNode.allreduce`` of 1 MiB of float32 on made-up buffers, with nothing behind its CUDA calls."""
+def ipc(cp, ranks, calls) -> int:
+    """(5) ``IpcNode.allreduce`` of 1 MiB of float32 on the CuPy backend over made-up buffers, its CUDA calls
+    (events, waits, handles, copies, the fold's launch) doing nothing; peers' views are CuPy arrays, as on a
+    GPU."""
     from ddlkernels.algorithms import ipc as I
-    from ddlkernels.backends._device import DeviceBackend
+    from ddlkernels.backends._cupy import CupyBackend
 
     class Done:
         def Wait(self):
@@ -196,40 +199,24 @@ def ipc(ranks, calls) -> int:
                     recv[q * n:(q + 1) * n].view(I._RECORD)["key"][0, :, 0] = 100 + q
             return Done()
 
-    class Buffer:  # what the algorithm reads of a device array
-        __slots__ = ("ptr", "shape", "dtype")
+    folds = []
 
-        def __init__(self, ptr, n, dtype=np.dtype(np.float32)):
-            self.ptr, self.shape, self.dtype = ptr, (n,), dtype
+    class NoDevice(CupyBackend):
+        """The CuPy backend with every CUDA call a no-op; a handle names its buffer, a peer's mapping lies
+        where its handle says."""
 
-        nbytes = property(lambda self: self.shape[0] * self.dtype.itemsize)
-
-        def __getitem__(self, k):
-            lo, hi, _ = k.indices(self.shape[0])
-            return Buffer(self.ptr + lo * self.dtype.itemsize, hi - lo, self.dtype)
-
-    class NoDevice(DeviceBackend):
-        """Every CUDA call a no-op; handles name the buffer, a peer's mapping lies where its handle says."""
-
-        name, ipc = "host-cost", True
-        _ptr = staticmethod(lambda b: b.ptr)
-        default_stream = new_stream = stream_of = record = lambda self, *a, **k: 0
-        record_on = wait = sync = copy = _launch_reduce = ipc_close = lambda self, *a, **k: None
-        _launch_fold = lambda self, name, dst, srcs, n, arg, also=(): folds.append(len(srcs))  # noqa: E731
-        query = lambda self, ev: True  # noqa: E731
-        ipc_export = lambda self, b: ((b"h%x" % b.ptr).ljust(64, b"\0"), 0)  # noqa: E731
+        compute_stream = record = current_device = lambda self, *a: 0
+        record_on = wait = copy = ipc_close = lambda self, *a: None
+        ipc_export = lambda self, b: ((b"h%x" % b.data.ptr).ljust(64, b"\0"), 0)  # noqa: E731
         ipc_open = lambda self, key: 0x500000000000 + key[0] * (1 << 36)  # noqa: E731
-        ipc_view = lambda self, m, off, n, dt: Buffer(m + off, n, np.dtype(dt))  # noqa: E731
         ipc_event = lambda self: (object(), b"e".ljust(64, b"\0"))  # noqa: E731
         ipc_open_event = lambda self, key: object()  # noqa: E731
-        pinned = d2h = h2d = empty = flat = like = dtype = device_id = lambda self, *a: None
+        _launch_fold = lambda self, name, dst, srcs, n, arg, also=(): folds.append(len(srcs))  # noqa: E731
 
-    folds = []
     print(f"CUDA IPC allreduce, 1 MiB float32, its own host time ({calls} calls)")
-    n = 1 << 18
     for p in ranks:
         be, node = NoDevice(), I.IpcNode(Exchange(p))
-        x, y = Buffer(0x100000000000, n), Buffer(0x200000000000, n)
+        (x,), (y,) = arrays(cp, 0x100000000000, 1, 0), arrays(cp, 0x200000000000, 1, 0)
         node.allreduce(be, x, y, "sum")  # maps the made-up peers once
         folds.clear()
         t = time.perf_counter()
@@ -241,7 +228,6 @@ def ipc(ranks, calls) -> int:
             return 1
         print(f"p={p} {us:7.2f} us per call")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

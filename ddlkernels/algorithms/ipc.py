@@ -72,6 +72,8 @@ __all__ = ["Ipc", "IpcNode", "Mapped", "MAPPED", "KEY_BYTES", "give_up"]
 MAPPED = 256
 #: Room for one IPC handle in the exchange (CUDA's are 64 bytes; the emulator's are file names).
 KEY_BYTES = 240
+#: Views of one peer's allocation kept while it is mapped (a training loop uses a few, the same every step).
+_VIEWS = 64
 
 # One rank's part of the exchange: where its input and output lie, and its two events; ``failed``: it could
 # not make its part (every rank then raises, see ``IpcNode._call``).
@@ -114,6 +116,7 @@ class Mapped:
         self.be, self.limit = be, MAPPED if limit is None else limit
         self.maps: OrderedDict = OrderedDict()
         self.closing: dict = {}  # handle -> (mapping, an event recorded after its last use)
+        self.views: dict = {}  # handle -> {(offset, count, dtype): a view of that mapping}, while it is in use
         self.opened = 0  # how many opens this process made (a test sees the reuse)
 
     def get(self, key):
@@ -126,6 +129,19 @@ class Mapped:
             m = self.maps[key] = self.be.ipc_open(key)
             self.opened += 1
         return m
+
+    def view(self, key, offset, count, dtype):
+        """``count`` elements of ``dtype`` at byte ``offset`` of the allocation ``key``: made once while the
+        mapping is in use, since a training loop asks for the same views every step (each costs a device
+        array object of the library)."""
+        m = self.get(key)
+        made = self.views.setdefault(key, {})
+        v = made.get((offset, count, dtype))
+        if v is None:
+            if len(made) >= _VIEWS:  # a job whose sizes keep changing must not grow this without bound
+                made.clear()
+            v = made[(offset, count, dtype)] = self.be.ipc_view(m, offset, count, dtype)
+        return v
 
     def excess(self, keys) -> int:
         """How many must be closed before this call opens what it needs of ``keys``."""
@@ -140,6 +156,7 @@ class Mapped:
             ev = self.be.record(stream)
             for k in old:
                 self.closing[k] = (self.maps.pop(k), ev)
+                self.views.pop(k, None)  # a view must not outlive its mapping
 
     def reap(self) -> None:
         """Close the retired mappings whose last use has run."""
@@ -155,6 +172,7 @@ class Mapped:
             self.be.ipc_close(m)
         self.maps.clear()
         self.closing.clear()
+        self.views.clear()
 
 
 class _Device:
@@ -329,7 +347,7 @@ class IpcNode:
 
             def peer(q, role, lo, hi, dtype):
                 dt = np.dtype(dtype)
-                return be.ipc_view(d.mapped.get(parts[q][0][role]), parts[q][1][role] + lo * dt.itemsize, hi - lo, dt)
+                return d.mapped.view(parts[q][0][role], parts[q][1][role] + lo * dt.itemsize, hi - lo, dt)
 
             body(mine_in, mine_out, peer)
         except _Skipped:
