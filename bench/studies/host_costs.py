@@ -62,6 +62,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--ranks", default="2,4,8")
     args = ap.parse_args(argv)
+    ranks = [int(v) for v in args.ranks.split(",")]
+    if not all(2 <= p <= 8 for p in ranks):
+        ap.error("--ranks: from 2 to 8")
     try:
         import cupy as cp
 
@@ -70,27 +73,29 @@ def main(argv=None) -> int:
         print(f"host_costs: needs CuPy ({exc})")
         return 2
     be = CupyBackend()
+    return (fold_checks(be, cp, ranks, args.calls) or pairwise(be, cp, args.calls) or numba_lookup(args.calls)
+            or pack(cp, max(1, args.calls // 20)) or ipc(cp, ranks, max(1, args.calls // 4)))
+
+
+def fold_checks(be, cp, ranks, calls) -> int:
+    """(1) ``reduce_many`` of p ranks' shards in the IPC allreduce's two shapes, the launch replaced by nothing."""
     launches = []
     be._launch_fold = lambda name, dst, srcs, n, arg, also=(): launches.append(len(srcs))
-    print(f"reduce_many host time per call, CuPy backend, launch replaced by nothing, {args.calls} calls")
-    ranks = [int(v) for v in args.ranks.split(",")]
-    if not all(2 <= p <= 8 for p in ranks):
-        ap.error("--ranks: from 2 to 8")
+    print(f"reduce_many host time per call, CuPy backend, launch replaced by nothing, {calls} calls")
     for p in ranks:
         outs = arrays(cp, 0x7F0000000000, p, 1 << 24)  # one shard of each rank's output, ranks apart
         apart = arrays(cp, 0x7E0000000000, p, 1 << 24)
         for shape, srcs in (("in place", outs), ("out of place", apart)):
             launches.clear()
             t = time.perf_counter()
-            for _ in range(args.calls):
+            for _ in range(calls):
                 be.reduce_many("sum", outs[0], srcs, also=outs[1:])
-            us = (time.perf_counter() - t) / args.calls * 1e6
-            if launches != [p] * args.calls:  # one launch of every operand per call, or the wrong path was timed
+            us = (time.perf_counter() - t) / calls * 1e6
+            if launches != [p] * calls:  # one launch of every operand per call, or the wrong path was timed
                 print(f"p={p} {shape}: launches of {sorted(set(launches))} operands, not one of {p} per call")
                 return 1
             print(f"p={p} {shape:13s} {us:7.2f} us per call")
-    return (pairwise(be, cp, args.calls) or numba_lookup(args.calls) or pack(cp, max(1, args.calls // 20))
-            or ipc(cp, ranks, max(1, args.calls // 4)))
+    return 0
 
 
 def pairwise(be, cp, calls) -> int:
@@ -130,7 +135,6 @@ def numba_lookup(calls) -> int:
     return 0
 
 
-
 def pack(cp, calls) -> int:
     """(4) ``CupyBackend.pack`` of device_kernels.py's 182 tensors, offsets chosen by the pack, table cached."""
     from ddlkernels.backends._cupy import CupyBackend
@@ -165,7 +169,6 @@ def pack(cp, calls) -> int:
         return 1
     print(f"pack of {len(tensors)} tensors ({sum(counts) * 4 / 2**20:.0f} MiB), {calls} calls: {us:.1f} us per call")
     return 0
-
 
 
 def ipc(cp, ranks, calls) -> int:
