@@ -15,9 +15,10 @@ taken out, so that only our own work is timed:
    input shard is an output; out of place, the operands lie apart from the
    outputs.  Up to 8 ranks, the fold of one launch (beyond, an in-place fold
    goes through a scratch buffer these made-up addresses cannot give).
-2. ``reduce``'s checks before the pairwise reduce kernel's launch (CuPy
-   backend, as in 1): the part of "host time per launch" that is ours, which
-   ``bench/kernels/device_kernels.py`` measures whole on a GPU beside cp.add.
+2. ``reduce`` down to the pairwise reduce kernel's call (CuPy backend, as
+   in 1; the loaded kernel a recorder): the part of "host time per launch"
+   that is ours, which ``bench/kernels/device_kernels.py`` measures whole on
+   a GPU beside cp.add.
 3. The Numba backend's lookup of its kernel, which every launch makes
    (``ddlkernels.kernels.numba_cuda.reduce_kernel``), per dtype.
 4. A pack of 182 tensors (the mix ``bench/kernels/device_kernels.py`` packs
@@ -99,10 +100,20 @@ def fold_checks(be, cp, ranks, calls) -> int:
 
 
 def pairwise(be, cp, calls) -> int:
-    """(2) ``reduce("sum", out, a, b)`` of three buffers apart, the launch replaced by nothing."""
+    """(2) ``reduce("sum", out, a, b)`` of three buffers apart, down to the kernel call: the backend's own
+    ``_launch_reduce`` and ``_function`` run, the loaded kernels are recorders, the device and stream CuPy
+    would report are made up."""
     (out,), (a,), (b,) = (arrays(cp, base, 1, 0) for base in (0x7D0000000000, 0x7C0000000000, 0x7B0000000000))
     names = []
-    be._launch_reduce = lambda name, dst, x, y, n, arg: names.append(name)
+
+    class Stream:  # what a launch asks of CuPy's current stream
+        ptr = 0
+
+    cp.cuda.runtime.getDevice = lambda: 0
+    cp.cuda.get_current_stream = lambda: Stream
+    for label in ("sum", "avg"):
+        name = f"ddl_reduce_{label}_f32"
+        be._functions[(0, name)] = lambda grid, block, args, stream=None, name=name: names.append(name)
     for label, avg_p in (("sum", None), ("avg", 4)):
         names.clear()
         t = time.perf_counter()
@@ -112,7 +123,7 @@ def pairwise(be, cp, calls) -> int:
         if names != [f"ddl_reduce_{label}_f32"] * calls:
             print(f"reduce {label}: launched {sorted(set(names))}, not one ddl_reduce_{label}_f32 per call")
             return 1
-        print(f"reduce {label} of 3 buffers apart {us:7.2f} us per call")
+        print(f"reduce {label} of 3 buffers apart {us:7.2f} us per call, to the kernel call")
     return 0
 
 

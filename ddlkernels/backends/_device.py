@@ -350,7 +350,7 @@ class DeviceBackend(Backend):
         if n == 0:
             return
         # Each address asked once and the outputs sorted: O(p log p) host time for p ranks' shards, where
-        # comparing every pair took 50-68 us a call at 8 ranks (bench/results/host_costs.txt).  "exact": an
+        # comparing every pair took 49-66 us a call at 8 ranks (bench/results/host_costs.txt).  "exact": an
         # operand that starts where an output does is that output (every length is n, checked above).
         outs_at = sorted(map(self._span, outs))
         if not _disjoint(outs_at):
