@@ -254,22 +254,19 @@ class IpcNode:
         if be.name in self._verdicts:
             return self._verdicts[be.name]
         why, probe, d = None, None, None
-        rec = np.zeros(1, _RECORD)
+        rec = np.zeros(_RECORD.itemsize, np.uint8)  # no handles: what a rank that failed offers
         try:
             d = self._device(be)
             probe = be.ipc_alloc(1)
             got = be.ipc_export(probe)
             if got is None:
                 raise RuntimeError("a buffer of its own ipc_alloc cannot be exported")
-            _pack(rec, 0, _SRC, got[0])
-            _pack(rec, 0, _READY, d.ready_key)
-            _pack(rec, 0, _DONE, d.done_key)
+            rec = d.record(got[0], got[1], b"", 0, False)
         except Exception as exc:  # noqa: BLE001 -- every failure is this rank's answer, told to the others
             why = f"{type(exc).__name__}: {exc}"
-        recs = np.zeros(self.p, _RECORD)
-        complete(self.comm.Iallgather(rec.view(np.uint8), recs.view(np.uint8)), deadline,
-                 "the CUDA IPC check's exchange of handles (MPI_Iallgather)")
-        for q, (keys, _, _) in enumerate(_decode(recs)):
+        recs = np.empty(self.p * _RECORD.itemsize, np.uint8)
+        complete(self.comm.Iallgather(rec, recs), deadline, "the CUDA IPC check's exchange of handles (MPI_Iallgather)")
+        for q, (keys, _, _) in enumerate(_decode(recs.view(_RECORD))):
             if why is None and q != self.me and keys[_SRC]:
                 try:
                     be.ipc_close(be.ipc_open(keys[_SRC]))
