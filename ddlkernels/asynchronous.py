@@ -66,7 +66,7 @@ import numpy as np
 from ._dtypes import scale_inplace
 from .communicator import Communicator, as_communicator
 from ._dtypes import dtype_name, normalize_op
-from .fusion import FusionJob
+from .fusion import FusionJob, reduce_packed
 from .safety.agreement import check_same_on_all_ranks
 from .backends import backend_for
 
@@ -225,15 +225,15 @@ class ThreadEngine:
         self._queue.put(w)
         return w
 
-    def reduce_async(self, buf, opname: str, backend, stream=None):
-        """Start ``allreduce(buf, opname, out=buf)``; returns an object with ``wait()`` and ``done()``.
+    def reduce_async(self, buf, opname: str, backend, dtype, stream=None):
+        """Start ``allreduce(buf, opname, out=buf)`` of a packed buffer holding ``dtype``; returns an object with
+        ``wait()`` and ``done()``.
 
         A device ``buf`` is read after the work queued before this call on the caller's stream
         (``stream``, default its current one), and ``wait()`` orders the caller's stream after the result.
         """
-        name = backend.name
         device = _Device(backend, buf, stream) if backend.device else None
-        return self.submit(lambda c: c.allreduce(buf, opname, out=buf, backend=name), device)
+        return self.submit(lambda c: reduce_packed(c, backend, buf, dtype, opname), device)
 
     def poll(self) -> None:
         """Nothing to do: the thread progresses on its own."""
@@ -296,10 +296,10 @@ class HooksEngine:
         if name not in _MPI_ADDS:
             raise TypeError(f"progress='hooks' uses MPI_Iallreduce, which cannot reduce {name}; use progress='thread'")
 
-    def reduce_async(self, buf, opname: str, backend, stream=None):
+    def reduce_async(self, buf, opname: str, backend, dtype, stream=None):
         from mpi4py import MPI
 
-        self.check_buffer(backend, buf.dtype)
+        self.check_buffer(backend, dtype)
         avg = opname == "avg"
         mpi_op = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[opname]
         req = self.mpi.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
@@ -480,7 +480,7 @@ def _start_on(eng, job: FusionJob, single, caller) -> Handle:
                 buf = base[: b.count]
             job.pack(b, buf)
             h._bufs.append((b, buf, base))
-            h._works.append(eng.reduce_async(buf, job.opname, job.backend))
+            h._works.append(eng.reduce_async(buf, job.opname, job.backend, b.dtype))
         return h
     # Thread: pack now, in the caller's thread (a snapshot of the inputs),
     # then the whole job (agreement check + every bucket) is one unit of work.
@@ -510,7 +510,7 @@ def _start_on(eng, job: FusionJob, single, caller) -> Handle:
                 e = b.entries[0]
                 c.allreduce(job.tensors[e.index], job.opname, out=job.outs[e.index], backend=job.backend.name)
             else:
-                c.allreduce(buf, job.opname, out=buf, backend=job.backend.name)
+                reduce_packed(c, job.backend, buf, b.dtype, job.opname)
 
     h._works.append(eng.submit(run, device))
     return h

@@ -286,7 +286,7 @@ class FusionJob:
         segs = None if be.device else self.segments(bucket, buf)
         if segs is None:
             self.pack(bucket, buf)
-            comm.allreduce(buf, self.opname, out=buf, chunk_bytes=chunk_bytes, backend=be.name)
+            reduce_packed(comm, be, buf, bucket.dtype, self.opname, chunk_bytes)
         else:
             # The ring reads large tensors where they lie instead of a packed
             # copy: of the pack's full copy only the first block sent remains
@@ -437,6 +437,15 @@ def allreduce_many(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None,
                 buf = None if b.direct or b.home is not None else bufs[b.dtype][: b.count]
                 job.reduce_bucket(c, b, buf, chunk_bytes)
     return job.outs
+
+
+def reduce_packed(comm, be, buf, dtype, opname, chunk_bytes=None) -> None:
+    """Allreduce a packed buffer of ``dtype`` in place over ``comm`` (a Communicator): a host buffer as any array
+    (its fast path), a device one told its dtype -- a device backend keeps bfloat16 as its uint16 bits."""
+    if be.device:
+        comm.allreduce_buffer(be, buf, dtype, opname, chunk_bytes=chunk_bytes)
+    else:
+        comm.allreduce(buf, opname, out=buf, chunk_bytes=chunk_bytes, backend=be.name)
 
 
 #: Host buffers whose views were returned as new outputs, by dtype (see _home_buffer).

@@ -692,17 +692,18 @@ class EmuBackend(DeviceBackend):
     def empty(self, n, dtype):
         return EmuArray(self._new((int(n),), dtype, self.compute_stream()))
 
-    def like(self, flat, x):
+    def like(self, flat, x, shape=None):
+        shape = x.shape if shape is None else shape
         a = flat._a
         if self._torch(x):
             import torch
 
             if x.dtype == torch.bfloat16:
-                return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).reshape(x.shape)
-            return torch.from_numpy(a).reshape(x.shape)
+                return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).reshape(shape)
+            return torch.from_numpy(a).reshape(shape)
         if np.dtype(x.dtype) == BFLOAT16:
             a = a.view(BFLOAT16)
-        return EmuArray(a.reshape(x.shape))
+        return EmuArray(a.reshape(shape))
 
     def wire(self, buf):
         # What MPI sees: the host memory itself (as a CUDA-aware MPI would see the device's).

@@ -53,8 +53,9 @@ class Backend(abc.ABC):
         """A new uninitialised 1-D buffer of ``n`` elements."""
 
     @abc.abstractmethod
-    def like(self, flat, x) -> Any:
-        """Wrap the 1-D buffer ``flat`` as an array of ``x``'s type and shape."""
+    def like(self, flat, x, shape=None) -> Any:
+        """Wrap the 1-D buffer ``flat`` as an array of ``x``'s type (torch tensors stay tensors, bfloat16 stays
+        bfloat16) and shape, or of ``shape`` (a shard of ``x``)."""
 
     def dtype(self, x) -> np.dtype:
         return np.dtype(x.dtype)

@@ -294,14 +294,15 @@ class CupyBackend(DeviceBackend):
     def empty(self, n, dtype):
         return self._cp.empty(int(n), dtype=storage_dtype(dtype))
 
-    def like(self, flat, x):
+    def like(self, flat, x, shape=None):
+        shape = x.shape if shape is None else shape
         if type(x).__module__.startswith("torch"):
             import torch
 
             if x.dtype == torch.bfloat16:
-                return torch.from_dlpack(flat.view(np.int16)).view(torch.bfloat16).reshape(x.shape)
-            return torch.from_dlpack(flat).reshape(x.shape)
-        return flat.reshape(x.shape)
+                return torch.from_dlpack(flat.view(np.int16)).view(torch.bfloat16).reshape(shape)
+            return torch.from_dlpack(flat).reshape(shape)
+        return flat.reshape(shape)
 
     def _ptr(self, buf):
         return buf.data.ptr  # an int already: int() of it would double the cost of a pack's addresses

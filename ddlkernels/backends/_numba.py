@@ -166,18 +166,19 @@ class NumbaBackend(DeviceBackend):
     def empty(self, n, dtype):
         return self._cuda.device_array(int(n), dtype=storage_dtype(dtype), stream=self.compute_stream())
 
-    def like(self, flat, x):
+    def like(self, flat, x, shape=None):
+        shape = tuple(x.shape if shape is None else shape)
         t = type(x)
         if t.__module__.startswith("torch"):
             import torch
 
             if x.dtype == torch.bfloat16:
-                return torch.as_tensor(flat.view(np.int16), device=x.device).view(torch.bfloat16).reshape(x.shape)
-            return torch.as_tensor(flat, device=x.device).reshape(x.shape)
+                return torch.as_tensor(flat.view(np.int16), device=x.device).view(torch.bfloat16).reshape(shape)
+            return torch.as_tensor(flat, device=x.device).reshape(shape)
         out = flat
         if BFLOAT16 is not None and np.dtype(x.dtype) == BFLOAT16:
             out = out.view(BFLOAT16)
-        return out.reshape(x.shape) if tuple(x.shape) != tuple(out.shape) else out
+        return out.reshape(shape) if shape != tuple(out.shape) else out
 
     def _ptr(self, buf):
         try:

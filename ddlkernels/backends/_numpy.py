@@ -100,8 +100,8 @@ class NumpyBackend(Backend):
     def empty(self, n, dtype):
         return np.empty(n, dtype=dtype)
 
-    def like(self, flat, x):
-        a = flat.reshape(np.shape(x))
+    def like(self, flat, x, shape=None):
+        a = flat.reshape(np.shape(x) if shape is None else shape)
         if isinstance(x, np.ndarray):
             return a
         if type(x).__module__.startswith("torch"):

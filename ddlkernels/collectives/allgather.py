@@ -32,7 +32,7 @@ __all__ = ["allgather"]
 
 def allgather(self, shard, *, count=None, out=None, dims=None, chunk_bytes=None, backend=None, validate=None,
               timeout=None, stream=None):
-    """Concatenate every rank's shard into the whole buffer (a new 1-D array on every rank).
+    """Concatenate every rank's shard into the whole buffer (a new 1-D array of the shard's type, or ``out``).
 
     Rank r's shard goes to ``shard_range(count, dims, r)``; the lengths
     must be the ones that ``reduce_scatter`` produces.  ``count``: the
@@ -149,7 +149,8 @@ def full(self, shard, count, out, dims, chunk_bytes, backend, call, stream=None)
             # The path is not compared: which algorithm runs follows from what is compared.
             call.agree(count=count, dtype=dtype, op=None, dims=dims, chunk=chunk, path="ring")
         w = Work("allgather", src, dst, count, dtype, None, be, chunk, dims, bounds, call)
-        return self.selector.run("allgather", w, lambda algorithm: _run(self, algorithm, w))
+        whole = self.selector.run("allgather", w, lambda algorithm: _run(self, algorithm, w))
+        return whole if out is not None else be.like(whole, shard, (count,))  # of the shard's type
 
 
 def _run(self, algorithm, w):

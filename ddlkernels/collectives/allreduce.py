@@ -201,17 +201,19 @@ def allreduce_segments(self, segments, out, op="sum", *, dims=None, chunk_bytes=
     return out
 
 
-def allreduce_buffer(self, be, buf, dtype, op, deadline=None):
+def allreduce_buffer(self, be, buf, dtype, op, deadline=None, chunk_bytes=None):
     """Reduce ``buf`` in place: a flat buffer of the backend ``be`` holding ``dtype`` (a device backend's
-    bfloat16 as its uint16 bits), on the caller's compute stream.
+    bfloat16 as its uint16 bits, which ``allreduce`` would refuse), on the caller's compute stream.
 
     For an algorithm that runs part of its call on another Communicator (``hier``'s step across nodes),
-    with what is left of its ``deadline`` as the timeout; validation as this Communicator's.
+    with what is left of its ``deadline`` as the timeout, and for the packed buffers of allreduce_many, the
+    progress engine and the torch optimizer; validation as this Communicator's.
     """
     opname = normalize_op(op)
+    chunk_bytes = self.chunk_bytes if chunk_bytes is None else chunk_bytes
     with self._exclusive("allreduce"):
         call = self._call("allreduce", None, None if deadline is None else deadline.remaining())
-        w = Work("allreduce", buf, buf, buf.shape[0], dtype, opname, be, max(1, self.chunk_bytes // dtype.itemsize),
+        w = Work("allreduce", buf, buf, buf.shape[0], dtype, opname, be, max(1, chunk_bytes // dtype.itemsize),
                  call=call)
         with self._device_call(be, buf, None):  # the calling algorithm's stream (``call_stream``)
             if call is None:

@@ -29,7 +29,7 @@ __all__ = ["reduce_scatter"]
 
 def reduce_scatter(self, x, op="sum", *, out=None, dims=None, chunk_bytes=None, backend=None, validate=None,
                    timeout=None, stream=None):
-    """Reduce ``x`` over all ranks and return this rank's shard (a new 1-D array, or ``out``).
+    """Reduce ``x`` over all ranks and return this rank's shard (a new 1-D array of ``x``'s type, or ``out``).
 
     The shard is ``x.reshape(-1)[start:stop]`` of the reduced buffer with
     ``(start, stop) = shard_range(x.size, dims)``.  ``x`` is not modified.
@@ -110,7 +110,9 @@ def full(self, x, op, out, dims, chunk_bytes, backend, call, stream=None):
         if out is not None:
             check_shard_out(be, out, x, dtype, hi - lo, "reduce_scatter")
         w = Work("reduce_scatter", src, out, count, dtype, opname, be, chunk, dims, bounds, call)
-        return self.selector.run("reduce_scatter", w, lambda algorithm: _run(self, algorithm, w))
+        shard = self.selector.run("reduce_scatter", w, lambda algorithm: _run(self, algorithm, w))
+        # A new shard of x's type: a torch tensor stays one, bfloat16 is not left as its uint16 storage.
+        return shard if out is not None else be.like(shard, x, (hi - lo,))
 
 
 def _run(self, algorithm, w):

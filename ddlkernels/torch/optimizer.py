@@ -30,7 +30,7 @@ import torch
 
 from ..communicator import as_communicator
 from .._dtypes import check_dtype, dtype_name, normalize_op
-from ..fusion import FUSION_BYTES, pack_into, plan_buckets, unpack_from
+from ..fusion import FUSION_BYTES, pack_into, plan_buckets, reduce_packed, unpack_from
 from ..safety.agreement import check_same_on_all_ranks
 from ..backends import backend_for
 from .compression import _compressor, _wire_dtype
@@ -292,9 +292,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 be.wait(be.compute_stream(), self._ddl_unpacked[k])
             pack_into(be, b, buf, grads)
             if self.ddl_overlap:
-                self._ddl_works[k] = self._ddl_engine.reduce_async(buf, op, be)
+                self._ddl_works[k] = self._ddl_engine.reduce_async(buf, op, be, b.dtype)
             else:
-                self._ddl_comm.allreduce(buf, op, out=buf, backend=be.name)
+                reduce_packed(self._ddl_comm, be, buf, b.dtype, op)
 
     def _ddl_predivided(self, wire) -> bool:
         """Whether gradients of this wire dtype are divided by the rank count before compression, then summed."""

@@ -382,6 +382,54 @@ def test_a_dropped_buffer_meets_its_next_owner_as_with_cupys_pools():
         assert be.device_pool.freed >= 2 and be.pinned_pool.reused >= 1
 
 
+def test_bfloat16_and_torch_tensors_keep_their_type_through_every_path():
+    """A device backend holds bfloat16 as its uint16 bits (CuPy has no bfloat16).  The buffers the library packs
+    (allreduce_many, the progress thread's pool, the torch optimizer's buckets) and the shards it allocates
+    (reduce_scatter, allgather) must still be reduced as bfloat16 and handed back as the caller's type: a
+    torch tensor stays a torch tensor of its dtype.  Every result equals, bitwise, the same calls on host
+    tensors."""
+    torch = pytest.importorskip("torch")
+    import ddlkernels.torch as ddt
+
+    c = comm_for(False)
+
+    def calls(device_like, be=None):
+        g = torch.Generator().manual_seed(R)
+        ts = [(torch.randn(n, generator=g) * 4).to(dt) for n in (5, 3, 1, 2 * P + 1) for dt in (torch.bfloat16,
+                                                                                               torch.float32)]
+        got = ddlkernels.allreduce_many(ts, "sum", comm=c, fusion_bytes=64)
+        got += [ddlkernels.allreduce_async(t.clone(), "avg", comm=c).wait() for t in ts[:2]]
+        got += ddlkernels.allreduce_many_async(ts, "max", comm=c).wait()
+        for t in ts[:2]:
+            shard = c.reduce_scatter(t, "sum")
+            got += [shard, c.allgather(shard, count=t.numel())]
+        for overlap in (True, False):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+            model = model.to(torch.bfloat16)
+            opt = ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(), comm=c, progress="thread",
+                                           fusion_bytes=128, overlap=overlap)
+            x = torch.randn(5, 6, generator=g).to(torch.bfloat16)
+            opt.zero_grad()
+            model(x).float().square().sum().backward()
+            opt.synchronize()
+            got += [p.grad for p in model.parameters()]
+        if device_like:
+            be.emu.sync_stream(be.current_stream())
+        return [(type(t), t.dtype, tuple(t.shape), t.detach().reshape(-1).view(torch.uint8).numpy().copy())
+                for t in got]
+
+    host = calls(False)
+    with emulated_device(seed=21 + R, policy="lazy", claim_torch=True) as be:
+        dev = calls(True, be)
+    c.free()
+    assert len(host) == len(dev)
+    bad = [k for k, (h, d) in enumerate(zip(host, dev)) if h[:3] != d[:3] or not np.array_equal(h[3], d[3])]
+    assert wrong_anywhere(len(bad)) == 0, f"rank {R}: results {bad} differ: " + "; ".join(
+        f"{host[k][:3]} vs {dev[k][:3]}" for k in bad[:4])
+
+
 def test_stream_argument_orders_the_call_on_that_stream():
     """``stream=`` instead of the current stream: the input is written on s, the call ordered on s."""
     with emulated_device(seed=11 + R, policy="lazy") as be:

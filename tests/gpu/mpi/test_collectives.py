@@ -256,3 +256,51 @@ def test_distributed_optimizer_on_a_cuda_model(comm):
         for p, q in zip(model.parameters(), ref.parameters()):
             assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), f"step {step}: {float((p - q).abs().max())}"
         CALLS[0] += 3
+
+
+def test_torch_bfloat16_through_packed_buffers_shards_and_the_optimizer(comm):
+    """bfloat16 lives on the device as uint16 bits (CuPy has none): allreduce_many's and the progress thread's
+    packed buffers, the DDP hook's allreduce_async and the optimizer's buckets must reduce it as bfloat16, and
+    reduce_scatter / allgather hand back CUDA bfloat16 tensors.  The same bits as on host tensors (exact data:
+    multiples of 1/16, so fused and single sums agree)."""
+    torch = G.torch_cuda()
+    import ddlkernels.torch as ddt
+
+    def bf16(n, salt):
+        return torch.from_numpy(data(n, BFLOAT16, salt=salt).view(np.int16)).view(torch.bfloat16)
+
+    hosts = [bf16(n, salt=i) for i, n in enumerate((3, 10, 1, 700, 2 * P + 1))]
+    refs = [comm.allreduce(h, "sum") for h in hosts]
+    outs = ddlkernels.allreduce_many([h.cuda() for h in hosts], "sum", comm=comm, fusion_bytes=256)
+    later = ddlkernels.allreduce_many_async([h.cuda() for h in hosts], "sum", comm=comm, fusion_bytes=256).wait()
+    hooked = [ddlkernels.allreduce_async(t, "sum", comm=comm, out=t).wait() for t in [h.cuda() for h in hosts]]
+    for o, l, k, r in zip(outs, later, hooked, refs):
+        for got in (o, l, k):
+            assert got.dtype == torch.bfloat16 and got.is_cuda
+            assert torch.equal(got.cpu().view(torch.int16), r.view(torch.int16))
+    for h in hosts:
+        shard = comm.reduce_scatter(h.cuda(), "sum")
+        whole = comm.allgather(shard, count=h.numel())
+        assert isinstance(shard, torch.Tensor) and shard.is_cuda and shard.dtype == torch.bfloat16
+        assert isinstance(whole, torch.Tensor) and whole.is_cuda and whole.dtype == torch.bfloat16
+        assert torch.equal(whole.cpu().view(torch.int16), comm.allreduce(h, "sum").view(torch.int16))
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)).cuda().bfloat16()
+        plain = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)).cuda().bfloat16()
+        plain.load_state_dict(model.state_dict())  # the same model without the optimizer's hooks: local gradients
+        opt = ddt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       named_parameters=model.named_parameters(), comm=comm, fusion_bytes=512,
+                                       overlap=overlap)
+        g = torch.Generator().manual_seed(R + 10 * overlap)
+        x = torch.randn(6, 8, generator=g).cuda().bfloat16()
+        for m in (model, plain):
+            m.zero_grad()
+            m(x).float().square().sum().backward()
+        opt.synchronize()
+        for p, q in zip(model.parameters(), plain.parameters()):
+            bits = p.grad.cpu().view(torch.int16).numpy().view(np.uint8)
+            assert same_everywhere(bits), f"overlap={overlap}: reduced gradients differ between ranks"
+            want = comm.allreduce(q.grad.cpu().float(), "avg")
+            assert torch.allclose(p.grad.cpu().float(), want, rtol=2**-6, atol=2**-6), overlap
+    CALLS[0] += 5 * len(hosts) + 4
