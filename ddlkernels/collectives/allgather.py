@@ -142,15 +142,15 @@ def full(self, shard, count, out, dims, chunk_bytes, backend, call, stream=None)
                 raise ValueError(f"allgather: this rank's shard has {src.shape[0]} elements but shard_range of "
                                  f"{count} elements gives it {hi - lo}")
             if out is not None:
-                check_shard_out(be, out, shard, dtype, count, "allgather")
+                out_flat = check_shard_out(be, out, shard, src, dtype, count, "allgather")
         # Allocated before the argument check where count is known: a rank that fails here fails locally.
-        dst = be.empty(count, dtype) if out is None else out
+        dst = be.empty(count, dtype) if out is None else out_flat
         if call is not None and not call.agreed:
             # The path is not compared: which algorithm runs follows from what is compared.
             call.agree(count=count, dtype=dtype, op=None, dims=dims, chunk=chunk, path="ring")
         w = Work("allgather", src, dst, count, dtype, None, be, chunk, dims, bounds, call)
         whole = self.selector.run("allgather", w, lambda algorithm: _run(self, algorithm, w))
-        return whole if out is not None else be.like(whole, shard, (count,))  # of the shard's type
+        return out if out is not None else be.like(whole, shard, (count,))  # of the shard's type
 
 
 def _run(self, algorithm, w):

@@ -171,9 +171,10 @@ def host_overlap(x, out):
         return bool(np.may_share_memory(a, b))
 
 
-def check_shard_out(be, out, x, dtype, n, what):
+def check_shard_out(be, out, x, src, dtype, n, what):
     """``out`` of reduce_scatter / allgather: 1-D, ``n`` elements, ``x``'s dtype, backend and device, contiguous,
-    writeable and apart from ``x``; raised before any communication (every rank checks its own)."""
+    writeable and apart from ``x`` (whose flat buffer is ``src``); raised before any communication (every rank
+    checks its own).  Returns the backend's flat buffer of ``out``, which the algorithms write."""
     ob = backend_for(out)
     if ob is not be:
         raise TypeError(f"{what}: out is a {ob.name} array but the input is a {be.name} array")
@@ -183,11 +184,15 @@ def check_shard_out(be, out, x, dtype, n, what):
         raise ValueError(f"{what}: out has shape {tuple(out.shape)} but this rank's result is ({n},)")
     if be.device_id(out) != be.device_id(x):
         raise ValueError(f"{what}: out is on device {be.device_id(out)} but the input on {be.device_id(x)}")
-    if type(out) is np.ndarray:
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError(f"{what}: out must be a contiguous, writeable array")
-        if type(x) is np.ndarray and np.may_share_memory(out, x):
-            raise ValueError(f"{what}: out overlaps the input")
+    if not be.device and not backend_input_numpy(out).flags.writeable:
+        raise ValueError(f"{what}: out must be a contiguous, writeable array")
+    try:
+        dst = be.flat(out)  # a torch tensor's memory as the backend's buffer (a numpy or CuPy array: itself)
+    except ValueError:
+        raise ValueError(f"{what}: out must be a contiguous, writeable array") from None
+    if be.overlaps(dst, src) if be.device else host_overlap(x, out):  # host: x may be a strided view, src its copy
+        raise ValueError(f"{what}: out overlaps the input")
+    return dst
 
 
 def positive(name, v):

@@ -107,12 +107,11 @@ def full(self, x, op, out, dims, chunk_bytes, backend, call, stream=None):
         count = src.shape[0]
         bounds = self._all_shards(count, dims)
         lo, hi = bounds[self.rank]
-        if out is not None:
-            check_shard_out(be, out, x, dtype, hi - lo, "reduce_scatter")
-        w = Work("reduce_scatter", src, out, count, dtype, opname, be, chunk, dims, bounds, call)
+        dst = None if out is None else check_shard_out(be, out, x, src, dtype, hi - lo, "reduce_scatter")
+        w = Work("reduce_scatter", src, dst, count, dtype, opname, be, chunk, dims, bounds, call)
         shard = self.selector.run("reduce_scatter", w, lambda algorithm: _run(self, algorithm, w))
         # A new shard of x's type: a torch tensor stays one, bfloat16 is not left as its uint16 storage.
-        return shard if out is not None else be.like(shard, x, (hi - lo,))
+        return out if out is not None else be.like(shard, x, (hi - lo,))
 
 
 def _run(self, algorithm, w):

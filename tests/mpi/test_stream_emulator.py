@@ -403,6 +403,12 @@ def test_bfloat16_and_torch_tensors_keep_their_type_through_every_path():
         for t in ts[:2]:
             shard = c.reduce_scatter(t, "sum")
             got += [shard, c.allgather(shard, count=t.numel())]
+            lo, hi = c.shard_range(t.numel())
+            into, whole = torch.full((hi - lo,), -3.0).to(t.dtype), torch.full((t.numel(),), -3.0).to(t.dtype)
+            if c.reduce_scatter(t, "max", out=into) is not into or c.allgather(into, count=t.numel(), out=whole) \
+                    is not whole:
+                got.append(torch.zeros(1))  # not the out given: differs from the host run's results
+            got += [into, whole]
         for overlap in (True, False):
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
@@ -428,6 +434,23 @@ def test_bfloat16_and_torch_tensors_keep_their_type_through_every_path():
     bad = [k for k, (h, d) in enumerate(zip(host, dev)) if h[:3] != d[:3] or not np.array_equal(h[3], d[3])]
     assert wrong_anywhere(len(bad)) == 0, f"rank {R}: results {bad} differ: " + "; ".join(
         f"{host[k][:3]} vs {dev[k][:3]}" for k in bad[:4])
+
+
+def test_a_shard_out_over_the_input_raises_before_communicating():
+    """reduce_scatter's and allgather's ``out`` over the input's device memory: writing it would change the
+    input while peers still read it; every rank raises before any message."""
+    with emulated_device(seed=R) as be:
+        c = comm_for(False)
+        n = 4 * P + 1
+        lo, hi = c.shard_range(n)
+        mem = be.to_device(data(n + P, np.float32))
+        x = mem[:n]
+        with pytest.raises(ValueError, match="out overlaps the input"):
+            c.reduce_scatter(x, "sum", out=mem[lo + 1:hi + 1])
+        with pytest.raises(ValueError, match="out overlaps the input"):
+            c.allgather(x[lo:hi], count=n, out=mem[P:P + n])
+        COMM.Barrier()  # nobody entered a collective
+        c.free()
 
 
 def test_stream_argument_orders_the_call_on_that_stream():
