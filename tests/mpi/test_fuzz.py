@@ -1,13 +1,9 @@
 """Fuzz: hypothesis draws collectives and ddlkernels must match numpy on every rank, bitwise alike.
 
-Rank 0 runs hypothesis; each drawn case is broadcast, every rank runs it and
+Rank 0 draws each case and every rank runs it (tests/fuzzing.py): every rank
 checks what it can alone (no exception, input untouched out of place, its
-shard equal to its slice of the gathered whole), and rank 0 checks the rest:
-the result against the numpy reference (exact for integers and max/min;
-extended precision and the documented error bound for float sum, avg and
-prod, see ``float_bound``) and the SHA-256 of every rank's result equal to
-its own.  Any complaint from any rank fails the example on rank 0, so
-hypothesis shrinks it with the other ranks following along.
+shard equal to its slice of the gathered whole), rank 0 the result against
+the numpy reference and every rank's bits against its own.
 
 The space: the job's size p (run the file under mpirun -n 1..8), n in
 0 .. 10^6 biased to the edges (0, 1, p - 1, p, p + 1, primes, chunk and
@@ -25,41 +21,23 @@ Short run by default (CI); the long run sets the number of examples:
 and the last line of rank 0's output counts cases run and wrong.
 """
 
-import hashlib
 import math
 import os
 
 import numpy as np
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
 import ddlkernels
-from helpers import ALL_DTYPES, OPS, reference
+from fuzzing import (ALL_DTYPES, P, RANK, check_result, digest, dims_choices, drive, factorizations, gathered,
+                     make_input)
+from helpers import OPS
 
 COMM = MPI.COMM_WORLD
-P, RANK = COMM.Get_size(), COMM.Get_rank()
 EXAMPLES = int(os.environ.get("DDLKERNELS_FUZZ_EXAMPLES", "25"))
 # Messages per call are capped so that a 1-byte chunk on a 10^6-element
 # buffer stays a test of the chunk logic rather than of patience.
 MAX_CHUNKS = 2048
-
-
-def factorizations(p):
-    """Every ordered factorization of p into factors >= 2 ((1,) for p = 1)."""
-    if p == 1:
-        return [(1,)]
-    out = [(p,)]
-    for d in range(2, p):
-        if p % d == 0:
-            out += [(d,) + rest for rest in factorizations(p // d)]
-    return out
-
-
-def dims_choices(p):
-    base = factorizations(p)
-    with_ones = [(1,) + base[-1], base[0] + (1,)] if p > 1 else [(1, 1)]
-    return base + with_ones + [None]
 
 
 def edge_sizes(p):
@@ -113,24 +91,6 @@ def normalize(case):
     return case
 
 
-def make_input(case, rank):
-    """Rank ``rank``'s input: a deterministic function of the case, so rank 0 can rebuild every input."""
-    n, dt = case["n"], np.dtype(ALL_DTYPES[case["dtype"]])
-    if case["data"] == "grid":
-        from helpers import rank_data
-
-        return rank_data(n, rank, P, dt, salt=case["seed"] % 997)
-    rng = np.random.default_rng([case["seed"], rank])
-    if dt.kind in "iu":
-        hi = 2**20 if dt.itemsize == 4 else 2**40
-        return rng.integers(-hi, hi, size=n, dtype=dt)
-    # Magnitudes in [0.5, 2): a product over 8 ranks stays inside float16's
-    # normal range, sums of mixed signs exercise cancellation.
-    mag = rng.uniform(0.5, 2.0, size=n)
-    sign = np.where(rng.random(n) < 0.5, -1.0, 1.0)
-    return (mag * sign).astype(dt)
-
-
 def run_case(case):
     """Run ``case`` on this rank; return (complaints, result or None)."""
     x = make_input(case, RANK)
@@ -170,144 +130,19 @@ def run_case(case):
     return errs, y
 
 
-_U = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
-
-
-def _gamma(k, u):
-    return k * u / (1 - k * u)
-
-
-def float_bound(inputs, op, dt, ref):
-    """Elementwise bound on |ddlkernels - exact| for float sum/avg/prod (docs/reliability.md).
-
-    Every pairwise op is one correct rounding to the storage type (unit
-    roundoff u), p - 1 of them per element: sum  gamma(p-1) sum|x|;
-    avg  that / p + gamma(3) |avg| (1/p, the product, the store); prod
-    gamma(p-1) |prod| plus, for products that reach the subnormal range,
-    half the smallest subnormal per rounding, magnified by at most the
-    later factors (bounded by prod max(1, |x_i|)).  The reference is
-    computed in x87 extended precision (64-bit significand): its own error,
-    gamma(p-1) at u = 2^-64, is added so float64 data are judged fairly.
-    """
-    from ddlkernels._dtypes import dtype_name
-
-    name = dtype_name(dt)
-    u, g = _U[name], _gamma(P - 1, _U[name])
-    stack = np.stack([a.astype(np.longdouble) for a in inputs])
-    absum = np.abs(stack).sum(axis=0)
-    g_ref = _gamma(P - 1, 2.0**-64)
-    if op == "sum":
-        return g * absum + g_ref * absum
-    if op == "avg":
-        return (g + g_ref) * absum / P + _gamma(3, u) * np.abs(ref)
-    tiny = float(ml_finfo(dt).smallest_subnormal) / 2
-    big = np.prod(np.maximum(np.abs(stack), 1), axis=0)
-    return (g + g_ref) * np.abs(ref) + (P - 1) * tiny * big * (1 + g)
-
-
-def ml_finfo(dt):
-    from ddlkernels._dtypes import BFLOAT16
-
-    if BFLOAT16 is not None and np.dtype(dt) == BFLOAT16:
-        import ml_dtypes
-
-        return ml_dtypes.finfo(BFLOAT16)
-    return np.finfo(dt)
-
-
-def check_result(y, inputs, op, dt):
-    """Complaints about ``y`` (empty if right): exact for integers and max/min, within float_bound otherwise."""
-    dt = np.dtype(dt)
-    got = np.asarray(y).reshape(-1)
-    if got.shape != inputs[0].shape:
-        return [f"result has shape {got.shape}, expected {inputs[0].shape}"]
-    if dt.kind in "iu" or op in ("max", "min"):
-        ref = reference(inputs, op, dt)
-        if dt.kind in "iu":
-            bad = np.nonzero(got != ref)[0]
-        else:  # max/min of floats: one of the inputs, exactly
-            bad = np.nonzero(got.astype(np.float64) != np.asarray(ref, dtype=np.float64))[0]
-    else:
-        stack = np.stack([a.astype(np.longdouble) for a in inputs])
-        ref = stack.prod(axis=0) if op == "prod" else stack.sum(axis=0)
-        if op == "avg":
-            ref = ref / P
-        err = np.abs(got.astype(np.longdouble) - ref)
-        bad = np.nonzero(~(err <= float_bound(inputs, op, dt, ref)))[0]
-    if bad.size:
-        i = int(bad[0])
-        return [f"result: {bad.size} wrong elements, first at {i}: got {got[i]!r}, reference {ref[i]!r}"]
-    return []
-
-
-def check_on_root(case, results_digest, y):
-    """Rank 0: reference and identical bits everywhere."""
-    errs = []
-    if any(d != results_digest[0] for d in results_digest):
-        differ = [r for r, d in enumerate(results_digest) if d != results_digest[0]]
-        errs.append(f"ranks {differ} hold different bits than rank 0")
-    if y is not None:
-        dt = ALL_DTYPES[case["dtype"]]
-        inputs = [make_input(case, r) for r in range(P)]
-        errs += check_result(y, inputs, case["op"], dt)
-    return errs
-
-
-STATS = {"run": 0, "wrong": 0}
-
-
 def one_case(case):
     """Collective: every rank runs ``case``; returns the complaints (on rank 0, all of them)."""
     errs, y = run_case(case)
-    digest = None if y is None else hashlib.sha256(np.ascontiguousarray(y).view(np.uint8).tobytes()).hexdigest()
-    all_errs = COMM.gather(errs, root=0)
-    digests = COMM.gather(digest, root=0)
-    if RANK != 0:
-        return []
-    flat = [e for es in all_errs for e in es]
-    if not flat:
-        flat = check_on_root(case, digests, y)
+    flat = gathered(errs, [digest(y)])
+    if RANK == 0 and y is not None:
+        inputs = [make_input(case, r) for r in range(P)]
+        flat += check_result(y, inputs, case["op"], ALL_DTYPES[case["dtype"]])
     return flat
-
-
-def follower():
-    while True:
-        case = COMM.bcast(None, root=0)
-        if case is None:
-            return
-        one_case(case)
-
-
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-    phases=[Phase.generate, Phase.shrink],
-    print_blob=True,
-)
-@given(case=cases)
-def leader(case):
-    case = normalize(dict(case))
-    COMM.bcast(case, root=0)
-    errs = one_case(case)
-    STATS["run"] += 1
-    if errs:
-        STATS["wrong"] += 1
-    assert not errs, f"case {case}: " + "; ".join(errs[:8])
 
 
 def test_fuzz_collectives():
     communicators()  # collective: created by all ranks before rank 0 starts drawing
-    if RANK != 0:
-        follower()
-        return
-    try:
-        leader()
-    finally:
-        COMM.bcast(None, root=0)
-        # The count (shrinking included) for the long run's report.
-        print(f"\nfuzz: p={P} cases run={STATS['run']} wrong={STATS['wrong']}", flush=True)
+    drive(cases.map(lambda c: normalize(dict(c))), one_case, EXAMPLES, "fuzz")
 
 
 def test_factorizations_are_complete():
