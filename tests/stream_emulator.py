@@ -217,7 +217,10 @@ class Emulator:
             return s
 
     # -- queueing ------------------------------------------------------------------------
-    def enqueue(self, stream, fn, what, deps=(), ext=()):
+    def enqueue(self, stream, fn, what, deps=(), ext=(), progress=True):
+        """Queue ``fn`` on ``stream`` after ``deps``; then, by the policy, maybe run ready work -- not with
+        ``progress=False`` (a pool's finalizer: it may run inside any emulator call, ``_ready``'s scan of the
+        queues included, which must not see them change under it)."""
         with self.lock:
             if stream not in self.streams:  # a stream of an earlier configuration
                 self.streams.append(stream)
@@ -225,7 +228,8 @@ class Emulator:
             op = _Op(fn, stream, prev, tuple(d for d in deps if d is not None and not d.done), what, tuple(ext))
             stream.queue.append(op)
             stream.last = op
-            self._progress()
+            if progress:
+                self._progress()
             return op
 
     def record(self, stream) -> Event:
@@ -528,7 +532,8 @@ class EmuBackend(DeviceBackend):
         self.pinned_pool = _Pool(self._fresh_pinned, self._scribble_pinned)
 
     def _scribble_device(self, stream, raw):
-        self.emu.enqueue(stream, lambda: raw.__setitem__(Ellipsis, GARBAGE), "next owner of a freed block")
+        self.emu.enqueue(stream, lambda: raw.__setitem__(Ellipsis, GARBAGE), "next owner of a freed block",
+                         progress=False)  # from a finalizer: whatever emulator call the collection interrupted
 
     @staticmethod
     def _scribble_pinned(_, raw):

@@ -258,7 +258,10 @@ def run_case(case):
 
 def one_case(case):
     """Collective: every rank runs ``case``; returns the complaints (on rank 0, all of them)."""
-    errs, got = run_case(case)
+    try:
+        errs, got = run_case(case)
+    except Exception as e:  # the emulator's own entry or exit: still a complaint, so the ranks stay in step
+        errs, got = [f"rank {RANK}: {type(e).__name__} around the case: {e}"], None
     ncalls = len(case["calls"])
     flat = gathered(errs, [digest(y) for y in got] if got is not None else [None] * ncalls)
     if RANK == 0 and got is not None:
