@@ -353,6 +353,17 @@ def progress_engine(comm=None, progress: str = "thread"):
     return eng
 
 
+def close_engines(comm) -> None:
+    """Close the progress engines of the Communicator ``comm`` (collective: ``Communicator.free`` calls it).
+
+    Each holds a thread and a duplicate of ``comm``'s communicator; ``_ENGINES`` forgets them when ``comm`` is
+    collected, so unclosed they would outlive it.  A later asynchronous call on ``comm`` starts a new one."""
+    with _ENGINES_LOCK:
+        engines = _ENGINES.pop(comm, {})
+    for eng in engines.values():
+        eng.close()
+
+
 @atexit.register
 def _close_engines():  # before mpi4py finalizes MPI (its atexit hook was registered first)
     with _ENGINES_LOCK:

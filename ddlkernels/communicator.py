@@ -182,13 +182,18 @@ class Communicator:
 
     # -- lifetime ------------------------------------------------------------
     def free(self) -> None:
-        """Release the duplicated communicator and every cached buffer (collective).
+        """Release the duplicated communicator, every cached buffer and the progress engines of this
+        Communicator's asynchronous calls (collective).
 
         After a timeout it releases nothing: the abandoned collective may still
         complete into these buffers and windows (a late rank), and freeing them
         collectively would not match across ranks.  They are kept until the
         process ends (``ddlkernels.safety.deadline.abandon``).
         """
+        if self._broken is None:
+            from .asynchronous import close_engines  # here: that module builds on this one
+
+            close_engines(self)  # their queued reductions finish first: a thread each, on a duplicate of self
         with self._exclusive("free"):
             if self._runner is not None:
                 self._runner.close()
