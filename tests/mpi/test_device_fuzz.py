@@ -7,8 +7,9 @@ schedule of the emulator's late device (lazy or random, seeded per rank),
 and 1 to 4 calls in a row on it, each drawn alone -- the collective, n, dtype,
 op, dims, in place or out, buffers at odd element offsets (each rank its
 own), memory peers cannot map, the caller's stream or ``stream=``, the input
-overwritten right after the call -- with every result read only at the end,
-through its stream.  So the state one call leaves (pinned slots, peers'
+overwritten right after the call; the emulator's arrays or torch tensors it
+takes for CUDA tensors -- with every result read only at the end, through
+the stream ordered after its call.  So the state one call leaves (pinned slots, peers'
 mappings, scratch and pool buffers, the tuner's trials, the event of the
 last call) meets the next call's different shape while its work is still
 queued.
@@ -18,7 +19,8 @@ pinned memory or handed to MPI as CUDA-aware MPI would get them; any
 dims), "host" (pieces through the host's algorithms), "ipc" (CUDA IPC
 forced), "tuned" (``ipc=None``: the tuner's trials pick among ring, ipc and
 host).  Calls: allreduce, reduce_scatter then allgather of its shard,
-mpi4py's Allreduce, and allreduce_many of three tensors.
+mpi4py's Allreduce, allreduce_many of two tensors, and allreduce_many_async
+(the progress thread; in place, the DDP hook's call).
 
 Every rank reports what it can see alone (an exception, its input changed
 by an out-of-place call, its shard not its slice of the allgather); rank 0
@@ -59,7 +61,7 @@ pytestmark = pytest.mark.skipif(P < 2, reason="one rank exchanges nothing: no de
 MAX_PIECES = 48
 
 SETUPS = ["ring-staged", "ring-aware", "host", "ipc", "tuned"]
-COLLECTIVES = ["allreduce", "rs+ag", "Allreduce", "many"]
+COLLECTIVES = ["allreduce", "rs+ag", "Allreduce", "many", "async"]
 RING = ("ring-staged", "ring-aware")
 #: the caller's arrays: the emulator's own, or torch tensors it claims as CUDA tensors
 ARRAYS = ["emu"] + (["torch"] if torch is not None else [])
@@ -165,6 +167,7 @@ class Program:
         inplace, given = call["out"] == "in place", call["out"] == "given"
         arg = call["stream"].startswith("stream=")
         kw = {"stream": s} if arg else {}
+        after = s  # the stream ordered after the call: its results are read there, its input overwritten there
         with be.current(be.default_stream() if arg else s):
             if kind == "allreduce":
                 self.settle(call, d, ["allreduce"])
@@ -186,19 +189,22 @@ class Program:
             else:
                 parts = [d[:n // 3], d[n // 3:]] if n else [d]
                 outs = parts if inplace else [garbage(len(q)) for q in parts] if given else None
-                res = ddlkernels.allreduce_many(parts, op, comm=c, out=outs, fusion_bytes=self.case["fusion_bytes"],
-                                                **kw)
+                many = ddlkernels.allreduce_many if kind == "many" else ddlkernels.allreduce_many_async
+                res = many(parts, op, comm=c, out=outs, fusion_bytes=self.case["fusion_bytes"], **kw)
+                if kind == "async":  # in place: the DDP hook's call; wait() orders the current stream
+                    res, after = res.wait(), be.current_stream()
         for r in res:
             if type(r) is not type(d) or r.dtype != d.dtype:
                 self.errs.append(f"rank {RANK}: call {k}: {kind} returned {type(r).__name__} of {r.dtype} for "
                                  f"{type(d).__name__} of {d.dtype}")
         if not inplace:
             if call["reuse"]:
-                be.write(memory(d), np.zeros_like(x), stream=s)  # the caller reuses its input at once
+                be.write(memory(d), np.zeros_like(x), stream=after)  # the caller reuses its input at once
             else:
-                self.kept.append((d, s, x))
-        self.pending.append((call, s, kind, res))
-        RAN[c.last_algorithm or "none"] += 1  # none: allreduce_many of empty arrays as the first call
+                self.kept.append((d, after, x))
+        self.pending.append((call, after, kind, res))
+        # the progress thread's own Communicator runs "async"; none: allreduce_many of empty arrays as a first call
+        RAN["progress thread" if kind == "async" else c.last_algorithm or "none"] += 1
 
     def finish(self):
         """Read every result through its stream: one host array per call."""
