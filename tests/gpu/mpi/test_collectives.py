@@ -261,13 +261,14 @@ def test_distributed_optimizer_on_a_cuda_model(comm):
 def test_torch_bfloat16_through_packed_buffers_shards_and_the_optimizer(comm):
     """bfloat16 lives on the device as uint16 bits (CuPy has none): allreduce_many's and the progress thread's
     packed buffers, the DDP hook's allreduce_async and the optimizer's buckets must reduce it as bfloat16, and
-    reduce_scatter / allgather hand back CUDA bfloat16 tensors.  The same bits as on host tensors (exact data:
-    multiples of 1/16, so fused and single sums agree)."""
+    reduce_scatter / allgather hand back CUDA bfloat16 tensors.  The same bits as on host tensors (small
+    integers: a sum over the ranks is exact in bfloat16 in any order, fused or not, sharded or not)."""
     torch = G.torch_cuda()
     import ddlkernels.torch as ddt
 
     def bf16(n, salt):
-        return torch.from_numpy(data(n, BFLOAT16, salt=salt).view(np.int16)).view(torch.bfloat16)
+        key = np.arange(n, dtype=np.int64) * P + R + 7919 * salt
+        return torch.from_numpy(((key * 37) % 7 - 3).astype(np.float32)).to(torch.bfloat16)
 
     hosts = [bf16(n, salt=i) for i, n in enumerate((3, 10, 1, 700, 2 * P + 1))]
     refs = [comm.allreduce(h, "sum") for h in hosts]
