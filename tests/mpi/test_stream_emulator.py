@@ -453,6 +453,26 @@ def test_a_shard_out_over_the_input_raises_before_communicating():
         c.free()
 
 
+def test_under_a_timeout_the_staged_ring_polls_until_its_copies_have_run():
+    """With ``timeout=`` the ring waits by polling (``Test``, event queries), and the staged transport posts a
+    send once a query sees its copy to pinned memory done.  A device finishes queued work in finite time,
+    so the emulator's queries must too: under "lazy" they never did, and every rank waited to receive.
+    (A hang here shows as ``CollectiveTimeout`` after 30 s.)"""
+    with emulated_device(seed=5 + R, policy="lazy") as be:
+        c = ddlkernels.Communicator(COMM, chunk_bytes=CHUNK, small_bytes=0, window=2, cuda_aware=False, shm=False,
+                                    ipc=False, timeout=30.0)
+        bad = 0
+        for n in SIZES:
+            x = data(n, np.float32, salt=n)
+            d = be.to_device(x)
+            for kind in ("allreduce", "reduce_scatter"):
+                c.settle(d, "ring", collective=kind)
+            bad += not np.array_equal(be.to_host(c.allreduce(d, "sum")), c.allreduce(x, "sum"))
+            bad += not np.array_equal(be.to_host(c.reduce_scatter(d, "sum")), c.reduce_scatter(x, "sum"))
+        c.free()
+    assert wrong_anywhere(bad) == 0
+
+
 def test_stream_argument_orders_the_call_on_that_stream():
     """``stream=`` instead of the current stream: the input is written on s, the call ordered on s."""
     with emulated_device(seed=11 + R, policy="lazy") as be:
