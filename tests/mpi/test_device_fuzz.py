@@ -96,6 +96,8 @@ cases = st.fixed_dictionaries(
         "arrays": st.sampled_from(ARRAYS),
         "chunk_bytes": st.sampled_from([8, 64, 1000, 4096, 1 << 20]),
         "window": st.integers(1, 4),
+        "validate": st.booleans(),  # every call's arguments compared across ranks first
+        "timeout": st.sampled_from([None, 300.0]),  # MPI's waits under a deadline
         "piece_bytes": st.sampled_from([16, 24, 256, 4096]),
         "fusion_bytes": st.sampled_from([32, 4096, None]),
         "policy": st.sampled_from(["lazy", "random"]),
@@ -122,7 +124,8 @@ class Program:
         self.be, self.case, self.setup = be, case, case["setup"]
         self.c = ddlkernels.Communicator(COMM, shm=False, chunk_bytes=case["chunk_bytes"], window=case["window"],
                                          cuda_aware=self.setup == "ring-aware",
-                                         ipc={"ipc": True, "tuned": None}.get(self.setup, False))
+                                         ipc={"ipc": True, "tuned": None}.get(self.setup, False),
+                                         validate=case["validate"], timeout=case["timeout"])
         if "host" in self.c.algorithms:
             self.c.algorithms["host"].piece_bytes = case["piece_bytes"]
         self.streams = {"a": be.new_stream(), "b": be.new_stream()}
