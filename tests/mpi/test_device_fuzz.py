@@ -35,6 +35,7 @@ Short run by default (CI); the long run sets the number of examples:
 """
 
 import collections
+import contextlib
 import math
 import os
 
@@ -250,8 +251,16 @@ def read(be, x, s) -> np.ndarray:
 
 def run_case(case):
     """Run ``case`` on this rank: (complaints, one result per call, or None)."""
-    with emulated_device(seed=case["seed"] * 16 + RANK, policy=case["policy"], ipc=case["setup"] in ("ipc", "tuned"),
-                         claim_torch=case["arrays"] == "torch") as be:
+    with contextlib.ExitStack() as stack:
+        try:
+            be = stack.enter_context(emulated_device(seed=case["seed"] * 16 + RANK, policy=case["policy"],
+                                                     ipc=case["setup"] in ("ipc", "tuned"),
+                                                     claim_torch=case["arrays"] == "torch"))
+            why = []
+        except Exception as e:
+            be, why = None, [f"rank {RANK}: {type(e).__name__} entering the emulated device: {e}"]
+        if not COMM.allreduce(be is not None, op=MPI.LAND):  # a rank that cannot start keeps every rank out
+            return why, None
         prog = Program(be, case)
         try:
             for k in range(len(case["calls"])):
