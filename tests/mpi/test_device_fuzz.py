@@ -132,6 +132,9 @@ class Program:
         self.streams = {"a": be.new_stream(), "b": be.new_stream()}
         self.pending = []  # (call, its stream, collective, results)
         self.kept = []  # (input, its stream, what it must still hold): out-of-place inputs not reused
+        # Every input until the end: one dropped while its overwrite is queued on another stream than the one it
+        # was allocated on would give that write to the pool's next owner (the caller's race, not the library's).
+        self.inputs = []
         self.torch = case["arrays"] == "torch"
         self.errs = []
 
@@ -168,6 +171,7 @@ class Program:
 
         kind, op, n, dims = call["collective"], call["op"], call["n"], self.dims(call)
         d = placed(x)
+        self.inputs.append(d)
         inplace, given = call["out"] == "in place", call["out"] == "given"
         arg = call["stream"].startswith("stream=")
         kw = {"stream": s} if arg else {}
