@@ -348,20 +348,11 @@ def progress_engine(comm=None, progress: str = "thread"):
         with c._exclusive("allreduce_async"):
             c._usable()
             eng = (ThreadEngine if progress == "thread" else HooksEngine)(c)
+            # Closed by c.free(): _ENGINES holds c weakly, so once c is collected nothing else would reach it.
+            c._closers.append(eng.close)
         with _ENGINES_LOCK:
             _ENGINES[c][progress] = eng
     return eng
-
-
-def close_engines(comm) -> None:
-    """Close the progress engines of the Communicator ``comm`` (collective: ``Communicator.free`` calls it).
-
-    Each holds a thread and a duplicate of ``comm``'s communicator; ``_ENGINES`` forgets them when ``comm`` is
-    collected, so unclosed they would outlive it.  A later asynchronous call on ``comm`` starts a new one."""
-    with _ENGINES_LOCK:
-        engines = _ENGINES.pop(comm, {})
-    for eng in engines.values():
-        eng.close()
 
 
 @atexit.register

@@ -179,6 +179,9 @@ class Communicator:
         self._tails: dict = {}
         #: the algorithm the last allreduce, reduce_scatter or allgather ran ("mpi", "ring", "shm", ...)
         self.last_algorithm = None
+        #: what ``free`` closes first: the progress engines of asynchronous calls on this Communicator, each a thread
+        #: and a duplicate of its communicator (``ddlkernels.asynchronous.progress_engine`` adds them)
+        self._closers: list = []
 
     # -- lifetime ------------------------------------------------------------
     def free(self) -> None:
@@ -191,9 +194,9 @@ class Communicator:
         process ends (``ddlkernels.safety.deadline.abandon``).
         """
         if self._broken is None:
-            from .asynchronous import close_engines  # here: that module builds on this one
-
-            close_engines(self)  # their queued reductions finish first: a thread each, on a duplicate of self
+            closers, self._closers = self._closers, []
+            for close in closers:  # the progress engines: their queued reductions finish first
+                close()
         with self._exclusive("free"):
             if self._runner is not None:
                 self._runner.close()
