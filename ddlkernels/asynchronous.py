@@ -173,10 +173,7 @@ class ThreadEngine:
             from .safety.deadline import Deadline
 
             setup = None if comm.timeout is None else Deadline("allreduce_async", comm.rank, comm.timeout)
-            self.comm = Communicator(comm.comm, chunk_bytes=chunk_bytes or comm.chunk_bytes,
-                                     small_bytes=comm.small_bytes, window=comm.window,
-                                     cuda_aware=comm.cuda_aware_override, validate=comm.validate,
-                                     timeout=comm.timeout, shm=comm.shm, _deadline=setup)
+            self.comm = comm.derived(comm.comm, chunk_bytes=chunk_bytes or comm.chunk_bytes, _deadline=setup)
         else:
             self.comm = Communicator(comm, chunk_bytes=chunk_bytes)
         self.size = self.comm.size

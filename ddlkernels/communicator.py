@@ -3,7 +3,7 @@
 Worked example, ``Communicator(MPI.COMM_WORLD)`` on 4 ranks of one node::
 
     duplicate   MPI_Comm_idup: our messages never match the caller's
-    topology    nodes from shared memory (ddlkernels.select.topology.detect)
+    topology    nodes from shared memory, or node= labels (ddlkernels.select.topology.detect)
     placement   one node? may ranks read each other's memory? (ddlkernels.algorithms.place)
     algorithms  the enabled ones: mpi, nbc, ring, shm, shm-nt, cma
     selector    their tuners and fast-path plans (ddlkernels.select.choice)
@@ -27,6 +27,7 @@ import numpy as np
 
 from . import _config
 from .algorithms import Algorithms, place
+from .algorithms.hier import check_node, node_split
 from .algorithms.window import _gated
 from .collectives import allgather as _allgather, allreduce as _allreduce, decisions as _decisions
 from .collectives import empty as _empty, reduce_scatter as _reduce_scatter, streams as _streams
@@ -67,6 +68,14 @@ class Communicator:
                  and "host", ``True`` runs it for every device allreduce it
                  serves, ``False`` never (nor "hier"'s IPC inside nodes).
                  Fallback ``DDLKERNELS_IPC``.
+    node         this rank's node label (a str or an int): ranks with equal
+                 labels form a node, as if on a machine of their own.  For
+                 ranks MPI puts on one node that should act as several
+                 (containers that cannot map each other's memory; the
+                 algorithms across nodes, "hier" and the planner's box, tried
+                 on one machine).  Labels split MPI's nodes, never join them
+                 (``ValueError`` on every rank); every rank gives one or none.
+                 Default: MPI's shared-memory split (``COMM_TYPE_SHARED``).
     cuda_aware   ``True``/``False`` overrides detection of CUDA-aware MPI.
     validate     check before every collective that all ranks passed the same
                  count, dtype, op, dims and chunk, raising the same
@@ -106,7 +115,8 @@ class Communicator:
     _device_call = _streams.device_call
 
     def __init__(self, comm=None, *, chunk_bytes=None, small_bytes=None, window=None, cuda_aware=None,
-                 validate=None, timeout=None, topology=None, rack_map=None, shm=None, ipc=None, _deadline=None):
+                 validate=None, timeout=None, topology=None, rack_map=None, shm=None, ipc=None, node=None,
+                 _deadline=None):
         from mpi4py import MPI
 
         if comm is None:
@@ -131,6 +141,11 @@ class Communicator:
         if ipc not in (None, True, False):
             raise ValueError(f"ipc must be None, True or False, got {ipc!r}")
         self.ipc = ipc
+        node = check_node(node)
+        #: the arguments as resolved, for the Communicators made from this one (``derived``)
+        self._settings = dict(chunk_bytes=self.chunk_bytes, small_bytes=self.small_bytes, window=self.window,
+                              cuda_aware=self.cuda_aware_override, validate=self.validate, timeout=self.timeout,
+                              topology=topology, rack_map=rack_map, shm=shm, ipc=ipc, node=node)
         self._broken = None  # why, after a collective timed out: its messages are still in flight
         #: Held by the thread inside a collective (``_exclusive``); reentrant for allreduce_many's calls.
         self._busy = threading.RLock()
@@ -144,11 +159,19 @@ class Communicator:
 
         def made():
             # Nonblocking, so that a rank that never comes is a timeout; once it completes every rank is here.
-            dup = duplicate(comm, _deadline)
-            # Nodes from shared memory, racks from the rack map, link parameters from a calibrated topology
-            # file (``python -m ddlkernels calibrate``) or the documented defaults.
-            topo = detect(dup, rack_map=env.rack_map if rack_map is None else rack_map, params=params)
-            return dup, topo, place(dup, shm)
+            dup, nodes = duplicate(comm, _deadline), None
+            try:  # the errors here (a label joining MPI's nodes, a host missing from the rack map) are every rank's
+                nodes = node_split(dup, node)
+                # Nodes from shared memory or the labels, racks from the rack map, link parameters from a
+                # calibrated topology file (``python -m ddlkernels calibrate``) or the documented defaults.
+                topo = detect(dup, rack_map=env.rack_map if rack_map is None else rack_map, params=params,
+                              nodes=nodes)
+            except BaseException:
+                if nodes is not None:
+                    nodes.Free()
+                dup.Free()
+                raise
+            return dup, topo, place(dup, shm, nodes)
 
         # One creation of communicators at a time in this process (``_gated``, as for windows): two threads
         # creating Communicators at once (two progress engines) deadlocked 1 run in 7 to 14 of
@@ -184,6 +207,12 @@ class Communicator:
         self._closers: list = []
 
     # -- lifetime ------------------------------------------------------------
+    def derived(self, comm, **changes) -> "Communicator":
+        """A Communicator over the mpi4py communicator ``comm`` with this one's arguments, but for ``changes``
+        (collective over ``comm``): the progress engine's, the "host" algorithm's and "hier"'s across nodes,
+        so that what the user chose (chunk size, ``ipc=``, ``cuda_aware=``, node labels, ...) holds there too."""
+        return type(self)(comm, **{**self._settings, **changes})
+
     def free(self) -> None:
         """Release the duplicated communicator, every cached buffer and the progress engines of this
         Communicator's asynchronous calls (collective).

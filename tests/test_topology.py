@@ -156,3 +156,24 @@ def test_detect_on_this_process():
     topo = T.detect(MPI.COMM_WORLD)
     assert topo.ranks == MPI.COMM_WORLD.Get_size()
     assert topo.hostnames is not None and len(topo.hostnames) == topo.ranks
+
+
+def test_node_labels_split_mpi_nodes_and_never_join_them():
+    from ddlkernels.algorithms.hier import check_node, node_colors
+
+    # (label, lowest rank of its shared-memory node) per rank: 4 ranks on shared nodes 0 and 2.
+    assert node_colors([(None, 0), (None, 0), (None, 2), (None, 2)]) is None  # MPI's split stands
+    assert node_colors([("a", 0), ("a", 0), ("b", 2), ("b", 2)]) == [0, 0, 2, 2]
+    assert node_colors([(0, 0), (1, 0), (0 + 2, 2), (3, 2)]) == [0, 1, 2, 3]  # one rank per node
+    assert node_colors([("x", 0), ("y", 0), ("x", 0), ("y", 0)]) == [0, 1, 0, 1]  # round robin on one machine
+    assert node_colors([(1, 0), ("1", 0)]) == [0, 1]  # labels compare as given: the int 1 is not "1"
+    with pytest.raises(ValueError, match=r"ranks 1 and 2 gave the node label 'a' but do not share memory"):
+        node_colors([("b", 0), ("a", 0), ("a", 2), ("c", 2)])
+    with pytest.raises(ValueError, match=r"rank\(s\) \[0, 3\] gave no node label"):
+        node_colors([(None, 0), ("a", 0), ("a", 0), (None, 0)])
+    import numpy as np
+
+    assert check_node(np.int64(3)) == 3 and type(check_node(np.int64(3))) is int and check_node("n") == "n"
+    for bad in (True, 1.5, ("a",), b"n"):
+        with pytest.raises(TypeError, match="node must be None, a str or an int"):
+            check_node(bad)

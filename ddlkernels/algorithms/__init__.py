@@ -2,8 +2,9 @@
 
 Worked example, a Communicator of 4 ranks on one node, ``shm=None``::
 
-    place(comm, shm=None)       two collectives: do the ranks share one node (yes),
-                                may they read each other's memory (yes: their pids)
+    place(comm, None, nodes)    do the ranks share one node (yes: ``nodes``, the node split
+                                of hier.node_split, holds all 4), may they read each
+                                other's memory (a collective: yes, their pids)
     Algorithms(comm, placement) asks each class of REGISTRY whether it applies:
                                   mpi, nbc, ring       always
                                   shm, shm-nt, cma     one node (cma: the probe passed)
@@ -23,13 +24,12 @@ from __future__ import annotations
 
 from .base import Algorithm, Work
 from .cma import Cma, probe_pids
-from .hier import Hier, node_split, uniform_nodes
+from .hier import Hier, uniform_nodes
 from .host import Host
 from .ipc import Ipc
 from .mpi import Mpi, Nbc
 from .ring import Ring
 from .shm import Shm, ShmNT
-from .window import one_node
 
 __all__ = ["REGISTRY", "Algorithm", "Algorithms", "Placement", "Work", "place"]
 
@@ -52,23 +52,22 @@ class Placement:
         self.shm, self.one_node, self.cma_pids, self.hier_node = shm, one_node, cma_pids, hier_node
 
 
-def place(comm, shm) -> Placement:
-    """The placement of the mpi4py communicator ``comm`` (collective).
+def place(comm, shm, nodes) -> Placement:
+    """The placement of the mpi4py communicator ``comm`` whose node split is ``nodes`` (``node_split``;
+    collective).  ``nodes`` becomes the placement's ``hier_node`` or is freed here.
 
     The collectives made here depend on nothing a rank chose alone, so that ranks that differ in ``shm``
-    still finish (``validate`` then names it): the pid probe and the node split run whatever ``shm`` is.
+    still finish (``validate`` then names it): the pid probe and the node check run whatever ``shm`` is.
     """
     p = comm.Get_size()
-    on_one_node = p > 1 and one_node(comm)
+    on_one_node = p > 1 and nodes.Get_size() == p
     where = Placement(shm, on_one_node)
     if on_one_node:
         where.cma_pids = probe_pids(comm)
-    elif p > 1:
-        node = node_split(comm)
-        if uniform_nodes(comm, node) and shm is not False:
-            where.hier_node = node
-        else:
-            node.Free()
+    if p > 1 and not on_one_node and uniform_nodes(comm, nodes) and shm is not False:
+        where.hier_node = nodes
+    else:
+        nodes.Free()
     return where
 
 

@@ -49,14 +49,62 @@ from .base import Algorithm, pack_segments, run_instead
 from .ipc import IpcNode, give_up
 from .shm import ShmAllreduce
 
-__all__ = ["Hier", "HierAllreduce", "node_split", "uniform_nodes"]
+__all__ = ["Hier", "HierAllreduce", "check_node", "node_colors", "node_split", "uniform_nodes"]
 
 
-def node_split(comm):
-    """``comm`` split into nodes: ranks that share memory (collective)."""
+def check_node(node):
+    """``node`` as ``node_split`` takes it (None, a str or an int), or ``TypeError`` (before any communication)."""
+    if node is None or isinstance(node, str):
+        return node
+    if isinstance(node, (int, np.integer)) and not isinstance(node, (bool, np.bool_)):
+        return int(node)
+    raise TypeError(f"node must be None, a str or an int (this rank's node label), got {node!r}")
+
+
+def node_colors(rows) -> list | None:
+    """The color of every rank's node from ``rows``, one ``(label, shared)`` per rank: the label it gave
+    ``node_split`` and the lowest rank of its shared-memory node.  None where no rank gave a label (the
+    shared-memory split stands); a ``ValueError`` where only some did, or where a label holds ranks of
+    two shared-memory nodes (labels split MPI's nodes, never join them)."""
+    labels = [label for label, _ in rows]
+    if all(label is None for label in labels):
+        return None
+    if any(label is None for label in labels):
+        none = [r for r, label in enumerate(labels) if label is None]
+        raise ValueError(f"node=: rank(s) {none} gave no node label and the others did: every rank or none")
+    first: dict = {}  # label -> (its first rank, that rank's shared-memory node)
+    for r, (label, shared) in enumerate(rows):
+        r0, s0 = first.setdefault(label, (r, shared))
+        if s0 != shared:
+            raise ValueError(f"node=: ranks {r0} and {r} gave the node label {label!r} but do not share memory "
+                             "(a label may split MPI's nodes, never join them)")
+    return [first[label][0] for label in labels]
+
+
+def node_split(comm, node=None):
+    """``comm`` split into nodes (collective): ranks that share memory (MPI's ``COMM_TYPE_SHARED``), or, where
+    every rank gives a ``node`` label, the ranks with equal labels (which must share memory).
+
+    Labels are for ranks that MPI puts on one node but that should act as
+    several: containers that cannot map each other's memory, or the
+    algorithms across nodes run on one machine (the tests).
+    """
     from mpi4py import MPI
 
-    return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    node = check_node(node)
+    rank = comm.Get_rank()
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    try:
+        # The lowest rank of the node names it: the same name on each of its ranks.
+        lowest = shared.bcast(rank, root=0)
+        colors = node_colors(comm.allgather((node, lowest)))  # the same answer, or error, on every rank
+    except BaseException:
+        shared.Free()
+        raise
+    if colors is None:
+        return shared
+    shared.Free()
+    return comm.Split(color=colors[rank], key=rank)
 
 
 def uniform_nodes(comm, node) -> bool:
@@ -214,7 +262,9 @@ class Hier(Algorithm):
             # Every rank is here (a nonblocking barrier under the call's deadline) before the blocking
             # collectives that set it up.
             complete(c.comm.Ibarrier(), w.deadline, "the hierarchical allreduce's setup (MPI_Ibarrier)")
-            self._hier = HierAllreduce(c.comm, self.node, lambda cross: type(c)(cross, shm=False))
+            # Across nodes: the Communicator's settings; its node label (if any) puts each rank on a node of its own.
+            self._hier = HierAllreduce(c.comm, self.node,
+                                       lambda cross: c.derived(cross, shm=False, validate=False, timeout=None))
         avg_p = self.comm.size if w.avg else None
         if w.be.device:
             # CUDA IPC inside the nodes, or the ring for every rank (ddlkernels.algorithms.ipc's module comment).

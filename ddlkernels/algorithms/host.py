@@ -110,8 +110,8 @@ class Host(Algorithm):
         if self._inner is None:  # collective: every rank chose "host" for this same call
             c = self.comm
             complete(c.comm.Ibarrier(), w.deadline, "the host collective's setup (MPI_Ibarrier)")
-            self._inner = type(c)(c.comm, chunk_bytes=c.chunk_bytes, small_bytes=c.small_bytes, window=c.window,
-                                  shm=c.shm, ipc=False)
+            # The caller's call was validated and carries its deadline to each inner call.
+            self._inner = c.derived(c.comm, ipc=False, validate=False, timeout=None)
         return self._inner
 
     def _copies_for(self, be, nbytes):

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..kernels.layout import FLAG_STRIDE
 
-__all__ = ["ShmWindow", "one_node", "PIECE_BYTES", "WHOLE_PER_RANK", "WHOLE_BELOW", "SPIN"]
+__all__ = ["ShmWindow", "PIECE_BYTES", "WHOLE_PER_RANK", "WHOLE_BELOW", "SPIN"]
 
 #: Windows of ``ShmWindow.empty`` regions that ``free`` found still in use on some rank: never freed
 #: here, so that the arrays over them stay mapped; MPI's finalization releases them.
@@ -74,17 +74,6 @@ class _Arrival:
     def Test(self):
         return self._arrived(self._flags, self._p, self._epoch)
 
-
-
-def one_node(comm) -> bool:
-    """Whether every rank of ``comm`` shares memory with every other (collective)."""
-    from mpi4py import MPI
-
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        return node.Get_size() == comm.Get_size()
-    finally:
-        node.Free()
 
 
 def _up(n: int) -> int:
@@ -215,7 +204,7 @@ def _gated(comm, make, deadline=None, what="the shared-memory window's creation"
 class ShmWindow:
     """The shared window of one communicator whose ranks all share a node: its memory and its barrier.
 
-    ``comm``: an mpi4py Intracomm (the caller checked ``one_node``).
+    ``comm``: an mpi4py Intracomm whose ranks share one node (``ddlkernels.algorithms.place`` checked it).
     ``piece_bytes``: bytes per piece.  ``whole_below``: messages of fewer
     bytes are reduced whole (default ``WHOLE_PER_RANK`` x p, at most
     ``WHOLE_BELOW``).  ``spin``: barrier polls before yielding (default

@@ -469,12 +469,16 @@ def _is_uniform_identity(placement, levels) -> bool:
     return True
 
 
-def detect(comm, rack_map: str | Mapping[str, str] | None = None, params: Topology | str | None = None) -> Topology:
+def detect(comm, rack_map: str | Mapping[str, str] | None = None, params: Topology | str | None = None,
+           nodes=None) -> Topology:
     """The topology of the running job (collective over ``comm``).
 
-    Nodes come from ``comm.Split_type(COMM_TYPE_SHARED)`` (ranks that share
-    memory), named by their host names; racks from ``rack_map`` (a path or a
-    ``{host: rack}`` dict) when given -- hosts missing from it are an error.
+    Nodes come from ``nodes``, this rank's part of a split of ``comm`` into
+    nodes (``ddlkernels.algorithms.hier.node_split``: node labels may split
+    MPI's nodes), or else from ``comm.Split_type(COMM_TYPE_SHARED)`` (ranks
+    that share memory); host names name them.  Racks come from ``rack_map``
+    (a path or a ``{host: rack}`` dict) when given -- hosts missing from it
+    are an error.
     Link parameters are copied level by level from ``params`` (a calibrated
     topology, as written by ``python -m ddlkernels calibrate``) when given, or
     else are the documented defaults ``_DETECT_DEFAULTS``.  Ranks may be placed
@@ -483,13 +487,14 @@ def detect(comm, rack_map: str | Mapping[str, str] | None = None, params: Topolo
     """
     from mpi4py import MPI
 
-    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank()) if nodes is None else nodes
     try:
         # The lowest world rank on the node names the node: ids agree on every rank.
         node_id = comm.Get_rank() if node_comm.Get_rank() == 0 else None
         node_id = node_comm.bcast(node_id, root=0)
     finally:
-        node_comm.Free()
+        if nodes is None:
+            node_comm.Free()
     host = socket.gethostname()
     rows = comm.allgather((node_id, host))
     node_of = [r[0] for r in rows]

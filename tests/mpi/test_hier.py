@@ -77,18 +77,15 @@ def test_node_check_is_collective_and_refuses_uneven_or_single_nodes():
 
 
 @pytest.mark.parametrize("validate", [False, True])
-def test_communicator_measures_it_across_nodes(monkeypatch, validate):
-    """Wiring: a Communicator whose ranks span nodes of equal size makes "hier" a tuner candidate; with
-    ``validate=True`` every rank agrees on it before the call, as on any other path."""
-    import ddlkernels.algorithms as where
+def test_communicator_measures_it_across_nodes(validate):
+    """Wiring: a Communicator whose ranks span nodes of equal size (node labels: nodes of K ranks) makes
+    "hier" a tuner candidate; with ``validate=True`` every rank agrees on it before the call, as on any
+    other path."""
     from ddlkernels.select.tuner import tuning_calls
 
-    # What the Communicator's placement (ddlkernels.algorithms.place) learns: nodes of K ranks.
-    monkeypatch.setattr(where, "one_node", lambda comm: False)
-    monkeypatch.setattr(where, "node_split", lambda comm: comm.Split(color=comm.Get_rank() // K, key=comm.Get_rank()))
     x = rank_data(1 << 18, RANK, P, np.float32)  # 1 MiB: candidates mpi, ring and hier
     inputs = COMM.allgather(x)
-    with ddlkernels.Communicator(COMM) as dc:
+    with ddlkernels.Communicator(COMM, node=f"node {RANK // K}") as dc:
         assert "shm" not in dc.algorithms and "hier" in dc.algorithms
         assert dc.candidates(x) == ("mpi", "ring", "hier")
         seen = []

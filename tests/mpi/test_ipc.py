@@ -287,18 +287,14 @@ def test_hierarchical_over_ipc_inside_made_up_nodes(placement, policy):
 
 @pytest.mark.skipif(K is None, reason=f"{P} ranks cannot be split into 2+ nodes of 2+ ranks each")
 def test_hierarchical_where_one_node_cannot_map_takes_the_ring_on_every_node(monkeypatch):
-    """Nodes of K ranks (as tests/mpi/test_hier.py makes them), the last rank's unable to map its peers'
-    memory: every rank of every node learns it at the first call that chose "hier" for device arrays, warns
-    and runs the ring (a node that went on alone would wait for the others forever)."""
-    import ddlkernels.algorithms as where
-
-    monkeypatch.setattr(where, "one_node", lambda comm: False)
-    monkeypatch.setattr(where, "node_split", lambda comm: comm.Split(color=comm.Get_rank() // K, key=comm.Get_rank()))
+    """Nodes of K ranks (node labels), the last rank's unable to map its peers' memory: every rank of every
+    node learns it at the first call that chose "hier" for device arrays, warns and runs the ring (a node
+    that went on alone would wait for the others forever)."""
     _cannot_map(monkeypatch, "memory")
     x = rank_data(777, R, P, np.int64, salt=4)
     want = fold(COMM.allgather(x), "max")
     with emulated_device(seed=R, policy="random", ipc=True) as be:
-        c = ddlkernels.Communicator(COMM)
+        c = ddlkernels.Communicator(COMM, node=R // K)
         d = be.to_device(x)
         assert "hier" in c.candidates(d, "max")
         c.settle(d, "hier", "max")

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 import ddlkernels
 from ddlkernels.algorithms.shm import ShmAllreduce
-from ddlkernels.algorithms.window import one_node
+from ddlkernels.algorithms.hier import node_split
 from ddlkernels.backends import backend_for
 from helpers import ALL_DTYPES, DTYPE_IDS, OPS, assert_close, assert_same_on_all_ranks, parts_with_gaps, rank_data
 
@@ -33,7 +33,9 @@ def forced():
 
 @needs_peers
 def test_this_job_is_on_one_node():
-    assert one_node(COMM)
+    node = node_split(COMM)
+    assert node.Get_size() == P
+    node.Free()
     x = np.zeros(1000)
     with ddlkernels.Communicator(COMM) as dc:
         assert "shm" in dc.algorithms and "shm" in dc.candidates(x)  # a tuner candidate
