@@ -18,7 +18,10 @@ Setups: "ring-staged" and "ring-aware" (the ring, chunks staged through
 pinned memory or handed to MPI as CUDA-aware MPI would get them; any
 dims), "host" (pieces through the host's algorithms), "ipc" (CUDA IPC
 forced), "tuned" (``ipc=None``: the tuner's trials pick among ring, ipc and
-host).  Calls: allreduce, reduce_scatter then allgather of its shard,
+host), and where the rank count has a divisor 2 <= k < p, "hier" (node
+labels make nodes of k ranks, consecutive or round robin: CUDA IPC inside
+each, the ring staged or CUDA-aware across them; its allreduces settled on
+it where it serves them, the other collectives the tuner's).  Calls: allreduce, reduce_scatter then allgather of its shard,
 mpi4py's Allreduce, allreduce_many of two tensors, and allreduce_many_async
 (the progress thread; in place, the DDP hook's call).
 
@@ -61,7 +64,9 @@ pytestmark = pytest.mark.skipif(P < 2, reason="one rank exchanges nothing: no de
 #: Each queued copy and kernel is a Python call in the emulator: a call is held to this many chunks or pieces.
 MAX_PIECES = 48
 
-SETUPS = ["ring-staged", "ring-aware", "host", "ipc", "tuned"]
+#: ranks per made-up node of the "hier" setup: a divisor 2 <= k < P, or None (2, 3, 5, 7 ranks: no such setup)
+K = next((k for k in range(2, P) if P % k == 0), None)
+SETUPS = ["ring-staged", "ring-aware", "host", "ipc", "tuned"] + (["hier"] if K else [])
 COLLECTIVES = ["allreduce", "rs+ag", "Allreduce", "many", "async"]
 RING = ("ring-staged", "ring-aware")
 #: the caller's arrays: the emulator's own, or torch tensors it claims as CUDA tensors
@@ -102,6 +107,8 @@ cases = st.fixed_dictionaries(
         "piece_bytes": st.sampled_from([16, 24, 256, 4096]),
         "fusion_bytes": st.sampled_from([32, 4096, None]),
         "policy": st.sampled_from(["lazy", "random"]),
+        "nodes": st.sampled_from(["block", "round robin"]),  # "hier": the made-up nodes' ranks
+        "aware": st.booleans(),  # "hier": CUDA-aware MPI across its nodes, else staged
         "seed": st.integers(0, 2**20),
         "calls": st.lists(calls, min_size=1, max_size=4),
     }
@@ -123,10 +130,15 @@ class Program:
 
     def __init__(self, be, case):
         self.be, self.case, self.setup = be, case, case["setup"]
-        self.c = ddlkernels.Communicator(COMM, shm=False, chunk_bytes=case["chunk_bytes"], window=case["window"],
-                                         cuda_aware=self.setup == "ring-aware",
-                                         ipc={"ipc": True, "tuned": None}.get(self.setup, False),
-                                         validate=case["validate"], timeout=case["timeout"])
+        hier = self.setup == "hier"
+        node = None
+        if hier:  # this rank's made-up node: "hier" needs shm= not False, for host arrays' windows
+            node = RANK // K if case["nodes"] == "block" else RANK % (P // K)
+        self.c = ddlkernels.Communicator(COMM, shm=None if hier else False, chunk_bytes=case["chunk_bytes"],
+                                         window=case["window"],
+                                         cuda_aware=self.setup == "ring-aware" or hier and case["aware"],
+                                         ipc={"ipc": True, "tuned": None, "hier": None}.get(self.setup, False),
+                                         validate=case["validate"], timeout=case["timeout"], node=node)
         if "host" in self.c.algorithms:
             self.c.algorithms["host"].piece_bytes = case["piece_bytes"]
         self.streams = {"a": be.new_stream(), "b": be.new_stream()}
@@ -140,11 +152,13 @@ class Program:
 
     def settle(self, call, d, kinds):
         """Make this call's collectives run the setup's algorithm (in the ring setups, dims= does it too)."""
-        name = {"ring-staged": "ring", "ring-aware": "ring", "host": "host"}.get(self.setup)
+        name = {"ring-staged": "ring", "ring-aware": "ring", "host": "host", "hier": "hier"}.get(self.setup)
         if name is None or (self.setup in RING and call["dims"] is not None):
             return
         for kind in kinds:
-            self.c.settle(d, name, call["op"], collective=kind)
+            # "hier": allreduces it serves (not "avg" of half types, nor after CUDA IPC failed on a rank).
+            if name != "hier" or name in self.c.candidates(d, call["op"], collective=kind):
+                self.c.settle(d, name, call["op"], collective=kind)
 
     def dims(self, call):
         return call["dims"] if self.setup in RING else None
@@ -258,7 +272,7 @@ def run_case(case):
     with contextlib.ExitStack() as stack:
         try:
             be = stack.enter_context(emulated_device(seed=case["seed"] * 16 + RANK, policy=case["policy"],
-                                                     ipc=case["setup"] in ("ipc", "tuned"),
+                                                     ipc=case["setup"] in ("ipc", "tuned", "hier"),
                                                      claim_torch=case["arrays"] == "torch"))
             why = []
         except Exception as e:

@@ -10,9 +10,12 @@ The space: the job's size p (run the file under mpirun -n 1..8), n in
 block boundaries), every dtype and op, dims = every ordered factorization
 of p (with and without size-1 dimensions) or None, chunk sizes from 1 byte
 to 1 MiB, in place or out of place, the collective (allreduce,
-reduce_scatter + allgather, mpi4py-shaped Allreduce), three Communicators
-(default; ring only with 1 and 2 receive slots), validate and timeout on or
-off, and two kinds of data (a grid unique per rank and element, random).
+reduce_scatter + allgather, mpi4py-shaped Allreduce), the Communicator
+(default; ring only with 1 and 2 receive slots; where p has a divisor
+2 <= k < p, node labels making nodes of k ranks, consecutive or round robin:
+the planner's box follows them and "hier" is a candidate), validate and
+timeout on or off, and two kinds of data (a grid unique per rank and
+element, random).
 
 Short run by default (CI); the long run sets the number of examples:
 
@@ -38,6 +41,8 @@ EXAMPLES = int(os.environ.get("DDLKERNELS_FUZZ_EXAMPLES", "25"))
 # Messages per call are capped so that a 1-byte chunk on a 10^6-element
 # buffer stays a test of the chunk logic rather than of patience.
 MAX_CHUNKS = 2048
+#: ranks per made-up node (node labels): a divisor 2 <= k < P, or None
+K = next((k for k in range(2, P) if P % k == 0), None)
 
 
 def edge_sizes(p):
@@ -62,7 +67,7 @@ cases = st.fixed_dictionaries(
         "chunk_bytes": st.sampled_from(CHUNKS),
         "inplace": st.booleans(),
         "collective": st.sampled_from(COLLECTIVES),
-        "comm": st.sampled_from([0, 1, 2]),
+        "comm": st.sampled_from(range(5 if K else 3)),
         "data": st.sampled_from(["grid", "random"]),
         "seed": st.integers(0, 2**31 - 1),
         "validate": st.booleans(),
@@ -78,6 +83,9 @@ def communicators():
         _COMMS.append(ddlkernels.Communicator(COMM))
         _COMMS.append(ddlkernels.Communicator(COMM, small_bytes=0, window=1))
         _COMMS.append(ddlkernels.Communicator(COMM, small_bytes=0, window=2))
+        if K:  # made-up nodes of K ranks: consecutive, then round robin
+            _COMMS.append(ddlkernels.Communicator(COMM, node=RANK // K))
+            _COMMS.append(ddlkernels.Communicator(COMM, node=RANK % (P // K)))
     return _COMMS
 
 
