@@ -7,7 +7,9 @@ host by the numpy backend, bit for bit, and the same on every rank.  Edge
 sizes, every op and dtype, in and out of place, misaligned views, memory of
 CuPy's asynchronous pool (which legacy IPC cannot export: the algorithm
 stages it), torch's caching allocator, the tuner's choice among the ring,
-IPC and "host", and "host" itself (pieces through pinned memory).  Never the simulator (tests/gpu/gpu_env.py).
+IPC and "host", "host" itself (pieces through pinned memory), and nodes made
+up by node labels ("hier": IPC inside each, the ring across).  Never the
+simulator (tests/gpu/gpu_env.py).
 """
 
 from __future__ import annotations
@@ -232,4 +234,42 @@ def test_close_peer_memory_then_the_pool_frees_its_blocks():
         del d
         cp.get_default_memory_pool().free_all_blocks()
         CALLS[0] += 1
+    c.free()
+
+
+#: ranks per made-up node: a divisor 2 <= k < P (4 ranks: 2 nodes of 2), else None (each rank a node)
+K = next((k for k in range(2, P) if P % k == 0), None)
+
+
+@pytest.mark.parametrize("op", ("sum", "avg", "max"))
+def test_made_up_nodes_keep_cuda_ipc_inside_each(op):
+    """Node labels on the one GPU: nodes of K ranks where P has such a divisor ("hier": CUDA IPC inside each
+    node, the staged ring across), else a node per rank (the ring: IPC never crosses a label).  Every
+    dtype CuPy holds, edge sizes, in and out of place; results against the numpy reference (hier's order
+    is its own), the same bits on every rank, the input untouched."""
+    from helpers import assert_close
+
+    label = f"node {R // K}" if K else f"rank {R}"
+    c = ddlkernels.Communicator(COMM, node=label, cuda_aware=False)
+    for dtype in CUPY_DTYPES:
+        if op == "avg" and np.dtype(dtype).itemsize == 2 and np.dtype(dtype).kind == "f":
+            continue  # float16 avg scales before its one rounding: not a hierarchical candidate
+        for n in SIZES:
+            x = data(n, dtype, salt=30)
+            inputs = COMM.allgather(x)
+            d = cp.asarray(x)
+            cands = c.candidates(d, op)
+            assert "ipc" not in cands and ("hier" in cands) == bool(K), cands
+            algo = "hier" if K else "ring"
+            c.settle(d, algo, op)
+            got = c.allreduce(d, op)
+            assert c.last_algorithm == algo
+            what = f"{algo} {dtype_name(dtype)} {op} n={n}"
+            y = cp.asnumpy(got)
+            assert_close(y, inputs, op, dtype, what)
+            assert len(set(COMM.allgather(y.tobytes()))) == 1, f"{what}: ranks hold different bits"
+            check(cp.asnumpy(d), x, f"{what}: the input", same_everywhere=False)
+            c.allreduce(d, op, out=d)
+            check(cp.asnumpy(d), y, f"{what}: in place")
+            CALLS[0] += 2
     c.free()
