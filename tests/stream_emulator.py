@@ -271,10 +271,14 @@ class Emulator:
                     self._run(self.rng.choice(ready))
                     continue
                 blocked = [op for s in self.streams for op in s.queue[:1] if op.ext]
-                if not blocked or time.monotonic() - t0 > SPIN_SECONDS:
+                if blocked and time.monotonic() - t0 <= SPIN_SECONDS:
+                    self.idle.wait(1e-4)  # a peer's record still to run
+                    continue
+                left = [op for s in self.streams for op in s.queue]
+                # A collection inside this loop (any allocation) may free a pool block whose finalizer queues
+                # its next owner's write after the scan above found nothing ready: that runs too.
+                if not (left and self._ready()):
                     break
-                self.idle.wait(1e-4)  # a peer's record still to run
-            left = [op for s in self.streams for op in s.queue]
             assert not left, f"operations that can never run: {[(op.stream.name, op.what) for op in left]}"
 
     # -- running -------------------------------------------------------------------------

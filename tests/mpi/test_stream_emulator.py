@@ -382,6 +382,32 @@ def test_a_dropped_buffer_meets_its_next_owner_as_with_cupys_pools():
         assert be.device_pool.freed >= 2 and be.pinned_pool.reused >= 1
 
 
+def test_drain_runs_what_a_pool_finalizer_queues_while_it_drains():
+    """A block freed by a collection inside ``drain`` (between its last scan for ready work and its check that
+    nothing is left) queues its next owner's write then; drain runs it instead of calling it work that can never
+    run.  The device fuzz met it entering a case, once in some thousand cases, as the cyclic garbage of the case
+    before (its Communicator) was collected there."""
+    with emulated_device(seed=R, policy="lazy") as be:
+        held = [be.to_device(np.arange(5.0) + R)]
+        be.sync(be.record(be.current_stream()))
+        real, freed = be.emu._ready, []
+
+        def ready_then_collect():
+            got = real()
+            if not got and held:  # the scan found nothing: the last reference goes now, as in a collection
+                held.clear()
+                freed.append(True)
+            return got
+
+        be.emu._ready = ready_then_collect
+        try:
+            be.emu.drain()
+        finally:
+            del be.emu._ready
+        assert freed and be.device_pool.freed >= 1
+        assert not [op for s in be.emu.streams for op in s.queue]
+
+
 def test_bfloat16_and_torch_tensors_keep_their_type_through_every_path():
     """A device backend holds bfloat16 as its uint16 bits (CuPy has no bfloat16).  The buffers the library packs
     (allreduce_many, the progress thread's pool, the torch optimizer's buckets) and the shards it allocates
