@@ -90,8 +90,11 @@ def test_every_line_of_every_collective_right(kind):
         wrong = {name: m["wrong"] for name, m in row["lines"].items() if m["wrong"]}
         assert not wrong, f"{kind} {size} B: {wrong}"
         assert all(m["ms"] > 0 for m in row["lines"].values())
-    for name in ("ddlkernels ipc", "mpi device", "gloo", "nccl"):  # each ran, or says why not
+    for name in ("ddlkernels ipc", "ddlkernels hier", "mpi device", "gloo", "nccl"):  # each ran, or says why not
         assert (name in rows[0]["lines"]) != bool(missing.get(name)), (name, missing)
+    # hier: allreduce where the ranks of this one node make nodes of 2+ ranks (node labels), and it ran hier
+    assert ("ddlkernels hier" in rows[0]["lines"]) == (kind == "allreduce" and D.made_up_node_size(P) is not None)
+    assert all(row.get("hier_ran", "hier") == "hier" for row in rows), [row.get("hier_ran") for row in rows]
     text = D.table(rows)
     assert text.count(f"## {kind} ") == len(SIZES) and "x hand-rolled" in text
 

@@ -16,6 +16,8 @@ The lines (each where it can run; ``sweep``'s ``missing`` says why one could not
 
     ddlkernels          CuPy buffers, the library's own choice (its tuner settled first)
     ddlkernels ipc      ipc=True: the ranks of one node reduce each other's memory over CUDA IPC
+    ddlkernels hier     allreduce, "hier": CUDA IPC inside each node, the ring across; on one node,
+                        nodes of k ranks made up by node labels (k the largest divisor of p below p)
     ddlkernels staged   ipc=False, cuda_aware=False: through pinned host memory, the ring's chunks or
                         "host"'s pieces (ddlkernels.algorithms.host), as its tuner settled
     hand-rolled         copy down into pinned memory, MPI's collective, copy back: the loop users write
@@ -171,7 +173,7 @@ def _case(kind, n, p, r, dt, bounds):
 
 def _lines(comm, dev, dtype, kind):
     """name -> (setup(n) -> state with "want", run(state), result(state) -> host array or None); name -> why
-    not run; the Communicators to free."""
+    not run; the Communicators made, by role ("tuned", "ipc", "hier", "staged", "host"), to free."""
     import ddlkernels
     from mpi4py import MPI
 
@@ -182,9 +184,18 @@ def _lines(comm, dev, dtype, kind):
     # shm left to the default: device calls never use the window themselves, "host"'s inner Communicator does.
     tuned = ddlkernels.Communicator(comm)
     ipc = ddlkernels.Communicator(comm, shm=False, ipc=True) if one_node else None
+    out, missing = {}, {}
+    hier, k = None, made_up_node_size(p)
+    if kind != "allreduce":
+        missing["ddlkernels hier"] = "hier serves allreduce only"
+    elif one_node and k is None:
+        missing["ddlkernels hier"] = f"{p} ranks cannot be split into 2+ nodes of 2+ ranks each"
+    else:  # on one node, nodes of k ranks made up by labels; else MPI's own nodes
+        hier = ddlkernels.Communicator(comm, node=r // k if one_node else None)
+        if "hier" not in hier.algorithms:
+            missing["ddlkernels hier"] = "the nodes differ in size or hold one rank each"
     staged = ddlkernels.Communicator(comm, ipc=False, cuda_aware=False)
     host = ddlkernels.Communicator(comm)
-    out, missing = {}, {}
 
     def ddl_bounds(n):
         return [tuned.shard_range(n, rank=q) for q in range(p)]
@@ -212,6 +223,16 @@ def _lines(comm, dev, dtype, kind):
         out["ddlkernels ipc"] = ddl(ipc)
     else:
         missing["ddlkernels ipc"] = "the ranks span several nodes"
+    if hier is not None and "hier" in hier.algorithms:
+        hier_setup, hier_run, hier_result = ddl(hier)
+
+        def settled(n):
+            s = hier_setup(n)
+            if "hier" in hier.candidates(s["x"]):  # not after CUDA IPC failed on a rank: then the ring
+                hier.settle(s["x"], "hier")
+            return s
+
+        out["ddlkernels hier"] = (settled, hier_run, hier_result)
     out["ddlkernels staged"] = ddl(staged)
 
     def mpi_call(x, o, n):
@@ -285,7 +306,13 @@ def _lines(comm, dev, dtype, kind):
         return {"a": dev.array(pattern(n, r, p, dt)), "b": dev.empty(n, dt)}
 
     out["device copy"] = (copy_setup, lambda s: dev.copy(s["b"], s["a"]), None)
-    return out, missing, [c for c in (tuned, ipc, staged, host) if c is not None]
+    made = {"tuned": tuned, "ipc": ipc, "hier": hier, "staged": staged, "host": host}
+    return out, missing, {name: c for name, c in made.items() if c is not None}
+
+
+def made_up_node_size(p: int):
+    """Ranks per made-up node for the hier line on one node: the largest divisor 2 <= k < p, else None."""
+    return next((k for k in range(p - 1, 1, -1) if p % k == 0), None)
 
 
 def _measure(comm, dev, line, n, iters, warmup):
@@ -348,8 +375,8 @@ def sweep(comm, dev, sizes, dtype="float32", iters=10, warmup=3, collective="all
     try:
         for size in sizes:
             n = size // np.dtype(dtype).itemsize
-            tuned, staged = comms[0], comms[-2]
-            _settle(comm, dev, [tuned, staged, comms[-1]], collective, n, dtype)
+            tuned, staged = comms["tuned"], comms["staged"]
+            _settle(comm, dev, [tuned, staged, comms["host"]], collective, n, dtype)
             row = {"bytes": n * np.dtype(dtype).itemsize, "collective": collective, "lines": {}}
             for name, line in list(lines.items()):
                 try:
@@ -365,9 +392,11 @@ def sweep(comm, dev, sizes, dtype="float32", iters=10, warmup=3, collective="all
                 row["lines"][name] = {"ms": t * 1e3, "busbw_GBps": row["bytes"] / t * factor / 1e9, "wrong": wrong}
             row["ddlkernels_ran"] = tuned.last_algorithm
             row["staged_ran"] = staged.last_algorithm
+            if "ddlkernels hier" in row["lines"]:
+                row["hier_ran"] = comms["hier"].last_algorithm
             rows.append(row)
     finally:
-        for c in comms:
+        for c in comms.values():
             c.free()
     return rows, missing
 
@@ -380,7 +409,8 @@ def table(rows) -> str:
     for row in rows:
         hand = row["lines"]["hand-rolled"]["ms"]
         out.append(f"\n## {row.get('collective', 'allreduce')} {format_size(row['bytes'])} (ddlkernels ran "
-                   f"{row['ddlkernels_ran']}, ddlkernels staged {row.get('staged_ran')})")
+                   f"{row['ddlkernels_ran']}, ddlkernels staged {row.get('staged_ran')}"
+                   + (f", ddlkernels hier {row['hier_ran']})" if "hier_ran" in row else ")"))
         out.append(f"{'line':<20} {'ms':>10} {'busbw GB/s':>11} {'x hand-rolled':>14} {'wrong':>6}")
         for name, m in row["lines"].items():
             out.append(f"{name:<20} {m['ms']:>10.3f} {m['busbw_GBps']:>11.1f} {hand / m['ms']:>14.2f} {m['wrong']:>6}")
