@@ -31,9 +31,9 @@ measurements behind the default.
 Device arrays keep the caller's stream order (``ddlkernels.backends._device``):
 the start call packs on the caller's stream and records an event there; the
 progress thread runs the reductions on a stream of its own, on the caller's
-device, after that event; ``wait()`` makes the caller's current stream wait
-for the reductions' last event before it unpacks -- no host block on the
-device's work anywhere.  A pool buffer carries the event of its last unpack,
+device, after that event; ``wait()`` makes the caller's current stream (or
+``wait(stream=)``'s) wait for the reductions' last event before it unpacks
+there -- no host block on the device's work anywhere.  A pool buffer carries the event of its last unpack,
 so the next handle to take it writes it only after that.
 
 Handles are collective in order: every rank must start the same reductions in
@@ -119,11 +119,12 @@ class _Device:
         self.ready = backend.record(backend.call_stream(x, stream))
         self.done = None
 
-    def order_caller(self):
-        """Make the calling thread's current stream (for ``like``'s library) wait for the results."""
+    def order_caller(self, stream=None):
+        """Make ``stream``, else the calling thread's current stream (for ``like``'s library), wait for the
+        results."""
         be = self.backend
         if self.done is not None:
-            be.wait(be.call_stream(self.like), self.done)
+            be.wait(be.call_stream(self.like, stream), self.done)
 
 
 class _Work:
@@ -140,13 +141,14 @@ class _Work:
     def done(self) -> bool:
         return self.event.is_set()
 
-    def wait(self):
-        """Block until the work has run; for device work, order the caller's current stream after it."""
+    def wait(self, stream=None):
+        """Block until the work has run; for device work, order ``stream`` (default: the caller's current
+        stream) after it."""
         self.event.wait()
         if self.error is not None:
             raise self.error
         if self.device is not None:
-            self.device.order_caller()
+            self.device.order_caller(stream)
 
 
 class ThreadEngine:
@@ -256,7 +258,7 @@ class _MPIRequestWork:
     def done(self) -> bool:
         return self.finished or bool(self.req.Test())
 
-    def wait(self):
+    def wait(self, stream=None):  # host buffers only (check_buffer): no stream to order
         if not self.finished:
             self.req.Wait()
             if self.avg_p:
@@ -378,6 +380,7 @@ class Handle:
         self._works: list = []
         self._result = None
         self._error = None
+        self._ready = None  # device: the event after the first wait's unpack, for a later wait on another stream
 
     def done(self) -> bool:
         if self._result is not None:
@@ -385,15 +388,24 @@ class Handle:
         self._engine.poll()
         return all(w.done() for w in self._works)
 
-    def wait(self):
-        """Block until every bucket is reduced; unpack; return the output (list for ``allreduce_many_async``)."""
+    def wait(self, stream=None):
+        """Block until every bucket is reduced; unpack; return the output (list for ``allreduce_many_async``).
+
+        Device arrays: the host does not wait for the device.  ``stream`` (a
+        CuPy, torch or Numba stream or a ``cudaStream_t``; default the caller's
+        current stream, as torch's ``Work.wait()``) is ordered after the
+        reductions and the unpack runs on it: the outputs are ready there.  A
+        later ``wait`` orders its own stream too.  Host arrays take no ``stream``.
+        """
         if self._error is not None:
             raise self._error
+        job = self._job
+        caller = _on_caller_stream(job, stream)  # stream= with host arrays: ValueError, before any wait
         if self._result is None:
-            job, eng = self._job, self._engine
+            eng = self._engine
             try:
                 for w in self._works:
-                    w.wait()
+                    w.wait(stream)
             except BaseException as exc:
                 self._error = exc
                 raise
@@ -401,12 +413,17 @@ class Handle:
                 # After an error another bucket's transfer may still be using
                 # its buffer: those buffers are dropped, not returned to the pool.
                 if self._error is None:
-                    with _on_caller_stream(job, None):  # where w.wait() ordered the results
+                    with caller:  # where w.wait() ordered the results
                         for b, buf, base in self._bufs:
                             if base is not None:  # a pool buffer (not the outputs' own): copy back, return it
                                 job.unpack(b, buf)
                                 eng.pool.give(job.backend, b.dtype, base)
+                        if job.backend is not None and job.backend.device:
+                            self._ready = job.backend.record(job.backend.compute_stream())
             self._result = job.outs[0] if self._single else job.outs
+        elif self._ready is not None:  # the outputs are ready where the first wait unpacked: order this stream too
+            be = job.backend
+            be.wait(be.call_stream(job.tensors[0], stream), self._ready)
         return self._result
 
 
@@ -421,8 +438,8 @@ def allreduce_many_async(tensors, op="sum", *, comm=None, out=None, fusion_bytes
     communication; a mismatch between ranks is raised by ``wait()`` on every rank.
     Device tensors: the start reads them after the work queued on ``stream``
     (default: the caller's current stream), and ``wait()`` orders the
-    caller's current stream after the results, without blocking the host on
-    the device.
+    caller's current stream (``wait(stream=)``: that one) after the results,
+    without blocking the host on the device.
     """
     job = FusionJob(tensors, op, out=out, fusion_bytes=fusion_bytes, what="allreduce_many_async")
     return _start(job, comm, progress, single=False, stream=stream)

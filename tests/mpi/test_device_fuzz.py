@@ -213,8 +213,8 @@ class Program:
                 outs = parts if inplace else [garbage(len(q)) for q in parts] if given else None
                 many = ddlkernels.allreduce_many if kind == "many" else ddlkernels.allreduce_many_async
                 res = many(parts, op, comm=c, out=outs, fusion_bytes=self.case["fusion_bytes"], **kw)
-                if kind == "async":  # in place: the DDP hook's call; wait() orders the current stream
-                    res, after = res.wait(), be.current_stream()
+                if kind == "async":  # in place: the DDP hook's call; wait() orders the current stream or stream=
+                    res, after = (res.wait(stream=s), s) if arg else (res.wait(), be.current_stream())
         for r in res:
             if type(r) is not type(d) or r.dtype != d.dtype:
                 self.errs.append(f"rank {RANK}: call {k}: {kind} returned {type(r).__name__} of {r.dtype} for "

@@ -479,6 +479,41 @@ def test_a_shard_out_over_the_input_raises_before_communicating():
         c.free()
 
 
+def test_wait_orders_the_stream_it_is_given():
+    """``Handle.wait(stream=s)`` orders ``s``, not the caller's current stream, after the reductions (and unpacks
+    there); a later ``wait(stream=t)`` orders ``t`` too.  Under "lazy" nothing runs unless a read forces it, so
+    a read on a stream that was not ordered sees the output before the reductions wrote it.  Host arrays
+    refuse ``stream=`` at ``wait`` as at the start."""
+    with emulated_device(seed=9 + R, policy="lazy") as be:
+        c = comm_for(False)
+        s, t = be.new_stream(), be.new_stream()
+        bad = 0
+        for k, (n, many) in enumerate([(37, False), (P + 1, True), (1000, True)]):
+            x = data(n, np.float32, salt=30 + k)
+            want = c.allreduce(x, "sum")  # the host path of the same Communicator
+
+            def start():
+                d = be.to_device(x, stream=s)
+                if many:  # two tensors: packed into one pool buffer, unpacked by wait
+                    return ddlkernels.allreduce_many_async([d[:n // 2], d[n // 2:]], "sum", comm=c, stream=s)
+                return ddlkernels.allreduce_async(d, "sum", comm=c, stream=s)
+
+            def read(res, on):
+                return np.concatenate([be.to_host(g, on) for g in (res if many else [res])])
+
+            bad += not np.array_equal(read(start().wait(stream=s), s), want)  # the current stream stays unordered
+            h = start()
+            h.wait(stream=s)
+            bad += not np.array_equal(read(h.wait(stream=t), t), want)  # a second wait, read before s runs
+        x = data(5, np.float32)
+        h = ddlkernels.allreduce_async(x, "sum", comm=c)
+        with pytest.raises(ValueError, match="stream= orders device work"):
+            h.wait(stream=s)
+        bad += not np.array_equal(h.wait(), c.allreduce(x, "sum"))
+        c.free()
+    assert wrong_anywhere(bad) == 0
+
+
 def test_under_a_timeout_the_staged_ring_polls_until_its_copies_have_run():
     """With ``timeout=`` the ring waits by polling (``Test``, event queries), and the staged transport posts a
     send once a query sees its copy to pinned memory done.  A device finishes queued work in finite time,
