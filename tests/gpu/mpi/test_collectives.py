@@ -225,7 +225,16 @@ def test_torch_allreduce_many_and_async(comm):
         # Fused buckets add elements in another order than the single allreduce (ddlkernels.fusion): the data
         # are exact multiples of 1/16, so the sums are exact and the bits equal anyway.
         assert torch.equal(o.cpu(), r) and torch.equal(l.cpu(), r)
-    CALLS[0] += 2 * len(shapes)
+    # Started on a stream of its own and waited for there (wait(stream=)): the current stream is not ordered,
+    # the copies back run on that stream after the results.
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        ins = [h.cuda() * 1 for h in hosts]  # kernels on s produce the inputs
+    on_s = ddlkernels.allreduce_many_async(ins, "avg", comm=comm, fusion_bytes=256, stream=s).wait(stream=s)
+    with torch.cuda.stream(s):
+        got = [o.cpu() for o in on_s]
+    assert all(torch.equal(g, r) for g, r in zip(got, refs))
+    CALLS[0] += 3 * len(shapes)
 
 
 def test_distributed_optimizer_on_a_cuda_model(comm):
