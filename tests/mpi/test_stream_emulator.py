@@ -128,7 +128,8 @@ def fusion_workload(be, c):
 
 def async_workload(be, c):
     """allreduce_many_async / allreduce_async on the progress thread, started and waited on caller streams
-    that differ from handle to handle (the pool's buffers pass from one handle to the next)."""
+    that differ from handle to handle (the pool's buffers pass from one handle to the next), and a handle
+    waited for on two streams in turn (``wait(stream=)``)."""
     bad = 0
     a, b = be.new_stream(), be.new_stream()
     shapes = [(5,), (3, 2), (9,)]
@@ -142,6 +143,13 @@ def async_workload(be, c):
             h1 = ddlkernels.allreduce_async(be.to_device(hosts[0]), "avg", comm=c)
             one = h1.wait()
         pending.append((s, outs, [c.allreduce(x, "sum") for x in hosts], one, c.allreduce(hosts[0], "avg")))
+    # Started with stream=, waited for there and then on a second stream, read there first (wait(stream=)).
+    refs = [c.allreduce(x, "sum") for x in hosts]
+    first, second = be.new_stream(), be.new_stream()
+    h = ddlkernels.allreduce_many_async([be.to_device(x, stream=first) for x in hosts], "sum", comm=c, stream=first)
+    h.wait(stream=first)
+    for o, ref in zip(h.wait(stream=second), refs):
+        bad += not np.array_equal(be.to_host(o, second), ref)
     for s, outs, refs, one, ref1 in pending:
         for o, ref in zip(outs, refs):
             bad += not np.array_equal(be.to_host(o, s), ref)
@@ -583,10 +591,12 @@ MUTATIONS = [
     ("call-waits-for-previous-call", _streams, "on_stream", "be.wait(s, tail)", 0,
      ["shards-staged", "fusion"]),
     ("progress-thread-waits-for-caller", _async.ThreadEngine, "_run", "be.wait(s, d.ready)", 0, ["async"]),
-    ("caller-waits-for-progress-thread", _async._Device, "order_caller", "be.wait(be.call_stream(self.like)", 0,
+    ("caller-waits-for-progress-thread", _async._Device, "order_caller", "be.wait(be.call_stream(self.like, stream), self.done)", 0,
      ["async"]),
     ("pool-buffer-waits-for-last-unpack", _async._Pool, "take", "backend.wait(backend.compute_stream(), ev)", 0,
      ["async"]),
+    ("second-wait-waits-for-first-unpack", _async.Handle, "wait",
+     "be.wait(be.call_stream(job.tensors[0], stream), self._ready)", 0, ["async"]),
     ("ipc-reads-wait-for-peers-inputs", _ipc.IpcNode, "_call", "be.wait(s, d.event(parts[q][0][_READY]))", 0,
      ["ipc"]),
     ("ipc-result-waits-for-peers-writes", _ipc.IpcNode, "_call", "be.wait(s, d.event(parts[q][0][_DONE]))", 0,
