@@ -33,8 +33,9 @@ the start call packs on the caller's stream and records an event there; the
 progress thread runs the reductions on a stream of its own, on the caller's
 device, after that event; ``wait()`` makes the caller's current stream (or
 ``wait(stream=)``'s) wait for the reductions' last event before it unpacks
-there -- no host block on the device's work anywhere.  A pool buffer carries the event of its last unpack,
-so the next handle to take it writes it only after that.
+there -- no host block on the device's work anywhere.  A pool buffer carries
+the event of its last unpack, so the next handle to take it writes it only
+after that.
 
 Handles are collective in order: every rank must start the same reductions in
 the same order (each engine runs them first in, first out).  A rank that never
