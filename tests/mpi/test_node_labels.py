@@ -94,7 +94,7 @@ def test_the_made_communicators_keep_the_users_settings():
 
 
 @needs_peers
-def test_some_ranks_without_a_label_raise_on_every_rank_and_nothing_is_left_behind():
+def test_some_ranks_without_a_label_raise_on_every_rank_and_the_next_communicator_works():
     label = None if RANK == P - 1 else "n"
     with pytest.raises(ValueError, match=rf"rank\(s\) \[{P - 1}\] gave no node label"):
         ddlkernels.Communicator(COMM, node=label)
