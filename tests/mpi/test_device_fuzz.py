@@ -21,9 +21,11 @@ forced), "tuned" (``ipc=None``: the tuner's trials pick among ring, ipc and
 host), and where the rank count has a divisor 2 <= k < p, "hier" (node
 labels make nodes of k ranks, consecutive or round robin: CUDA IPC inside
 each, the ring staged or CUDA-aware across them; its allreduces settled on
-it where it serves them, the other collectives the tuner's).  Calls: allreduce, reduce_scatter then allgather of its shard,
-mpi4py's Allreduce, allreduce_many of two tensors, and allreduce_many_async
-(the progress thread; in place, the DDP hook's call).
+it where it serves them, the other collectives the tuner's).  Calls:
+allreduce, reduce_scatter then allgather of its shard, mpi4py's Allreduce,
+allreduce_many of two tensors, and allreduce_many_async (the progress
+thread; in place, the DDP hook's call; waited for on the current stream, or
+with wait(stream=) where the call took stream=).
 
 Every rank reports what it can see alone (an exception, its input changed
 by an out-of-place call, its shard not its slice of the allgather); rank 0
