@@ -113,6 +113,12 @@ def assert_same_on_all_ranks(comm, result, what: str = ""):
     assert not differ, f"{what}: ranks {differ} hold different bits than rank 0"
 
 
+def node_size(p: int):
+    """Ranks per made-up node (node labels, ``Communicator(node=)``) for ``p`` ranks on this one machine: the
+    smallest divisor 2 <= k < p, or None where there is none (1, 2, 3, 5, 7 ranks)."""
+    return next((k for k in range(2, p) if p % k == 0), None)
+
+
 def dims_cases(p: int) -> list:
     """The boxes every MPI test sweeps: (p,), the first 2-D factorization where p allows, and None."""
     out = [(p,), None]

@@ -52,7 +52,7 @@ from mpi4py import MPI
 import ddlkernels
 from ddlkernels._dtypes import BFLOAT16
 from fuzzing import ALL_DTYPES, P, RANK, check_result, digest, dims_choices, drive, gathered, make_input
-from helpers import OPS
+from helpers import OPS, node_size
 from stream_emulator import EmuArray, emulated_device
 
 try:
@@ -67,7 +67,7 @@ pytestmark = pytest.mark.skipif(P < 2, reason="one rank exchanges nothing: no de
 MAX_PIECES = 48
 
 #: ranks per made-up node of the "hier" setup: a divisor 2 <= k < P, or None (2, 3, 5, 7 ranks: no such setup)
-K = next((k for k in range(2, P) if P % k == 0), None)
+K = node_size(P)
 SETUPS = ["ring-staged", "ring-aware", "host", "ipc", "tuned"] + (["hier"] if K else [])
 COLLECTIVES = ["allreduce", "rs+ag", "Allreduce", "many", "async"]
 RING = ("ring-staged", "ring-aware")

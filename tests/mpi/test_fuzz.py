@@ -34,7 +34,7 @@ from mpi4py import MPI
 import ddlkernels
 from fuzzing import (ALL_DTYPES, P, RANK, check_result, digest, dims_choices, drive, factorizations, gathered,
                      make_input)
-from helpers import OPS
+from helpers import OPS, node_size
 
 COMM = MPI.COMM_WORLD
 EXAMPLES = int(os.environ.get("DDLKERNELS_FUZZ_EXAMPLES", "25"))
@@ -42,7 +42,7 @@ EXAMPLES = int(os.environ.get("DDLKERNELS_FUZZ_EXAMPLES", "25"))
 # buffer stays a test of the chunk logic rather than of patience.
 MAX_CHUNKS = 2048
 #: ranks per made-up node (node labels): a divisor 2 <= k < P, or None
-K = next((k for k in range(2, P) if P % k == 0), None)
+K = node_size(P)
 
 
 def edge_sizes(p):

@@ -16,11 +16,12 @@ import ddlkernels
 from ddlkernels._dtypes import is_half
 from ddlkernels.algorithms.hier import HierAllreduce, uniform_nodes
 from ddlkernels.backends import backend_for
-from helpers import ALL_DTYPES, DTYPE_IDS, OPS, assert_close, assert_same_on_all_ranks, rank_data
+from helpers import (ALL_DTYPES, DTYPE_IDS, OPS, assert_close, assert_same_on_all_ranks, node_size,
+                     rank_data)
 
 COMM = MPI.COMM_WORLD
 P, RANK = COMM.Get_size(), COMM.Get_rank()
-K = next((k for k in range(2, P) if P % k == 0), None)  # ranks per made-up node
+K = node_size(P)  # ranks per made-up node
 SIZES = sorted({0, 1, 2, max(P - 1, 0), P + 1, 7, 13, 4097, 300_007})
 
 if K is None:  # one skip for the module, not one per case

@@ -18,7 +18,7 @@ import ddlkernels
 from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name
 from ddlkernels.algorithms import ipc as ipc_module
 from ddlkernels.select.tuner import tuning_calls
-from helpers import rank_data, rank_order_fold as fold
+from helpers import node_size, rank_data, rank_order_fold as fold
 from stream_emulator import emulated_device
 
 COMM = MPI.COMM_WORLD
@@ -243,7 +243,7 @@ def test_ipc_setting_is_checked():
         ddlkernels.Communicator(COMM, ipc="yes")
 
 
-K = next((k for k in range(2, P) if P % k == 0), None)  # ranks per made-up node (tests/mpi/test_hier.py)
+K = node_size(P)  # ranks per made-up node
 
 
 @pytest.mark.sweep

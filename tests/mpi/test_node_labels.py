@@ -15,11 +15,11 @@ from mpi4py import MPI
 
 import ddlkernels
 from ddlkernels.asynchronous import progress_engine
-from helpers import assert_close, assert_same_on_all_ranks, rank_data
+from helpers import assert_close, assert_same_on_all_ranks, node_size, rank_data
 
 COMM = MPI.COMM_WORLD
 P, RANK = COMM.Get_size(), COMM.Get_rank()
-K = next((k for k in range(2, P) if P % k == 0), None)  # ranks per made-up node, where P has such a divisor
+K = node_size(P)  # ranks per made-up node, or None
 
 needs_peers = pytest.mark.skipif(P == 1, reason="one rank: a single node whatever its label")
 

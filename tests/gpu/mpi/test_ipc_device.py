@@ -19,7 +19,7 @@ import pytest
 from mpi4py import MPI
 
 import gpu_env as G
-from helpers import rank_order_fold
+from helpers import node_size, rank_order_fold
 import ddlkernels
 from ddlkernels._dtypes import BFLOAT16, SUPPORTED_DTYPES, dtype_name
 
@@ -238,7 +238,7 @@ def test_close_peer_memory_then_the_pool_frees_its_blocks():
 
 
 #: ranks per made-up node: a divisor 2 <= k < P (4 ranks: 2 nodes of 2), else None (each rank a node)
-K = next((k for k in range(2, P) if P % k == 0), None)
+K = node_size(P)
 
 
 @pytest.mark.parametrize("op", ("sum", "avg", "max"))
