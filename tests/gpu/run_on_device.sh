@@ -6,13 +6,15 @@
 #   bash tests/gpu/run_on_device.sh      # on the GPU machine, .device-wheels/ carried along
 #
 # Steps (STEPS, a comma list run in its order; "tests" and "bench" name groups):
-#   tests = kernels (both device backends in one process), then mpirun-nN for N in RANKS (tests/gpu/mpi,
-#           every rank on the GPU, never the Numba simulator)
+#   tests = kernels (both device backends in one process), then mpirun-nN for N in RANKS (tests/gpu/mpi file
+#           by file, every rank on the GPU, never the Numba simulator)
 #   bench = device-kernels (bench/kernels/device_kernels.py: kernels beside torch and CuPy), chunk-cost-n2
 #           (bench/studies/chunk_cost.py: the cost of a staged chunk), device-sweep-n2 and -n4
 #           (bench/sweeps/device_allreduce.py: ddlkernels beside the hand-rolled loop, gloo, NCCL where it
 #           can run), their JSON beside the logs
-#   sharded-n2 (in no group) times device reduce_scatter and allgather at 2 ranks
+#   in no group: sharded-n2 times device reduce_scatter and allgather at 2 ranks; ipc-schedules-nN the CUDA IPC
+#   allreduce's schedules (bench/studies/ipc_schedules.py) at N ranks; reduce-launch the reduce kernel's
+#   launch shapes (bench/studies/reduce_launch.py)
 # A lent device runs one command for at most 10 minutes, so every step has a time limit (STEP_TIMEOUT, 300 s)
 # and the whole run a deadline (DEADLINE, 570 s after the start): a step that cannot start 20 s before it is
 # reported as not run.  Logs and JSON go to $TMPDIR/gpu-tests, and, after every step, into
@@ -91,14 +93,19 @@ run_step() {  # run_step NAME: the command of each step
     local name=$1 n
     case "$name" in
         kernels) step kernels "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu --ignore=tests/gpu/mpi ;;
-        mpirun-n*) n=${name#mpirun-n}
-            step "$name" "$MPIRUN" -n "$n" "$PY" -m mpi4py tests/_mpi_pytest.py -q -rs tests/gpu/mpi ;;
+        mpirun-n*) n=${name#mpirun-n}  # file by file: a failure aborts the whole MPI job, not the other files
+            for f in tests/gpu/mpi/test_*.py; do
+                step "$name-$(basename "$f" .py)" "$MPIRUN" -n "$n" "$PY" -m mpi4py tests/_mpi_pytest.py -q -rs "$f"
+            done ;;
         device-kernels) step device-kernels "$PY" bench/kernels/device_kernels.py --json "$LOGDIR/device_kernels.json" ;;
         chunk-cost-n2) step chunk-cost-n2 "$MPIRUN" -n 2 "$PY" bench/studies/chunk_cost.py --device cuda \
             --json "$LOGDIR/chunk_cost_np2.json" ;;
         device-sweep-n*) n=${name#device-sweep-n}
             step "$name" "$MPIRUN" -n "$n" "$PY" bench/sweeps/device_allreduce.py --sizes 1M,64M,256M \
                 --json "$LOGDIR/device_allreduce_np$n.json" ;;
+        ipc-schedules-n*) n=${name#ipc-schedules-n}
+            step "$name" "$MPIRUN" -n "$n" "$PY" bench/studies/ipc_schedules.py --sizes 1M,64M,256M ;;
+        reduce-launch) step reduce-launch "$PY" bench/studies/reduce_launch.py ;;
         sharded-n2) step sharded-n2 "$MPIRUN" -n 2 "$PY" -m ddlkernels bench --device cuda \
             --collective reduce_scatter,allgather -b 1M -e 256M -f 16 -n 5 -w 2 --json "$LOGDIR/device_sharded_np2.json" ;;
         *) echo "run_on_device: no step named $name"; FAILED=1; SUMMARY+=("$name: no such step") ;;

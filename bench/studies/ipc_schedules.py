@@ -1,0 +1,148 @@
+"""Two schedules of the CUDA IPC allreduce side by side, on the ranks of one node: which one a GPU shared by
+several ranks wants.
+
+    mpirun -n 2 python bench/studies/ipc_schedules.py --sizes 1M,64M,256M -n 20
+
+Every schedule is the library's protocol (``ddlkernels.algorithms.ipc``): record "ready", a small
+allgather, the stream waits for the peers' "ready", the kernels, record "done", a second allgather, the
+stream waits for the peers' "done".  They differ only in who runs the kernel:
+
+    two-shot      every rank folds its shard of every rank's input into every rank's output (the
+                  library's schedule: with a GPU per rank, p GPUs work at once)
+    one kernel    rank 0 folds the whole buffer into every rank's output, the others only wait
+                  (ranks that share one GPU share its memory bandwidth anyway; their kernels, each in a
+                  context of its own, take turns on it)
+    protocol      the events and the two allgathers with no kernel: what a call costs beside its bytes
+    device copy   every rank copies its input once on its GPU (the sweep's floor line)
+
+Timed as ``ddlkernels/tools/bench/device.py`` times its lines: barrier, t0, one call, the device
+synchronized, t1; the slowest rank's time, median of ``-n``.  Every result is checked (small integers: exact
+sums); a wrong element makes the run exit 1.  Needs CuPy and a CUDA device on every rank.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from ddlkernels.tools.bench import parse_size  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1M,64M,256M")
+    ap.add_argument("-n", "--iters", type=int, default=20)
+    ap.add_argument("-w", "--warmup", type=int, default=3)
+    args = ap.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    p, me = comm.Get_size(), comm.Get_rank()
+    try:
+        import cupy as cp
+
+        from ddlkernels.backends import get_backend
+
+        be = get_backend("cupy")
+    except Exception as exc:  # noqa: BLE001
+        print(f"ipc_schedules: no CuPy backend ({exc})")
+        return 2
+    import ddlkernels
+
+    cp.cuda.Device(ddlkernels.local_device(cp.cuda.runtime.getDeviceCount(), comm)).use()
+    s = cp.cuda.get_current_stream()
+    (ready, ready_key), (done, done_key) = be.ipc_event(), be.ipc_event()
+    keys = comm.allgather((ready_key, done_key))
+    peers_ready = [be.ipc_open_event(k[0]) if q != me else None for q, k in enumerate(keys)]
+    peers_done = [be.ipc_open_event(k[1]) if q != me else None for q, k in enumerate(keys)]
+    wrong, rows = 0, []
+    for nbytes in [parse_size(x) for x in args.sizes.split(",")]:
+        n = nbytes // 4
+        xb, ob = be.ipc_alloc(nbytes), be.ipc_alloc(nbytes)
+        x, out = xb.view(np.float32), ob.view(np.float32)
+        base = np.arange(n, dtype=np.int64) % 251
+        x.set((base + me).astype(np.float32))
+        want = (p * base + p * (p - 1) // 2).astype(np.float32)
+        handles = comm.allgather((be.ipc_export(xb), be.ipc_export(ob)))
+        maps, xs, outs = [], [], []
+        for q, ((xk, xo), (ok, oo)) in enumerate(handles):
+            if q == me:
+                xs.append(x)
+                outs.append(out)
+                continue
+            mx, mo = be.ipc_open(xk), be.ipc_open(ok)
+            maps += [mx, mo]
+            xs.append(be.ipc_view(mx, xo, n, np.float32))
+            outs.append(be.ipc_view(mo, oo, n, np.float32))
+        cut = [n * q // p for q in range(p + 1)]
+
+        def protocol(kernels):
+            be.record_on(s, ready)
+            comm.allgather(None)
+            for q in range(p):
+                if q != me:
+                    be.wait(s, peers_ready[q])
+            kernels()
+            be.record_on(s, done)
+            comm.allgather(None)
+            for q in range(p):
+                if q != me:
+                    be.wait(s, peers_done[q])
+
+        def two_shot():
+            lo, hi = cut[me], cut[me + 1]
+            be.reduce_many("sum", out[lo:hi], [v[lo:hi] for v in xs],
+                           also=[outs[q][lo:hi] for q in range(p) if q != me])
+
+        def one_kernel():
+            if me == 0:
+                be.reduce_many("sum", out, xs, also=outs[1:])
+
+        copy_dst = cp.empty_like(x)
+        lines = {"two-shot": lambda: protocol(two_shot), "one kernel": lambda: protocol(one_kernel),
+                 "protocol": lambda: protocol(lambda: None), "device copy": lambda: cp.copyto(copy_dst, x)}
+        row = {"bytes": nbytes}
+        for name, fn in lines.items():
+            times = []
+            for i in range(args.warmup + args.iters):
+                if name in ("two-shot", "one kernel"):
+                    out.fill(-1)
+                    cp.cuda.Device().synchronize()
+                comm.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                cp.cuda.Device().synchronize()
+                t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+                if i >= args.warmup:
+                    times.append(t)
+                if name in ("two-shot", "one kernel"):
+                    comm.Barrier()  # every rank's writes into my output have run
+                    wrong += int((cp.asnumpy(out) != want).sum())
+            row[name] = float(np.median(times)) * 1e3
+        rows.append(row)
+        cp.cuda.Device().synchronize()
+        comm.Barrier()
+        for m in maps:
+            be.ipc_close(m)
+        comm.Barrier()
+    wrong = comm.allreduce(wrong)
+    gpus = len(set(comm.allgather(cp.cuda.Device().pci_bus_id)))
+    if me == 0:
+        dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["name"]
+        print(f"# {p} ranks on {gpus} GPU(s), {dev.decode() if isinstance(dev, bytes) else dev}, float32 allreduce over CUDA IPC, "
+              f"median of {args.iters} after {args.warmup}, slowest rank; ms (busbw GB/s)")
+        names = list(lines)
+        print(f"{'size':>6} " + " ".join(f"{k:>18}" for k in names))
+        for row in rows:
+            bus = row["bytes"] * 2 * (p - 1) / p
+            print(f"{row['bytes'] >> 20:>5}M " + " ".join(
+                f"{row[k]:>9.3f} ({bus / (row[k] * 1e-3) / 1e9:>6.1f})" for k in names))
+        print(f"\nwrong elements in all: {wrong}", flush=True)
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
