@@ -36,7 +36,7 @@
 //   * All three pointers are aligned to sizeof(T).  When they share the same
 //     offset modulo 16 bytes, the bulk is moved with 128-bit loads/stores
 //     (a scalar head reaches the 16-byte boundary, a scalar tail ends it);
-//     otherwise every element is moved alone.
+//     otherwise every element is moved alone, a few a thread in flight.
 //   * 1-D grid of any size: the loops are grid-stride, so correctness does
 //     not depend on the launch shape; no shared memory, no __syncthreads.
 //
@@ -219,8 +219,25 @@ __device__ __forceinline__ void reduce_grid(T* dst, const T* a, const T* __restr
         head = ((16 - off) & 15) / sizeof(T);
         if (head > n) head = n;
     }
+    if (!vec) {
+        // Every element alone, UNROLL of them a thread loaded before the first is stored (as the words
+        // below): one at a time, a thread waits out each load's latency in turn.
+        const int UNROLL = Unroll<Op>::value;
+        u64 i = tid;
+        for (; i + (UNROLL - 1) * stride < n; i += UNROLL * stride) {
+            T x[UNROLL], y[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                x[u] = a[i + u * stride];
+                y[u] = __ldg(b + i + u * stride);
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) dst[i + u * stride] = Op::apply(x[u], y[u], arg);
+        }
+        for (; i < n; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
+        return;
+    }
     for (u64 i = tid; i < head; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
-    if (!vec) return;
     const u64 nvec = (n - head) / V;
     const uint4* av = reinterpret_cast<const uint4*>(a + head);
     const uint4* bv = reinterpret_cast<const uint4*>(b + head);
