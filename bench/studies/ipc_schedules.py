@@ -12,6 +12,8 @@ stream waits for the peers' "done".  They differ only in who runs the kernel:
     one kernel    rank 0 folds the whole buffer into every rank's output, the others only wait
                   (ranks that share one GPU share its memory bandwidth anyway; their kernels, each in a
                   context of its own, take turns on it)
+    host sync     one kernel, but no stream waits for a peer's event: each rank blocks until its stream
+                  has run before each allgather (the library's schedule where the ranks share one GPU)
     protocol      the events and the two allgathers with no kernel: what a call costs beside its bytes
     device copy   every rank copies its input once on its GPU (the sweep's floor line)
 
@@ -101,14 +103,22 @@ def main(argv=None):
             if me == 0:
                 be.reduce_many("sum", out, xs, also=outs[1:])
 
+        def host_sync():
+            s.synchronize()
+            comm.allgather(None)
+            one_kernel()
+            s.synchronize()
+            comm.allgather(None)
+
         copy_dst = cp.empty_like(x)
         lines = {"two-shot": lambda: protocol(two_shot), "one kernel": lambda: protocol(one_kernel),
+                 "host sync": host_sync,
                  "protocol": lambda: protocol(lambda: None), "device copy": lambda: cp.copyto(copy_dst, x)}
         row = {"bytes": nbytes}
         for name, fn in lines.items():
             times = []
             for i in range(args.warmup + args.iters):
-                if name in ("two-shot", "one kernel"):
+                if name in ("two-shot", "one kernel", "host sync"):
                     out.fill(-1)
                     cp.cuda.Device().synchronize()
                 comm.Barrier()
@@ -118,7 +128,7 @@ def main(argv=None):
                 t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
                 if i >= args.warmup:
                     times.append(t)
-                if name in ("two-shot", "one kernel"):
+                if name in ("two-shot", "one kernel", "host sync"):
                     comm.Barrier()  # every rank's writes into my output have run
                     wrong += int((cp.asnumpy(out) != want).sum())
             row[name] = float(np.median(times)) * 1e3

@@ -25,6 +25,23 @@ kernels/reduce.cu's ddl_fold, with the bits of the pairwise chain and up to
 7 more destinations), in place too: no host memory, no MPI message but the
 two small ones.
 
+Ranks that share one GPU.  Where every rank of the node drives the same GPU
+(``IpcNode.check`` compares their ``gpu_ident``), the GPU runs one process's
+work at a time, switching between their contexts; a stream's wait for a
+peer's event then costs a switch.  On an H200, 2 ranks: the two events and
+the two exchanges alone took 0.5-0.57 ms a call, 4 ranks 1.41 ms
+(bench/results/ipc_schedules_np{2,4}_h200.txt).  So allreduce there (up to
+8 ranks, one fold's operands) takes another schedule, the same bits::
+
+    both    block until their own stream's work so far has run (the input is
+            written), then the exchange of where x and out lie (barrier 1)
+    rank 0  folds all of x0 op x1 into out0 and, in the same kernel, out1,
+            then blocks until that kernel has run; rank 1 queues nothing
+    both    barrier 2: out holds the whole result on every rank
+
+Only rank 0's context has work, no stream waits for another process's
+event, and the bytes moved are those of the schedule above.
+
 Buffers.  A peer's allocation is opened once and kept (``Mapped``, least
 recently used closed past ``MAPPED``), as NCCL keeps registered buffers: a
 training loop's gradients come from the same allocations every step.  CUDA
@@ -65,13 +82,17 @@ from ..safety.deadline import complete
 from .base import Algorithm, run_instead
 from .window_shards import cuts
 
-__all__ = ["Ipc", "IpcNode", "Mapped", "MAPPED", "KEY_BYTES", "give_up"]
+__all__ = ["Ipc", "IpcNode", "Mapped", "MAPPED", "KEY_BYTES", "IDENT_BYTES", "give_up"]
 
 #: Peers' allocations kept open per rank; past it the least recently used is closed (a job whose buffers are new
 #: every call would otherwise map without bound).
 MAPPED = 256
 #: Room for one IPC handle in the exchange (CUDA's are 64 bytes; the emulator's are file names).
 KEY_BYTES = 240
+#: Room for one ``gpu_ident`` in the check's exchange (a PCI bus id is 13 bytes).
+IDENT_BYTES = 64
+#: Ranks one fold serves: its operands (kernels/reduce.cu's ddl_fold reads 8 and writes 8 outputs).
+_ONE_GPU_MAX = 8
 #: Views of one peer's allocation kept while it is mapped (a training loop uses a few, the same every step).
 _VIEWS = 64
 
@@ -237,6 +258,7 @@ class IpcNode:
         self.p, self.me = comm.Get_size(), comm.Get_rank()
         self._devices: dict = {}  # (backend name, device) -> _Device
         self._verdicts: dict = {}  # backend name -> None where CUDA IPC works, else why not (``check``)
+        self._one_gpu: dict = {}  # backend name -> whether every rank drives the same GPU (``check``)
 
     def _device(self, be) -> _Device:
         key = (be.name, be.current_device())
@@ -282,8 +304,19 @@ class IpcNode:
         if failed.any():
             verdict = (f"CUDA IPC failed on rank(s) {np.flatnonzero(failed).tolist()} of {over.Get_size()}"
                        + (f"; here: {why}" if why else ""))
+        else:  # which GPU each rank drives: one for all takes the one-GPU schedule (the module comment)
+            ident = np.zeros(IDENT_BYTES, np.uint8)
+            got = be.gpu_ident()[:IDENT_BYTES]
+            ident[: len(got)] = np.frombuffer(got, np.uint8)
+            idents = np.empty((self.p, IDENT_BYTES), np.uint8)
+            complete(self.comm.Iallgather(ident, idents), deadline, "the CUDA IPC check's GPUs (MPI_Iallgather)")
+            self._one_gpu[be.name] = bool((idents == idents[0]).all())
         self._verdicts[be.name] = verdict
         return verdict
+
+    def one_gpu(self, be) -> bool:
+        """Whether every rank drives the same GPU (known once ``check`` has passed on ``be``)."""
+        return self._one_gpu.get(be.name, False)
 
     @staticmethod
     def _exported(be, d, buf, tag):
@@ -297,7 +330,7 @@ class IpcNode:
         stage, key, off = d.stage(tag, buf.nbytes)
         return stage[: buf.nbytes].view(buf.dtype), key, off
 
-    def _call(self, be, src, dst, deadline, what, body, agree=None):
+    def _call(self, be, src, dst, deadline, what, body, agree=None, host_sync=False):
         """One collective in which peers read ``src`` and write ``dst`` (None: they touch none):
         ``body(mine_in, mine_out, peer)`` queues its kernels and copies, ``peer(q, role, lo, hi, dtype)``
         being rank q's input (``_SRC``) or output (``_DST``) elements ``[lo, hi)``.
@@ -306,7 +339,9 @@ class IpcNode:
         rank of the node queues anything) or after it (a peer's memory it cannot map, a launch that fails)
         says so in the last exchange, so that every rank raises the same error instead of waiting for it in
         a later collective (the output is then undefined).  ``agree``: a communicator of several nodes over
-        which that last exchange runs instead (``hier``: the other nodes must raise too)."""
+        which that last exchange runs instead (``hier``: the other nodes must raise too).  ``host_sync``: the
+        one-GPU schedule's order (the module comment): each rank blocks until its stream has run, before the
+        first exchange and before the last, instead of its stream waiting for the peers' events."""
         p, me = self.p, self.me
         d = self._device(be)
         s = be.compute_stream()
@@ -326,7 +361,10 @@ class IpcNode:
         except Exception as exc:  # noqa: BLE001 -- told to every rank, raised by every rank below
             failure = exc
             rec = d.record(b"", 0, b"", 0, True)
-        be.record_on(s, d.ready)
+        if host_sync:
+            be.sync(be.record(s))
+        else:
+            be.record_on(s, d.ready)
         recs = np.empty(p * _RECORD.itemsize, np.uint8)
         complete(self.comm.Iallgather(rec, recs), deadline,
                  f"the IPC {what}'s exchange of handles (MPI_Iallgather)")
@@ -337,9 +375,10 @@ class IpcNode:
             roles = [r for r, buf in ((_SRC, src), (_DST, dst)) if buf is not None]
             d.mapped.reap()
             d.mapped.retire({parts[q][0][r] for q in range(p) if q != me for r in roles}, s)
-            # Barrier 1 passed: every peer has recorded "ready" after the work that wrote its input.
+            # Barrier 1 passed: every peer has recorded "ready" after the work that wrote its input (or, with
+            # host_sync, that work has run).
             for q in range(p):
-                if q != me:
+                if q != me and not host_sync:
                     be.wait(s, d.event(parts[q][0][_READY]))
 
             def peer(q, role, lo, hi, dtype):
@@ -351,14 +390,18 @@ class IpcNode:
             pass
         except Exception as exc:  # noqa: BLE001 -- as above
             failure = exc
-        be.record_on(s, d.done)
+        if host_sync:
+            be.sync(be.record(s))
+        else:
+            be.record_on(s, d.done)
         over = self.comm if agree is None else agree
         failed = np.empty(over.Get_size(), np.uint8)
         complete(over.Iallgather(np.array([failure is not None], np.uint8), failed), deadline,
                  f"the IPC {what}'s last exchange (MPI_Iallgather)")
-        # Barrier 2 passed: every peer has recorded "done" after its last read of my input and write of my output.
+        # Barrier 2 passed: every peer has recorded "done" after its last read of my input and write of my output
+        # (with host_sync: those have run).
         for q in range(p):
-            if q != me:
+            if q != me and not host_sync:
                 be.wait(s, d.event(parts[q][0][_DONE]))
         if failed.any():
             here = f"; here: {type(failure).__name__}: {failure}" if failure is not None else ""
@@ -391,6 +434,13 @@ class IpcNode:
         n = dst.shape[0]
         if n == 0:
             return
+        if self.one_gpu(be) and self.p <= _ONE_GPU_MAX:
+            def whole(mine_in, mine_out, peer):  # rank 0 folds everything into every output
+                if self.me == 0:
+                    outs = [peer(q, _DST, 0, n, mine_in.dtype) for q in range(1, self.p)]
+                    self._fold(be, mine_in, peer, 0, n, redop, avg_p, mine_out[0:n], also=outs)
+
+            return self._call(be, src, dst, deadline, "allreduce", whole, host_sync=True)
         c = cuts(n, self.p)
         lo, hi = c[self.me], c[self.me + 1]
 

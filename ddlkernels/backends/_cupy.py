@@ -251,6 +251,9 @@ class CupyBackend(DeviceBackend):
         mem = cp.cuda.Memory(int(nbytes))  # its own cudaMalloc, not the pool's: exportable by itself
         return cp.ndarray((int(nbytes),), np.uint8, cp.cuda.MemoryPointer(mem, 0))
 
+    def gpu_ident(self):
+        return self._cp.cuda.Device().pci_bus_id.encode()
+
     def ipc_event(self):
         ev = self._cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
         return ev, self._cp.cuda.runtime.ipcGetEventHandle(ev.ptr)

@@ -46,6 +46,8 @@ of a node (``ddlkernels.algorithms.ipc``):
 ``ipc_event()``                (event, handle): an interprocess event
 ``ipc_open_event(handle)``     a peer's event, for ``wait``
 ``record_on(s, ev)``           record the existing event ``ev`` on stream s
+``gpu_ident()``                bytes naming the current device's GPU, alike in
+                               every process that drives it (its PCI bus id)
 =============================  ================================================
 
 and ``pack(tensors, buf, offsets)`` / ``unpack(buf, tensors, offsets)``:

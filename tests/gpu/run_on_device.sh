@@ -7,7 +7,7 @@
 #
 # Steps (STEPS, a comma list run in its order; "tests" and "bench" name groups):
 #   tests = kernels (both device backends in one process), then mpirun-nN for N in RANKS (tests/gpu/mpi file
-#           by file, every rank on the GPU, never the Numba simulator)
+#           by file, every rank on the GPU, never the Numba simulator; mpirun-nN-FILE runs one file)
 #   bench = device-kernels (bench/kernels/device_kernels.py: kernels beside torch and CuPy), chunk-cost-n2
 #           (bench/studies/chunk_cost.py: the cost of a staged chunk), device-sweep-n2 and -n4
 #           (bench/sweeps/device_allreduce.py: ddlkernels beside the hand-rolled loop, gloo, NCCL where it
@@ -93,6 +93,8 @@ run_step() {  # run_step NAME: the command of each step
     local name=$1 n
     case "$name" in
         kernels) step kernels "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu --ignore=tests/gpu/mpi ;;
+        mpirun-n*-test_*) n=${name#mpirun-n}; n=${n%%-*}  # one file: mpirun-n2-test_ipc_device
+            step "$name" "$MPIRUN" -n "$n" "$PY" -m mpi4py tests/_mpi_pytest.py -q -rs "tests/gpu/mpi/${name#mpirun-n$n-}.py" ;;
         mpirun-n*) n=${name#mpirun-n}  # file by file: a failure aborts the whole MPI job, not the other files
             for f in tests/gpu/mpi/test_*.py; do
                 step "$name-$(basename "$f" .py)" "$MPIRUN" -n "$n" "$PY" -m mpi4py tests/_mpi_pytest.py -q -rs "$f"

@@ -381,6 +381,55 @@ def test_one_fold_launch_writes_every_rank_s_output(monkeypatch):
         c.free()
 
 
+@pytest.mark.parametrize("policy", ["lazy", "random"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64], ids=dtype_name)
+def test_ranks_on_one_gpu_rank_0_folds_everything_after_their_streams_ran(monkeypatch, dtype, policy):
+    """Every rank on one GPU (up to 8): rank 0 alone launches, one fold of every rank's whole input into every
+    output, and no stream waits for a peer's event; the ranks' own streams have run before it reads and after it
+    writes.  Inputs written on a caller stream right before the call and overwritten right after, in and out
+    of place, every op: the rank-order fold's bits on every rank."""
+    import stream_emulator as SE
+
+    launches, waits = [], []
+    real_fold, real_wait = SE.EmuBackend._launch_fold, SE.EmuBackend.wait
+
+    def counted(self, name, dst, srcs, n, arg, also=()):
+        launches.append((len(srcs), len(also), n))
+        return real_fold(self, name, dst, srcs, n, arg, also)
+
+    def wait(self, stream, ev):
+        waits.append(type(ev).__name__)
+        return real_wait(self, stream, ev)
+
+    monkeypatch.setattr(SE.EmuBackend, "_launch_fold", counted)
+    monkeypatch.setattr(SE.EmuBackend, "wait", wait)
+    bad = []
+    with emulated_device(seed=17 * R + 3, policy=policy, ipc=True, one_gpu=True) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+        s = be.new_stream()
+        with be.current(s):
+            for n in SIZES:
+                for op in OPS:
+                    x = rank_data(n, R, P, dtype, salt=n + len(op))
+                    want = fold(COMM.allgather(x), op) if n else x.copy()
+                    for inplace in (False, True):
+                        launches.clear()
+                        d = be.to_device(x)
+                        got = c.allreduce(d, op, out=d if inplace else None)
+                        assert c.last_algorithm == "ipc"
+                        if not inplace:  # overwritten right after the call: rank 0 has read it by then
+                            be.write(d, np.zeros_like(x))
+                        if not same_bits(be.to_host(got), want):
+                            bad.append(f"n={n} {op} {'in place' if inplace else 'out of place'}")
+                        if P <= 8 and n:
+                            mine = [(P, P - 1, n)] if R == 0 else []
+                            bad += [] if launches == mine else [f"n={n}: launches {launches}"]
+        assert c.algorithms["ipc"].node.one_gpu(be)
+        c.free()
+    assert "IpcEvent" not in waits or P > 8, waits
+    assert wrong_anywhere(len(bad)) == 0, f"rank {R}: {bad[:5]}"
+
+
 @pytest.mark.sweep
 @pytest.mark.parametrize("policy", ["lazy", "random"])
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=dtype_name)
