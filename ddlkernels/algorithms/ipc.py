@@ -362,7 +362,7 @@ class IpcNode:
             failure = exc
             rec = d.record(b"", 0, b"", 0, True)
         if host_sync:
-            be.sync(be.record(s))
+            be.sync_stream(s)
         else:
             be.record_on(s, d.ready)
         recs = np.empty(p * _RECORD.itemsize, np.uint8)
@@ -391,7 +391,7 @@ class IpcNode:
         except Exception as exc:  # noqa: BLE001 -- as above
             failure = exc
         if host_sync:
-            be.sync(be.record(s))
+            be.sync_stream(s)
         else:
             be.record_on(s, d.done)
         over = self.comm if agree is None else agree

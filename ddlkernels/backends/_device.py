@@ -30,6 +30,7 @@ array library's own terms:
 ``record(s)``              an event recorded on stream s
 ``wait(s, ev)``            make stream s wait for event ev (no host block)
 ``sync(ev)``               block the host until ev has happened
+``sync_stream(s)``         block the host until the work queued on s has run
 ``query(ev)``              whether ev has happened (no block)
 =========================  ====================================================
 
@@ -226,6 +227,10 @@ class DeviceBackend(Backend):
                 yield stream
         finally:
             self._tls.stream = prev
+
+    def sync_stream(self, stream) -> None:
+        """Block until the work queued on ``stream`` so far has run (a backend may do it without an event)."""
+        self.sync(self.record(stream))
 
     def compute_stream(self):
         s = getattr(self._tls, "stream", None)

@@ -414,7 +414,8 @@ def test_ranks_on_one_gpu_rank_0_folds_everything_after_their_streams_ran(monkey
                     want = fold(COMM.allgather(x), op) if n else x.copy()
                     for inplace in (False, True):
                         launches.clear()
-                        d = be.to_device(x)
+                        d = be.to_device(np.zeros_like(x))
+                        be.write(d, x)  # on the caller's stream, right before the call: late under "lazy"
                         got = c.allreduce(d, op, out=d if inplace else None)
                         assert c.last_algorithm == "ipc"
                         if not inplace:  # overwritten right after the call: rank 0 has read it by then
