@@ -6,7 +6,7 @@
   ``cupy.add(out=)`` and a device copy (``cupy.copyto``), for float32, float16 and bfloat16 (CuPy has
   no bfloat16: torch only), out of place and in place (``dst`` is ``a``), aligned and one element off
   a 16-byte boundary; GB/s of bytes moved, as STREAM counts them (reduce 3 x size, copy 2 x size),
-  median of ``-n`` runs timed with CUDA events;
+  median of ``-n`` runs timed with CUDA events, the lines taken in turn within each run;
 * host time per launch: 1000 back-to-back 1 MiB launches of each, divided by 1000 (the device
   synchronized after, not between), the Numba backend's reduce beside the CuPy backend's;
 * the fold of 4 operands (the CUDA IPC allreduce's reduce-scatter at 4 ranks): one ``ddl_fold`` launch
@@ -64,6 +64,24 @@ def _events_ms(cp, fn, iters):
     return float(np.median(times))
 
 
+def _events_ms_each(cp, fns, iters):
+    """``_events_ms`` of every function of ``fns`` (name -> function), taken in turn within each iteration, so
+    that the GPU's clocks and the other processes' load drift alike over every line instead of favouring the
+    line timed first."""
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(iters):
+        for k, fn in fns.items():
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times[k].append(cp.cuda.get_elapsed_time(a, b))
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
 def _numba_backend():
     """(ddlkernels' Numba backend, numba.cuda) on the device, or (None, why not)."""
     try:
@@ -118,12 +136,12 @@ def main(argv=None):
                         else int((got.view(torch.int32) != ref.view(torch.int32)).sum().item())
                     if inplace:
                         ta.copy_(keep)
-                    ms = {"ddlkernels": _events_ms(cp, lambda: be.reduce("sum", dst, a, b), args.iters),
-                          "torch.add": _events_ms(cp, lambda: torch.add(ta, tb, out=ta if inplace else tout),
-                                                  args.iters)}
+                    fns = {"ddlkernels": lambda: be.reduce("sum", dst, a, b),
+                           "torch.add": lambda: torch.add(ta, tb, out=ta if inplace else tout)}
                     if dname != "bfloat16":
-                        ms["cp.add"] = _events_ms(cp, lambda: cp.add(a, b, out=dst), args.iters)
-                    ms["copy"] = _events_ms(cp, lambda: cp.copyto(out, a), args.iters)
+                        fns["cp.add"] = lambda: cp.add(a, b, out=dst)
+                    fns["copy"] = lambda: cp.copyto(out, a)
+                    ms = _events_ms_each(cp, fns, args.iters)
                     gbs = {k: (2 if k == "copy" else 3) * size / (v * 1e-3) / 1e9 for k, v in ms.items()}
                     case = f"reduce {size >> 20}M {dname} {'in place' if inplace else 'out'}{' +1' if off else ''}"
                     rows.append({"case": case, "GBps": gbs})

@@ -14,6 +14,8 @@ stream waits for the peers' "done".  They differ only in who runs the kernel:
                   context of its own, take turns on it)
     host sync     one kernel, but no stream waits for a peer's event: each rank blocks until its stream
                   has run before each allgather (the library's schedule where the ranks share one GPU)
+    library       ``Communicator(ipc=True).allreduce`` of the same buffers: the library's own choice of
+                  the schedules above, with what a call of it costs besides
     protocol      the events and the two allgathers with no kernel: what a call costs beside its bytes
     device copy   every rank copies its input once on its GPU (the sweep's floor line)
 
@@ -55,6 +57,7 @@ def main(argv=None):
     import ddlkernels
 
     cp.cuda.Device(ddlkernels.local_device(cp.cuda.runtime.getDeviceCount(), comm)).use()
+    lib = ddlkernels.Communicator(comm, shm=False, ipc=True)
     s = cp.cuda.get_current_stream()
     (ready, ready_key), (done, done_key) = be.ipc_event(), be.ipc_event()
     keys = comm.allgather((ready_key, done_key))
@@ -112,13 +115,13 @@ def main(argv=None):
 
         copy_dst = cp.empty_like(x)
         lines = {"two-shot": lambda: protocol(two_shot), "one kernel": lambda: protocol(one_kernel),
-                 "host sync": host_sync,
+                 "host sync": host_sync, "library": lambda: lib.allreduce(x, "sum", out=out),
                  "protocol": lambda: protocol(lambda: None), "device copy": lambda: cp.copyto(copy_dst, x)}
         row = {"bytes": nbytes}
         for name, fn in lines.items():
             times = []
             for i in range(args.warmup + args.iters):
-                if name in ("two-shot", "one kernel", "host sync"):
+                if name in ("two-shot", "one kernel", "host sync", "library"):
                     out.fill(-1)
                     cp.cuda.Device().synchronize()
                 comm.Barrier()
@@ -128,7 +131,7 @@ def main(argv=None):
                 t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
                 if i >= args.warmup:
                     times.append(t)
-                if name in ("two-shot", "one kernel", "host sync"):
+                if name in ("two-shot", "one kernel", "host sync", "library"):
                     comm.Barrier()  # every rank's writes into my output have run
                     wrong += int((cp.asnumpy(out) != want).sum())
             row[name] = float(np.median(times)) * 1e3
@@ -137,7 +140,9 @@ def main(argv=None):
         comm.Barrier()
         for m in maps:
             be.ipc_close(m)
+        lib.close_peer_memory()
         comm.Barrier()
+    lib.free()
     wrong = comm.allreduce(wrong)
     gpus = len(set(comm.allgather(cp.cuda.Device().pci_bus_id)))
     if me == 0:
