@@ -259,6 +259,7 @@ class IpcNode:
         self._devices: dict = {}  # (backend name, device) -> _Device
         self._verdicts: dict = {}  # backend name -> None where CUDA IPC works, else why not (``check``)
         self._one_gpu: dict = {}  # backend name -> whether every rank drives the same GPU (``check``)
+        self.staged = 0  # buffers this rank passed through an exportable stage (CUDA IPC could not export them)
 
     def _device(self, be) -> _Device:
         key = (be.name, be.current_device())
@@ -318,8 +319,7 @@ class IpcNode:
         """Whether every rank drives the same GPU (known once ``check`` has passed on ``be``)."""
         return self._one_gpu.get(be.name, False)
 
-    @staticmethod
-    def _exported(be, d, buf, tag):
+    def _exported(self, be, d, buf, tag):
         """(array peers use, its handle, offset): ``buf`` itself where it can be exported, else the stage
         ``tag`` (the caller copies into or out of it).  Asked at every call, not cached: CUDA documents
         getting a handle as lightweight, and memory freed and allocated again at one address gets a new
@@ -327,6 +327,7 @@ class IpcNode:
         got = be.ipc_export(buf)
         if got is not None:
             return buf, got[0], got[1]
+        self.staged += 1
         stage, key, off = d.stage(tag, buf.nbytes)
         return stage[: buf.nbytes].view(buf.dtype), key, off
 
@@ -562,6 +563,10 @@ class Ipc(Algorithm):
     def mapped(self, now=False) -> int:
         """``IpcNode.mapped``: peers' allocations opened so far, or with ``now`` open in use."""
         return 0 if self._node is None else self._node.mapped(now)
+
+    def staged(self) -> int:
+        """Buffers this rank passed through an exportable stage so far (one more device copy each)."""
+        return 0 if self._node is None else self._node.staged
 
     def close_peer_memory(self):
         if self._node is not None:

@@ -98,6 +98,8 @@ def test_any_offset_and_memory_peers_cannot_map(policy):
                     bad += [] if same_bits(be.to_host(d), x) else [f"{n} input modified"]
                     c.allreduce(d, "sum", out=d)
                     bad += [] if same_bits(be.to_host(d), want) else [f"{n} {dtype.__name__} {src_ok} in place"]
+        # Staged: per dtype and size, 0 + 1 + 1 + 2 buffers out of place and 2 inputs in place.
+        bad += [] if c.algorithms["ipc"].staged() == 2 * 2 * 6 else [f"staged {c.algorithms['ipc'].staged()}"]
         c.free()
     assert wrong_anywhere(len(bad)) == 0, f"rank {R}: {bad}"
 

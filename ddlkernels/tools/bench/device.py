@@ -394,6 +394,8 @@ def sweep(comm, dev, sizes, dtype="float32", iters=10, warmup=3, collective="all
             row["staged_ran"] = staged.last_algorithm
             if "ddlkernels hier" in row["lines"]:
                 row["hier_ran"] = comms["hier"].last_algorithm
+            if "ipc" in comms:  # buffers CUDA IPC could not export (one more device copy each), all ranks, all calls
+                row["ipc_staged"] = comm.allreduce(comms["ipc"].algorithms["ipc"].staged())
             rows.append(row)
     finally:
         for c in comms.values():
@@ -410,7 +412,9 @@ def table(rows) -> str:
         hand = row["lines"]["hand-rolled"]["ms"]
         out.append(f"\n## {row.get('collective', 'allreduce')} {format_size(row['bytes'])} (ddlkernels ran "
                    f"{row['ddlkernels_ran']}, ddlkernels staged {row.get('staged_ran')}"
-                   + (f", ddlkernels hier {row['hier_ran']})" if "hier_ran" in row else ")"))
+                   + (f", ddlkernels hier {row['hier_ran']}" if "hier_ran" in row else "")
+                   + (f"; ddlkernels ipc staged {row['ipc_staged']} buffers so far" if row.get("ipc_staged") else "")
+                   + ")")
         out.append(f"{'line':<20} {'ms':>10} {'busbw GB/s':>11} {'x hand-rolled':>14} {'wrong':>6}")
         for name, m in row["lines"].items():
             out.append(f"{name:<20} {m['ms']:>10.3f} {m['busbw_GBps']:>11.1f} {hand / m['ms']:>14.2f} {m['wrong']:>6}")
