@@ -15,6 +15,9 @@
 #   in no group: sharded-n2 times device reduce_scatter and allgather at 2 ranks; ipc-schedules-nN the CUDA IPC
 #   allreduce's schedules (bench/studies/ipc_schedules.py) at N ranks; reduce-launch the reduce kernel's
 #   launch shapes (bench/studies/reduce_launch.py)
+# MPS=1 runs every step under CUDA's Multi-Process Service where nvidia-cuda-mps-control exists (started here with
+# its pipes under $TMPDIR, stopped at exit): the ranks that share a GPU then share one context instead of taking
+# turns on it (no card setting changes).
 # A lent device runs one command for at most 10 minutes, so every step has a time limit (STEP_TIMEOUT, 300 s)
 # and the whole run a deadline (DEADLINE, 570 s after the start): a step that cannot start 20 s before it is
 # reported as not run.  Logs and JSON go to $TMPDIR/gpu-tests, and, after every step, into
@@ -62,6 +65,15 @@ except ImportError:
 print(f"python {sys.version.split()[0]}, numpy {numpy.__version__}, cupy {cupy.__version__}, numba {numba.__version__}, "
       f"{t}; {MPI.Get_library_version().splitlines()[0]}")
 PY
+
+if [ "${MPS:-0}" = 1 ]; then
+    command -v nvidia-cuda-mps-control >/dev/null || { echo "run_on_device: MPS=1 but no nvidia-cuda-mps-control"; exit 2; }
+    export CUDA_MPS_PIPE_DIRECTORY=${TMPDIR:-/tmp}/mps-pipe CUDA_MPS_LOG_DIRECTORY=${TMPDIR:-/tmp}/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || { echo "run_on_device: the MPS daemon did not start"; exit 2; }
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    DEVICE="$DEVICE, under MPS"
+fi
 
 SUMMARY=()
 FAILED=0
