@@ -330,8 +330,8 @@ class CupyBackend(DeviceBackend):
             self._cp.copyto(dst, src)
 
     def _launch_reduce(self, name, dst, a, b, n, arg):
-        # One 128-bit word a thread, no grid-stride rounds: on an H200 that ran at torch.add's speed, 4096 blocks
-        # of rounds 4-5% slower (bench/results/reduce_launch_h200.txt).
+        # One 128-bit word a thread, no grid-stride rounds: on an H200 that ran within 2% of torch.add, 4096 blocks
+        # of rounds 2-7% slower than it (bench/results/reduce_launch_h200.txt).
         blocks = _blocks(n, dst.dtype.itemsize)
         self._function("reduce.cu", name)((blocks,), (_THREADS,), (dst, a, b, np.uint64(n), arg),
                                            stream=self._cp.cuda.get_current_stream())
