@@ -95,6 +95,9 @@ def test_every_line_of_every_collective_right(kind):
     # hier: allreduce where the ranks of this one node make nodes of 2+ ranks (node labels), and it ran hier
     assert ("ddlkernels hier" in rows[0]["lines"]) == (kind == "allreduce" and D.made_up_node_size(P) is not None)
     assert all(row.get("hier_ran", "hier") == "hier" for row in rows), [row.get("hier_ran") for row in rows]
+    # the IPC line's buffers are all exportable here: none staged (the row says so wherever that line ran)
+    assert all(row.get("ipc_staged", 0) == 0 and ("ipc_staged" in row) == ("ddlkernels ipc" in row["lines"])
+               for row in rows), [row.get("ipc_staged") for row in rows]
     text = D.table(rows)
     assert text.count(f"## {kind} ") == len(SIZES) and "x hand-rolled" in text
 

@@ -394,8 +394,8 @@ def sweep(comm, dev, sizes, dtype="float32", iters=10, warmup=3, collective="all
             row["staged_ran"] = staged.last_algorithm
             if "ddlkernels hier" in row["lines"]:
                 row["hier_ran"] = comms["hier"].last_algorithm
-            if "ipc" in comms:  # buffers CUDA IPC could not export (one more device copy each), all ranks, all calls
-                row["ipc_staged"] = comm.allreduce(comms["ipc"].algorithms["ipc"].staged())
+            if "ddlkernels ipc" in row["lines"]:  # buffers CUDA IPC could not export (one more device copy each),
+                row["ipc_staged"] = comm.allreduce(comms["ipc"].algorithms["ipc"].staged())  # all ranks, all calls
             rows.append(row)
     finally:
         for c in comms.values():
