@@ -241,6 +241,34 @@ def ipc_workload(be, c):
     return bad
 
 
+def ipc_one_gpu_workload(be, c):
+    """The CUDA IPC allreduce where every rank's device is one GPU (rank 0 folds for all, the ranks block on
+    their own streams): each input written on the caller's stream right before its call, each result read
+    right after it through that stream, the input overwritten at once."""
+    c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+    s, bad = be.new_stream(), 0
+    if R % 2:  # odd ranks' hosts are slow to wait for their streams: their late work stays late
+        wait = be.sync_stream
+        be.sync_stream = lambda stream: (time.sleep(0.002), wait(stream))
+    try:
+        with be.current(s):
+            for k, n in enumerate(SIZES + [2 * P + 3]):
+                x = data(n, np.float32, salt=k)
+                d = be.to_device(np.zeros_like(x))
+                be.write(d, x)  # late under "lazy": rank 0 must not read it before it has run
+                out = c.allreduce(d, "sum", out=None if k % 2 else d)
+                if R == 0:  # rank 0's host is slow to read: its peers read their results first
+                    time.sleep(0.002)
+                got = be.to_host(out, s)  # nothing orders rank 0's kernel before this but the call itself
+                if out is not d:
+                    be.write(d, np.zeros_like(x))
+                bad += not np.array_equal(got, c.allreduce(x, "sum"))
+    finally:
+        be.__dict__.pop("sync_stream", None)
+    c.free()
+    return bad
+
+
 def host_workload(be, c):
     """The "host" algorithm in pieces of 16 bytes (its 3 pinned slots reused within each call and across
     calls, its inner tuner settling new piece sizes between calls), then of 64 (new slots, while the last
@@ -319,6 +347,7 @@ WORKLOADS = {
     "async": lambda be: async_workload(be, comm_for(False)),
     "torch": lambda be: torch_workload(be, comm_for(False)),
     "ipc": lambda be: ipc_workload(be, None),
+    "ipc-one-gpu": lambda be: ipc_one_gpu_workload(be, None),
     "host": lambda be: host_workload(be, None),
     "host-sharded": lambda be: host_sharded_workload(be, None),
 }
@@ -326,7 +355,8 @@ WORKLOADS = {
 
 def run(workload, policy, seed):
     """Wrong results of ``workload``, and work that ran through a peer's mapping already closed."""
-    with emulated_device(seed=1000 * seed + R, policy=policy, ipc=workload == "ipc") as be:
+    with emulated_device(seed=1000 * seed + R, policy=policy, ipc=workload.startswith("ipc"),
+                         one_gpu=workload == "ipc-one-gpu") as be:
         return WORKLOADS[workload](be) + be.faults
 
 
@@ -604,6 +634,8 @@ MUTATIONS = [
     ("ipc-inputs-ready-recorded", _ipc.IpcNode, "_call", "be.record_on(s, d.ready)", 0, ["ipc"]),
     ("ipc-writes-done-recorded", _ipc.IpcNode, "_call", "be.record_on(s, d.done)", 0, ["ipc"]),
     ("ipc-mapping-closed-after-its-last-use", _ipc.Mapped, "reap", "continue  # queued work", 0, ["ipc"]),
+    ("ipc-one-gpu-reads-after-inputs-ran", _ipc.IpcNode, "_call", "be.sync_stream(s)", 0, ["ipc-one-gpu"]),
+    ("ipc-one-gpu-results-after-rank-0-ran", _ipc.IpcNode, "_call", "be.sync_stream(s)", 1, ["ipc-one-gpu"]),
     ("close-peer-memory-waits-for-device-work", ddlkernels.Communicator, "close_peer_memory",
      "get_backend(key[0]).sync(ev)", 0, ["ipc"]),
     ("host-down-waits-for-caller", _host.Host, "_pipeline", "be.wait(cp.d2h, be.record(compute))", 0, HOSTS),
