@@ -212,13 +212,6 @@ __device__ __forceinline__ void reduce_grid(T* dst, const T* a, const T* __restr
     const u64 stride = (u64)gridDim.x * blockDim.x;
     const u64 off = (u64)dst & 15;
     const bool vec = ((u64)a & 15) == off && ((u64)b & 15) == off;
-    // Elements before the first 16-byte boundary (all of them when the
-    // pointers cannot be vectorized together).
-    u64 head = n;
-    if (vec) {
-        head = ((16 - off) & 15) / sizeof(T);
-        if (head > n) head = n;
-    }
     if (!vec) {
         // Every element alone, UNROLL of them a thread loaded before the first is stored (as the words
         // below): one at a time, a thread waits out each load's latency in turn.
@@ -237,6 +230,9 @@ __device__ __forceinline__ void reduce_grid(T* dst, const T* a, const T* __restr
         for (; i < n; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
         return;
     }
+    // Elements before the first 16-byte boundary.
+    u64 head = ((16 - off) & 15) / sizeof(T);
+    if (head > n) head = n;
     for (u64 i = tid; i < head; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
     const u64 nvec = (n - head) / V;
     const uint4* av = reinterpret_cast<const uint4*>(a + head);

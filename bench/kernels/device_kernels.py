@@ -52,22 +52,14 @@ def _gpu():
 def _events_ms(cp, fn, iters):
     """Median milliseconds of ``fn()`` over ``iters`` runs, each between two CUDA events on the null stream
     (torch's default stream and CuPy's current one here)."""
-    times = []
-    fn()
-    for _ in range(iters):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b))
-    return float(np.median(times))
+    return _events_ms_each(cp, {"fn": fn}, iters)["fn"]
 
 
 def _events_ms_each(cp, fns, iters):
-    """``_events_ms`` of every function of ``fns`` (name -> function), taken in turn within each iteration, so
-    that the GPU's clocks and the other processes' load drift alike over every line instead of favouring the
-    line timed first."""
+    """Median milliseconds of every function of ``fns`` (name -> function), each run once untimed first, then
+    timed with CUDA events on the null stream in turn within each of ``iters`` iterations, so that the GPU's
+    clocks and the other processes' load drift alike over every line instead of favouring the one timed
+    first."""
     times = {k: [] for k in fns}
     for fn in fns.values():
         fn()
