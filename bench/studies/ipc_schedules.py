@@ -19,15 +19,15 @@ stream waits for the peers' "done".  They differ only in who runs the kernel:
     protocol      the events and the two allgathers with no kernel: what a call costs beside its bytes
     device copy   every rank copies its input once on its GPU (the sweep's floor line)
 
-Timed as ``ddlkernels/tools/bench/device.py`` times its lines: barrier, t0, one call, the device
-synchronized, t1; the slowest rank's time, median of ``-n``.  Every result is checked (small integers: exact
-sums); a wrong element makes the run exit 1.  Needs CuPy and a CUDA device on every rank.
+Timed by the harness that times ``ddlkernels/tools/bench/device.py``'s lines (``runner.run_sweep``): the
+lines in rounds, a sample being barrier, t0, one call, the device synchronized, t1; the slowest rank's
+time, median of ``-n``.  Every result is checked (small integers: exact sums), the output poisoned
+before the next call; a wrong element makes the run exit 1.  Needs CuPy and a CUDA device on every rank.
 """
 
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -35,6 +35,8 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from ddlkernels.tools.bench import parse_size  # noqa: E402
+from ddlkernels.tools.bench.impls import Collective  # noqa: E402
+from ddlkernels.tools.bench.runner import run_sweep  # noqa: E402
 
 
 def main(argv=None):
@@ -117,24 +119,28 @@ def main(argv=None):
         lines = {"two-shot": lambda: protocol(two_shot), "one kernel": lambda: protocol(one_kernel),
                  "host sync": host_sync, "library": lambda: lib.allreduce(x, "sum", out=out),
                  "protocol": lambda: protocol(lambda: None), "device copy": lambda: cp.copyto(copy_dst, x)}
-        row = {"bytes": nbytes}
-        for name, fn in lines.items():
-            times = []
-            for i in range(args.warmup + args.iters):
-                if name in ("two-shot", "one kernel", "host sync", "library"):
-                    out.fill(-1)
-                    cp.cuda.Device().synchronize()
-                comm.Barrier()
-                t0 = time.perf_counter()
+
+        def timed(fn):
+            def run(_):
                 fn()
                 cp.cuda.Device().synchronize()
-                t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-                if i >= args.warmup:
-                    times.append(t)
-                if name in ("two-shot", "one kernel", "host sync", "library"):
-                    comm.Barrier()  # every rank's writes into my output have run
-                    wrong += int((cp.asnumpy(out) != want).sum())
-            row[name] = float(np.median(times)) * 1e3
+            return run
+
+        def checked(_):
+            # Right after the call (the harness's allreduce of the sample's time has passed: every rank's writes
+            # into my output have run); then poisoned, so that the next line's sample must write it all again.
+            bad = int((cp.asnumpy(out) != want).sum())
+            out.fill(-1)
+            cp.cuda.Device().synchronize()
+            return bad
+
+        impls = [Collective(name, lambda q: 2 * (q - 1) / q, lambda *_: None, timed(fn),
+                            (lambda _: 0) if name in ("protocol", "device copy") else checked)
+                 for name, fn in lines.items()]
+        out.fill(-1)
+        got = run_sweep(comm, [nbytes], impls, iters=args.iters, warmup=args.warmup, progress=False)[0]
+        wrong += sum(m["wrong"] for m in got["impls"].values())
+        row = {"bytes": nbytes, **{name: m["time_us_median"] / 1e3 for name, m in got["impls"].items()}}
         rows.append(row)
         cp.cuda.Device().synchronize()
         comm.Barrier()
@@ -142,8 +148,7 @@ def main(argv=None):
             be.ipc_close(m)
         lib.close_peer_memory()
         comm.Barrier()
-    lib.free()
-    wrong = comm.allreduce(wrong)
+    lib.free()  # wrong: the harness summed every rank's already
     gpus = len(set(comm.allgather(cp.cuda.Device().pci_bus_id)))
     if me == 0:
         dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["name"]

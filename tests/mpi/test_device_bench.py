@@ -111,6 +111,38 @@ def test_a_line_with_wrong_bytes_is_counted_wrong():
     assert lines["ddlkernels"]["wrong"] == 0 and lines["ddlkernels host"]["wrong"] == 0
 
 
+def test_lines_are_timed_in_rounds_and_a_size_measured_again_is_settled_and_its_sample_redone(monkeypatch):
+    """Iteration i of every line runs before iteration i + 1 of any (a GPU's clocks or a neighbour's load then
+    fall on every line alike); where a tuner measures its size again after a timed sample, the sample is
+    redone once it has settled, and the row counts it (``ddlkernels.tools.bench.runner``)."""
+    import ddlkernels
+
+    calls, real_lines, real_tuning = [], D._lines, ddlkernels.Communicator.tuning
+
+    def spying(comm, dev, dtype, kind):
+        out, missing, comms = real_lines(comm, dev, dtype, kind)
+        for name, (setup, run, result) in list(out.items()):
+            out[name] = (setup, lambda s, run=run, name=name: (calls.append(name), run(s)), result)
+        return out, missing, comms
+
+    def reopened_once(self, x, op="sum", *, collective="allreduce"):  # after the first timed sample only
+        if calls == ["ddlkernels"]:
+            calls.append("(reopened)")
+            return True
+        return real_tuning(self, x, op, collective=collective)
+
+    monkeypatch.setattr(D, "_lines", spying)
+    monkeypatch.setattr(ddlkernels.Communicator, "tuning", reopened_once)
+    with emulated_device(seed=R, policy="random") as be:
+        # (reduce_scatter: no hier line, whose tuner would still measure after CUDA IPC failed on its first call)
+        rows, _ = D.sweep(COMM, EmuDevice(be), SIZES[1:], "float32", iters=2, warmup=0, collective="reduce_scatter")
+    names = list(rows[0]["lines"])
+    assert names[0] == "ddlkernels" and len(names) >= 5, names
+    assert calls == ["ddlkernels", "(reopened)"] + names + names, calls
+    assert [m["remeasured"] for m in rows[0]["lines"].values()] == [1] + [0] * (len(names) - 1)
+    assert all(m["wrong"] == 0 for m in rows[0]["lines"].values())
+
+
 def test_report_prints_every_collective_and_the_wrong_count(capsys, tmp_path):
     path = tmp_path / "r.json"
     path = COMM.bcast(str(path))

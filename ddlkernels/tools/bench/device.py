@@ -6,8 +6,9 @@ Used by ``python -m ddlkernels job`` (``--device``, on a GPU by default where ev
 
     gpu_everywhere(comm)        (cupy, None): every rank sees a CUDA device (else None and why)
     sweep(comm, CupyDevice(cp), [64 << 20], "float32", iters=10, warmup=3)
-        per line, 3 untimed calls, then 10 timed ones: barrier, t0, one call, the
-        device synchronized, t1; the iteration's time is the slowest rank's
+        the library's tuners settled first; then 3 untimed rounds and 10 timed ones
+        of every line in turn (ddlkernels.tools.bench.runner), a sample being:
+        barrier, t0, one call, the device synchronized, t1, the slowest rank's time
         -> [{"bytes": 67108864, "lines": {"ddlkernels": {"ms": .., "busbw_GBps": ..,
              "wrong": 0}, "hand-rolled": {...}, ...}, "ddlkernels_ran": "ipc"}]
     table(rows) -> one block per size: ms, busbw, x the hand-rolled loop, wrong elements
@@ -42,11 +43,11 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 import numpy as np
 
 from .buffers import expected, pattern
+from .runner import run_sweep
 
 __all__ = ["gpu_everywhere", "gpu_name", "CupyDevice", "sweep", "table", "report", "COLLECTIVES"]
 
@@ -315,34 +316,56 @@ def made_up_node_size(p: int):
     return next((k for k in range(p - 1, 1, -1) if p % k == 0), None)
 
 
-def _measure(comm, dev, line, n, iters, warmup):
-    """(median seconds of the slowest rank, wrong elements over every rank and iteration) of one line."""
-    from mpi4py import MPI
+#: each ddlkernels line by the role of its Communicator in ``_lines``' third value
+_ROLE_LINES = {"tuned": "ddlkernels", "ipc": "ddlkernels ipc", "hier": "ddlkernels hier",
+               "staged": "ddlkernels staged", "host": "ddlkernels host"}
 
-    setup, run, result = line
-    s = setup(n)
-    for _ in range(warmup):
-        run(s)
-    dev.synchronize()
-    times, wrong = [], 0
-    for _ in range(iters):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        run(s)
-        dev.synchronize()
-        times.append(time.perf_counter() - t0)
-        if result is not None:
-            wrong += int(np.count_nonzero(result(s) != s["want"]))
-    return comm.allreduce(float(np.median(times)), op=MPI.MAX), comm.allreduce(wrong)
+
+def _collectives(lines, comms, dev, n, kind, factor, missing):
+    """One size's lines as the harness's ``Collective``s (``runner.run_sweep`` times them), each line's state
+    made now.  A line of another library whose first call raises (torch.distributed refuses what a backend
+    lacks, gloo's uneven reduce_scatter say, on every rank alike and before any communication) is left out,
+    the reason in ``missing``; a ddlkernels line that raises stops the sweep."""
+    from .impls import Collective
+
+    tuners = {_ROLE_LINES[role]: c for role, c in comms.items()}
+    out = []
+    for name, (setup, run, result) in list(lines.items()):
+        s = setup(n)
+        if name in OPTIONAL:
+            try:
+                run(s)
+            except (RuntimeError, NotImplementedError, ValueError) as exc:
+                missing[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                del lines[name]
+                continue
+
+        def timed(st, run=run):  # the call and its device work: the device synchronized inside the sample
+            run(st)
+            dev.synchronize()
+
+        def wrong(st, result=result):
+            return 0 if result is None else int(np.count_nonzero(result(st) != st["want"]))
+
+        def settling(st, c=tuners.get(name)):
+            # whether its tuner measures this size again (its watch: the calls slowed down); asked of the whole
+            # buffer, which an allgather's input is not
+            return c is not None and c.tuning(st["out"] if kind == "allgather" else st["x"], collective=kind)
+
+        out.append(Collective(name, lambda p: factor, lambda *_, s=s: s, timed, wrong, settling=settling))
+    return out
 
 
 def _settle(comm, dev, comms, kind, n, dtype):
     """Run each ddlkernels line's calls of this size until its tuner has settled, so that timed iterations
-    run what it chose."""
+    run what it chose: its trials alone, where the other lines' calls would make each round of them cost a
+    round of every line.  ``comms``: ``_lines``' third value ("hier" is settled by its line's setup)."""
     p, r = comm.Get_size(), comm.Get_rank()
-    for c in comms:
+    for role, c in comms.items():
+        if role == "hier":
+            continue
         h = pattern(n, r, p, dtype)
-        x = h if c is comms[-1] else dev.array(h)  # the last: host arrays
+        x = h if role == "host" else dev.array(h)
         while c.tuning(x, collective=kind):
             if kind == "allgather":
                 lo, hi = c.shard_range(n)
@@ -376,20 +399,14 @@ def sweep(comm, dev, sizes, dtype="float32", iters=10, warmup=3, collective="all
         for size in sizes:
             n = size // np.dtype(dtype).itemsize
             tuned, staged = comms["tuned"], comms["staged"]
-            _settle(comm, dev, [tuned, staged, comms["host"]], collective, n, dtype)
-            row = {"bytes": n * np.dtype(dtype).itemsize, "collective": collective, "lines": {}}
-            for name, line in list(lines.items()):
-                try:
-                    t, wrong = _measure(comm, dev, line, n, iters, warmup)
-                except (RuntimeError, NotImplementedError, ValueError) as exc:
-                    if name not in OPTIONAL:
-                        raise
-                    # torch.distributed refuses what a backend lacks (gloo's uneven reduce_scatter, say) on
-                    # every rank alike, before any communication: the line is left out with the reason.
-                    missing[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                    del lines[name]
-                    continue
-                row["lines"][name] = {"ms": t * 1e3, "busbw_GBps": row["bytes"] / t * factor / 1e9, "wrong": wrong}
+            _settle(comm, dev, comms, collective, n, dtype)
+            impls = _collectives(lines, comms, dev, n, collective, factor, missing)
+            got = run_sweep(comm, [n * np.dtype(dtype).itemsize], impls, dtype=dtype, iters=iters, warmup=warmup,
+                            kind=collective, progress=False, even=False)[0]
+            row = {"bytes": got["bytes"], "collective": collective, "lines": {}}
+            for name, m in got["impls"].items():
+                row["lines"][name] = {"ms": m["time_us_median"] / 1e3, "busbw_GBps": m["busbw_GBps"],
+                                      "wrong": m["wrong"], "remeasured": m["remeasured"]}
             row["ddlkernels_ran"] = tuned.last_algorithm
             row["staged_ran"] = staged.last_algorithm
             if "ddlkernels hier" in row["lines"]:

@@ -65,7 +65,8 @@ def _progress_bar(comm, total, progress):
 
 
 def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup=5, check=True, inplace=False,
-              progress="auto", kind="allreduce", bar=None, interleave=True, min_sample_s=0.0, pages="huge"):
+              progress="auto", kind="allreduce", bar=None, interleave=True, min_sample_s=0.0, pages="huge",
+              even=True):
     """Run every implementation at every size; return a list of row dicts (same on every rank).
 
     Each row: ``bytes`` (of the buffer, N), ``count``, ``dtype``, ``op``,
@@ -94,6 +95,10 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
     single calls.  ``batch`` is recorded per row.
     ``pages``: "small" or "huge", the pages of every buffer the lines hand to
     their collectives (see ``PAGES``).
+    ``even``: reduce_scatter and allgather counts rounded down to a multiple of
+    p, where MPI's equal blocks and ddlkernels' shards coincide; False keeps
+    every count as given (lines that place uneven blocks themselves: the
+    device sweep's).
     """
     from mpi4py import MPI
 
@@ -109,7 +114,7 @@ def run_sweep(comm, sizes, impls, *, dtype="float32", op="sum", iters=20, warmup
         bar = _progress_bar(comm, len(sizes) * len(impls), progress)
     try:
         for nbytes in sizes:
-            count = _count_for(kind, nbytes // dt.itemsize, p)
+            count = _count_for(kind, nbytes // dt.itemsize, p) if even else nbytes // dt.itemsize
             row = {"collective": kind, "bytes": count * dt.itemsize, "count": count, "dtype": dtype_name(dt),
                    "type": nccl_type_name(dt), "op": op if kind != "allgather" else "-", "ranks": p,
                    "inplace": inplace, "impls": {}}
