@@ -59,6 +59,9 @@ def comm():
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", CUPY_DTYPES, ids=[dtype_name(d) for d in CUPY_DTYPES])
 def test_cupy_every_op_size_in_and_out_of_place(comm, dtype, op):
+    """CuPy's default pool, aligned views and misaligned ones at an offset into their allocation: each exported
+    where it lies, none staged (a stage costs a device copy in and out of every call)."""
+    staged = comm.algorithms["ipc"].staged()
     for n in SIZES:
         x = data(n, dtype, salt=1)
         want = rank_order_fold(COMM.allgather(x), op)
@@ -73,6 +76,7 @@ def test_cupy_every_op_size_in_and_out_of_place(comm, dtype, op):
         comm.allreduce(m, op, out=m)
         check(cp.asnumpy(m), want, f"n={n} in place, misaligned")
         CALLS[0] += 2
+    assert comm.algorithms["ipc"].staged() == staged, "CuPy's default pool memory went through a stage"
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -111,11 +115,14 @@ def test_memory_ipc_cannot_export_is_staged(comm):
     with cp.cuda.using_allocator(pool.malloc):
         d = cp.asarray(x)
         out = cp.empty_like(d)
+    staged = comm.algorithms["ipc"].staged()
     comm.allreduce(d, "sum", out=out)
     check(cp.asnumpy(out), want, "async-pool input and output")
     comm.allreduce(d, "sum", out=d)
     check(cp.asnumpy(d), want, "async-pool in place")
     CALLS[0] += 2
+    # input and output, then the one buffer in place
+    assert comm.algorithms["ipc"].staged() - staged == 3, "async-pool memory was not staged as counted"
 
 
 @pytest.mark.parametrize("tdtype", ["float16", "bfloat16", "float32"])
@@ -123,6 +130,7 @@ def test_torch_tensors_on_a_stream_of_their_own(comm, tdtype):
     torch = G.torch_cuda()
     npdt = BFLOAT16 if tdtype == "bfloat16" else np.dtype(tdtype)
     s = torch.cuda.Stream()
+    staged = comm.algorithms["ipc"].staged()
     for n in (P + 1, 1000003):
         x = data(n, npdt, salt=3)
         want = rank_order_fold(COMM.allgather(x), "avg")
@@ -134,6 +142,7 @@ def test_torch_tensors_on_a_stream_of_their_own(comm, tdtype):
         bits = (lambda v: v.view(torch.int16).numpy()) if tdtype == "bfloat16" else (lambda v: v.numpy())
         check(bits(g), want.view(np.int16) if tdtype == "bfloat16" else want, f"torch {tdtype} n={n}")
         CALLS[0] += 1
+    assert comm.algorithms["ipc"].staged() == staged, "torch's caching allocator's memory went through a stage"
 
 
 def test_the_tuner_chooses_between_ring_ipc_and_host():
