@@ -30,8 +30,8 @@ Ranks that share one GPU.  Where every rank of the node drives the same GPU
 work at a time, switching between their contexts; a stream's wait for a
 peer's event then costs a switch.  On an H200, 2 ranks: the two events and
 the two exchanges alone took 0.5-0.57 ms a call, 4 ranks 1.41 ms
-(bench/results/ipc_schedules_np{2,4}_h200.txt).  So allreduce there (up to
-8 ranks, one fold's operands) takes another schedule, the same bits::
+(bench/results/ipc_schedules_np{2,4}_h200.txt).  So allreduce there takes
+another schedule, the same bits::
 
     both    block until their own stream's work so far has run (the input is
             written), then the exchange of where x and out lie (barrier 1)
@@ -40,7 +40,9 @@ the two exchanges alone took 0.5-0.57 ms a call, 4 ranks 1.41 ms
     both    barrier 2: out holds the whole result on every rank
 
 Only rank 0's context has work, no stream waits for another process's
-event, and the bytes moved are those of the schedule above.
+event, and the bytes moved are those of the schedule above (past 8 ranks
+the fold runs in launches of 8 operands, the last writing 7 outputs and
+copies the rest: ``reduce_many``).
 
 Buffers.  A peer's allocation is opened once and kept (``Mapped``, least
 recently used closed past ``MAPPED``), as NCCL keeps registered buffers: a
@@ -91,8 +93,6 @@ MAPPED = 256
 KEY_BYTES = 240
 #: Room for one ``gpu_ident`` in the check's exchange (a PCI bus id is 13 bytes).
 IDENT_BYTES = 64
-#: Ranks one fold serves: its operands (kernels/reduce.cu's ddl_fold reads 8 and writes 8 outputs).
-_ONE_GPU_MAX = 8
 #: Views of one peer's allocation kept while it is mapped (a training loop uses a few, the same every step).
 _VIEWS = 64
 
@@ -435,7 +435,7 @@ class IpcNode:
         n = dst.shape[0]
         if n == 0:
             return
-        if self.one_gpu(be) and self.p <= _ONE_GPU_MAX:
+        if self.one_gpu(be):
             def whole(mine_in, mine_out, peer):  # rank 0 folds everything into every output
                 if self.me == 0:
                     outs = [peer(q, _DST, 0, n, mine_in.dtype) for q in range(1, self.p)]

@@ -343,9 +343,9 @@ class DeviceBackend(Backend):
         (``_launch_fold``: kernels/reduce.cu's ddl_fold) reads each operand once and writes ``dst`` and up to
         7 of ``also`` once, in one launch for up to 8 operands (in groups of 8 onto the partial result
         beyond), where the chain reads and writes the partial result at every step.  Where that cannot
-        serve an operand that is (or overlaps) an output (no fold kernels, a longer fold that would
-        overwrite it before reading it, a partial overlap), the result is made in a scratch buffer and
-        copied."""
+        serve an operand that is (or overlaps) an output (no fold kernels, ``dst`` itself past the first 8
+        operands, which the first launch overwrites before a later one reads it, a partial overlap), the
+        result is made in a scratch buffer and copied."""
         if len(srcs) < 2:
             raise ValueError(f"reduce_many needs 2 operands or more, got {len(srcs)}")
         if op not in _REDUCE_OPS or (avg_p is not None and op != "sum"):
@@ -362,10 +362,13 @@ class DeviceBackend(Backend):
         outs_at = sorted(map(self._span, outs))
         if not _disjoint(outs_at):
             raise ValueError("reduce_many: dst and the buffers of also= overlap")
-        exact, touch = _against(outs_at, [self._span(x) for x in srcs])
+        spans = [self._span(x) for x in srcs]
+        exact, touch = _against(outs_at, spans)
         launch = getattr(self, "_launch_fold", None)
-        direct = (launch is not None and exact == touch
-                  and (len(srcs) <= 8 or not any(touch[1:])))  # a later group would read a partial result
+        # Launches after the first read dst's partial result, so an operand there that is dst would be read
+        # overwritten; one that is a buffer of also= is safe (those are written by the last launch and after).
+        at = self._ptr(dst)
+        direct = launch is not None and exact == touch and not any(lo == at for lo, _ in spans[8:])
         if not direct and any(touch):  # fold into a scratch buffer apart from every operand, then copy
             tmp = self.empty(n, dst.dtype)
             self.reduce_many(op, tmp, srcs, avg_p=avg_p)
