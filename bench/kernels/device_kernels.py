@@ -6,7 +6,9 @@
   ``cupy.add(out=)`` and a device copy (``cupy.copyto``), for float32, float16 and bfloat16 (CuPy has
   no bfloat16: torch only), out of place and in place (``dst`` is ``a``), aligned and one element off
   a 16-byte boundary; GB/s of bytes moved, as STREAM counts them (reduce 3 x size, copy 2 x size),
-  median of ``-n`` runs timed with CUDA events, the lines taken in turn within each run;
+  median of ``-n`` runs timed with CUDA events, the lines taken in turn within each run, each run queued
+  behind a kernel that holds the GPU until the host has launched it (the events time the device's work,
+  not the host's launch, which the next line times);
 * host time per launch: 1000 back-to-back 1 MiB launches of each, divided by 1000 (the device
   synchronized after, not between), the Numba backend's reduce beside the CuPy backend's;
 * the fold of 4 operands (the CUDA IPC allreduce's reduce-scatter at 4 ranks): one ``ddl_fold`` launch
@@ -49,6 +51,23 @@ def _gpu():
         return None, None, f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
+# A GPU left idle between runs waits, after the start event, for the host to launch the run: the events would
+# time the launch's host cost with the kernel (about 11 us for the CuPy backend's reduce, 8 us for torch.add;
+# 5-20 % of a 64 MiB reduce).  So each run starts behind a kernel that keeps one thread busy for longer than
+# the host takes to launch the run (nvbench's "blocking kernel"); host time per launch is a line of its own.
+_SPIN = r"""
+extern "C" __global__ void ddl_bench_spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+"""
+#: the spin before a run: this many times the run's host time, plus SPIN_MIN_S, at most SPIN_MAX_S
+SPIN_FACTOR, SPIN_MIN_S, SPIN_MAX_S = 3, 50e-6, 20e-3
+
+
 def _events_ms(cp, fn, iters):
     """Median milliseconds of ``fn()`` over ``iters`` runs, each between two CUDA events on the null stream
     (torch's default stream and CuPy's current one here)."""
@@ -56,16 +75,24 @@ def _events_ms(cp, fn, iters):
 
 
 def _events_ms_each(cp, fns, iters):
-    """Median milliseconds of every function of ``fns`` (name -> function), each run once untimed first, then
-    timed with CUDA events on the null stream in turn within each of ``iters`` iterations, so that the GPU's
-    clocks and the other processes' load drift alike over every line instead of favouring the one timed
-    first."""
-    times = {k: [] for k in fns}
-    for fn in fns.values():
+    """Median milliseconds of device work of every function of ``fns`` (name -> function), each run twice
+    untimed first (the second timing its host cost), then timed with CUDA events on the null stream behind
+    the spin kernel, in turn within each of ``iters`` iterations, so that the GPU's clocks and the other
+    processes' load drift alike over every line instead of favouring the one timed first."""
+    spin = cp.RawKernel(_SPIN, "ddl_bench_spin")
+    times, waits = {k: [] for k in fns}, {}
+    for k, fn in fns.items():
         fn()
+        cp.cuda.Device().synchronize()
+        t = time.perf_counter()
+        fn()
+        host = time.perf_counter() - t
+        waits[k] = np.uint64(min(SPIN_MAX_S, SPIN_MIN_S + SPIN_FACTOR * host) * 1e9)
+        cp.cuda.Device().synchronize()
     for _ in range(iters):
         for k, fn in fns.items():
             a, b = cp.cuda.Event(), cp.cuda.Event()
+            spin((1,), (1,), (waits[k],))
             a.record()
             fn()
             b.record()
@@ -106,7 +133,7 @@ def main(argv=None):
     gpu = name.decode() if isinstance(name, bytes) else str(name)
     tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     rows, wrong = [], 0
-    print(f"# {gpu}; median of {args.iters} runs, CUDA events; GB/s = bytes moved / time (reduce 3x, copy 2x)")
+    print(f"# {gpu}; median of {args.iters} runs, CUDA events, each run queued behind a spin kernel; GB/s = bytes moved / time (reduce 3x, copy 2x)")
     print(f"{'case':<40} {'ddlkernels':>11} {'torch.add':>10} {'cp.add':>8} {'copy':>8} {'ddl/torch':>10}")
     for size in [parse_size(s) for s in args.sizes.split(",")]:
         for dname in ("float32", "float16", "bfloat16"):
