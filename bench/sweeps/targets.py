@@ -1,10 +1,12 @@
-"""Issue 5's targets, read from the committed results: each measured ratio and whether it holds.
+"""The issues' targets, read from the committed results: each measured ratio and whether it holds.
 
     python bench/sweeps/targets.py bench/results/allreduce_np2_float32.json bench/results/allreduce_np4_float32.json \
         --kernels bench/results/kernels_np1.json [--markdown]
+    python bench/sweeps/targets.py --device bench/results/device_allreduce_np2_h200.json \
+        --device bench/results/device_allreduce_np4_h200.json --device-kernels bench/results/device_kernels_h200.json
 
 Every ratio is of two lines measured in the same run (busbw from the median
-iteration, the slowest rank's time).  Targets (from the issue):
+iteration, the slowest rank's time).  Host targets (issue 5):
 
 * 2 ranks, N >= 16 MiB: ddlkernels busbw >= 0.85 x the Sendrecv link;
 * 2 and 4 ranks: ddlkernels / MPI_Allreduce >= 1.5 at 4 MiB, >= 1.7 at 16 MiB,
@@ -13,6 +15,16 @@ iteration, the slowest rank's time).  Targets (from the issue):
   reduce alternated round by round where the benchmark has them (float32), the kernels timed apart
   shown as context there;
 * #wrong = 0 everywhere.
+
+GPU targets (issue 31; ``bench/sweeps/device_allreduce.py`` and ``bench/kernels/device_kernels.py``):
+
+* 2 ranks, 256 MiB: ddlkernels busbw >= 300 GB/s and >= 100x the hand-rolled D2H + MPI + H2D loop;
+  4 ranks, 256 MiB: >= 200 GB/s; 1 MiB: >= 2x the hand-rolled loop;
+* the staged path (IPC off) >= 0.85x ddlkernels on host arrays from 64 MiB;
+* the reduce kernel >= 0.97x torch.add at 64-512 MiB in float32, float16 and bfloat16 (the worst case of
+  each dtype, aligned and one element off apart); host time per launch <= 1.2x cupy.add's; pack >= 1.0x
+  torch.cat;
+* #wrong = 0 in every run.
 """
 
 from __future__ import annotations
@@ -151,17 +163,87 @@ def kernel_targets(path):
     return f"{path}: pytest-benchmark, median round", out
 
 
+def device_sweep_targets(path):
+    """Issue 31's allreduce targets in one ``device_allreduce.py`` JSON (its rank count decides which)."""
+    with open(path) as f:
+        data = json.load(f)
+    p = data["ranks"]
+    out = []
+    wrong = sum(m["wrong"] for r in data["rows"] for m in r["lines"].values())
+    out.append((f"{p} ranks: #wrong", f"{wrong}", "= 0", wrong == 0))
+    for r in data["rows"]:
+        lines, size = r["lines"], _size(r["bytes"])
+        ddl, hand = lines.get("ddlkernels"), lines.get("hand-rolled")
+        if not ddl or not hand:
+            continue
+        speed = hand["ms"] / ddl["ms"]
+        ran = f", ran {r.get('ddlkernels_ran')}"
+        if r["bytes"] == 256 * MiB and p in (2, 4):
+            need = 300 if p == 2 else 200
+            out.append((f"{p} ranks, {size}: ddlkernels busbw", f"{ddl['busbw_GBps']:.1f} GB/s{ran}", f">= {need} GB/s",
+                        ddl["busbw_GBps"] >= need))
+            if p == 2:
+                out.append((f"2 ranks, {size}: ddlkernels / hand-rolled loop", f"{speed:.1f}x", ">= 100x", speed >= 100))
+        if r["bytes"] == MiB:
+            out.append((f"{p} ranks, {size}: ddlkernels / hand-rolled loop", f"{_fmt(speed, 2.0)}x{ran}", ">= 2x",
+                        speed >= 2.0))
+        ipc = lines.get("ddlkernels ipc")
+        if ipc and (r["bytes"] == MiB or (r["bytes"] == 256 * MiB and p in (2, 4))):
+            out.append((f"{p} ranks, {size}: (context) ddlkernels ipc=True", f"{ipc['busbw_GBps']:.1f} GB/s, "
+                        f"{hand['ms'] / ipc['ms']:.2f}x the hand-rolled loop", "-", True))
+        staged, host = lines.get("ddlkernels staged"), lines.get("ddlkernels host")
+        if r["bytes"] >= 64 * MiB and staged and host:
+            ratio = host["ms"] / staged["ms"]
+            out.append((f"{p} ranks, {size}: staged / host arrays", f"{_fmt(ratio, 0.85)}x (ran {r.get('staged_ran')})",
+                        ">= 0.85x", ratio >= 0.85))
+    return f"{path}: {p} ranks, {data['gpu']}, {data.get('dtype', 'float32')}", out
+
+
+def device_kernel_targets(path):
+    """Issue 31's kernel targets in one ``device_kernels.py`` JSON: the worst reduce / torch.add of each dtype
+    (aligned, and one element off a 16-byte boundary), host time per launch, pack."""
+    with open(path) as f:
+        data = json.load(f)
+    worst = {}
+    for row in data["reduce"]:
+        case, g = row["case"], row["GBps"]  # "reduce 64M float32 in place +1"
+        size = int(case.split()[1].rstrip("M"))
+        if not 64 <= size <= 512:
+            continue
+        key = (case.split()[2], case.endswith("+1"))
+        ratio = g["ddlkernels"] / g["torch.add"]
+        if key not in worst or ratio < worst[key][0]:
+            worst[key] = (ratio, case)
+    out = []
+    for (dtype, off), (ratio, case) in sorted(worst.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        out.append((f"reduce / torch.add, 64-512 MiB {dtype}{', one element off' if off else ''}: the worst",
+                    f"{_fmt(ratio, 0.97)} ({case})", ">= 0.97", ratio >= 0.97))
+    host = data["host_us_per_launch"]
+    ratio = host["ddlkernels"] / host["cp.add"]
+    out.append(("host time per launch / cupy.add's", f"{ratio:.2f} ({host['ddlkernels']:.1f} vs {host['cp.add']:.1f} us)",
+                "<= 1.2", ratio <= 1.2))
+    pack = data["pack"]
+    ratio = pack["torch_cat_ms"] / pack["ms"]
+    out.append((f"pack of {pack['tensors']} tensors / torch.cat", f"{_fmt(ratio, 1.0)}", ">= 1.0", ratio >= 1.0))
+    wrong = int(data["wrong"])
+    out.append(("kernels: #wrong", f"{wrong}", "= 0", wrong == 0))
+    return f"{path}: {data['gpu']}", out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweeps", nargs="*", help="JSON of bench/sweeps/allreduce.py runs")
     ap.add_argument("--kernels", action="append", default=[], help="pytest-benchmark JSON of bench_reduce.py")
+    ap.add_argument("--device", action="append", default=[], help="JSON of bench/sweeps/device_allreduce.py runs")
+    ap.add_argument("--device-kernels", action="append", default=[], help="JSON of bench/kernels/device_kernels.py")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--tables", action="store_true", help="also print each sweep's busbw table (markdown)")
     a = ap.parse_args()
     if a.tables:
         for p in a.sweeps:
             print(f"\n{p}\n\n{sweep_table(p)}")
-    blocks = [sweep_targets(p) for p in a.sweeps] + [kernel_targets(p) for p in a.kernels]
+    blocks = ([sweep_targets(p) for p in a.sweeps] + [kernel_targets(p) for p in a.kernels]
+              + [device_sweep_targets(p) for p in a.device] + [device_kernel_targets(p) for p in a.device_kernels])
     for note, items in blocks:
         if a.markdown:
             print(f"\n{note}\n\n| target | measured | needed | holds |\n| --- | --- | --- | --- |")

@@ -23,7 +23,8 @@
 # reported as not run.  Logs and JSON go to $TMPDIR/gpu-tests, and, after every step, into
 # $OUT/gpu-tests.tar.gz where $OUT is set, so a run cut short still returns what it did.  Exits non-zero
 # on any failure, time-out or step not run, on any skipped test (a skip here means the device was not used),
-# and when no device is visible.
+# and when no device is visible.  Last, the issue's targets judged on the JSON of this run
+# (bench/sweeps/targets.py; a target missed is reported, not a failure of the run).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -136,6 +137,12 @@ done
 echo
 echo "=== GPU suite summary ($DEVICE, $(( $(date +%s) - t0 )) s in all)"
 for line in "${SUMMARY[@]}"; do echo "  $line"; done
+TARGETS=()  # issue 31's targets, judged on what this run measured
+for f in "$LOGDIR"/device_allreduce_np*.json; do [ -f "$f" ] && TARGETS+=(--device "$f"); done
+[ -f "$LOGDIR/device_kernels.json" ] && TARGETS+=(--device-kernels "$LOGDIR/device_kernels.json")
+if [ ${#TARGETS[@]} -gt 0 ]; then
+    echo; echo "=== targets ($DEVICE)"; "$PY" bench/sweeps/targets.py "${TARGETS[@]}" | tee "$LOGDIR/targets.txt"
+fi
 save_logs && echo "logs and JSON: \$OUT/gpu-tests.tar.gz"
 if [ "$FAILED" -ne 0 ]; then echo "GPU SUITE FAILED"; exit 1; fi
 echo "GPU SUITE PASSED"
