@@ -110,14 +110,17 @@ def test_device_targets_of_issue_31_at_their_thresholds(tmp_path):
     kern = tmp_path / "kernels.json"
     kern.write_text(json.dumps({"gpu": "a test GPU", "reduce": reduce, "wrong": 0,
                                 "host_us_per_launch": {"ddlkernels": 12.1, "cp.add": 10.0},
-                                "pack": {"tensors": 3, "bytes": 1, "ms": 1.0, "torch_cat_ms": 0.99}}))
+                                "pack": {"tensors": 3, "bytes": 1, "ms": 1.0, "torch_cat_ms": 0.99},
+                                "fold2_into2_256M_ms": 0.5, "add_copy_256M_ms": 0.6}))
     _, items = t.device_kernel_targets(str(kern))
     got = {what: (measured.split()[0], ok) for what, measured, _, ok in items}
     assert got == {"reduce / torch.add, 64-512 MiB float32: the worst": ("0.97", True),  # 1 MiB is out of range
                    "reduce / torch.add, 64-512 MiB float16: the worst": ("0.969", False),
                    "reduce / torch.add, 64-512 MiB float16, one element off: the worst": ("0.98", True),
                    "host time per launch / cupy.add's": ("1.21", False),
-                   "pack of 3 tensors / torch.cat": ("0.99", False), "kernels: #wrong": ("0", True)}
+                   "pack of 3 tensors / torch.cat": ("0.99", False), "kernels: #wrong": ("0", True),
+                   "(context) the 2-rank one-GPU fold, 256 MiB": ("0.500", True)}
+    assert "busbw at most 537 GB/s" in next(m for what, m, _, _ in items if "one-GPU fold" in what)
 
 
 def test_device_targets_read_every_committed_gpu_run():

@@ -13,7 +13,8 @@
   synchronized after, not between), the Numba backend's reduce beside the CuPy backend's;
 * the fold of 4 operands (the CUDA IPC allreduce's reduce-scatter at 4 ranks): one ``ddl_fold`` launch
   against the chain of 3 reduce launches it replaces, the same bits; and the fold writing 4 destinations
-  (the IPC allreduce out of place) against the fold and 3 copies;
+  (the IPC allreduce out of place) against the fold and 3 copies; and the fold of the allreduce where 2
+  ranks share one GPU (2 inputs of 256 MiB into 2 outputs) against torch.add and a copy;
 * pack: 182 tensors of a ResNet-like mix of sizes (313 MiB) into one buffer against ``torch.cat``,
   by the CuPy backend and by the Numba one (the same table of kernels/pack.cu, read in 8-byte words).
 
@@ -199,6 +200,26 @@ def main(argv=None):
     copies_ms = _events_ms(cp, fold_then_copies, args.iters)
     print(f"# fold of 4 into 4 destinations: one ddl_fold {multi_ms:.3f} ms, fold + 3 copies {copies_ms:.3f} ms "
           f"({copies_ms / multi_ms:.2f}x)")
+    # Where every rank shares one GPU, rank 0 folds every rank's whole input into every output in one launch
+    # (ddlkernels.algorithms.ipc): at 2 ranks and 256 MiB, 2 operands into 2 destinations.  Against torch.add and
+    # a copy; the fold's time alone bounds the allreduce's bus bandwidth (bytes / t at 2 ranks).
+    n = (256 << 20) // 4
+    x2 = [cp.random.rand(n, dtype=np.float32) for _ in range(2)]
+    o2 = [cp.empty(n, np.float32) for _ in range(2)]
+    t2 = [torch.as_tensor(v, device="cuda") for v in x2 + o2]
+    be.reduce_many("sum", o2[0], x2, also=o2[1:])
+    ref = cp.add(x2[0], x2[1])
+    wrong += sum(int(cp.count_nonzero(o.view(np.uint32) != ref.view(np.uint32))) for o in o2)
+
+    def add_and_copy():
+        torch.add(t2[0], t2[1], out=t2[2])
+        t2[3].copy_(t2[2])
+
+    one_gpu = _events_ms_each(cp, {"fold": lambda: be.reduce_many("sum", o2[0], x2, also=o2[1:]),
+                                   "torch": add_and_copy}, args.iters)
+    print(f"# the one-GPU allreduce's fold at 2 ranks, 256 MiB float32, 2 inputs into 2 outputs: ddl_fold "
+          f"{one_gpu['fold']:.3f} ms ({4 * (256 << 20) / one_gpu['fold'] / 1e6:.0f} GB/s moved), torch.add + copy "
+          f"{one_gpu['torch']:.3f} ms; the allreduce's bus bandwidth at most {(256 << 20) / one_gpu['fold'] / 1e6:.0f} GB/s")
     # Host time per launch, 1 MiB float32.
     n = (1 << 20) // 4
     a, b, out = cp.random.rand(n, dtype=np.float32), cp.random.rand(n, dtype=np.float32), cp.empty(n, np.float32)
@@ -265,6 +286,7 @@ def main(argv=None):
             json.dump({"gpu": gpu, "reduce": rows, "host_us_per_launch": host_us,
                        "fold4_ms": fold_ms, "chain3_ms": chain_ms,
                        "fold4_into4_ms": multi_ms, "fold4_copies3_ms": copies_ms,
+                       "fold2_into2_256M_ms": one_gpu["fold"], "add_copy_256M_ms": one_gpu["torch"],
                        "pack": {"tensors": len(tensors), "bytes": nbytes, "ms": pack_ms, "torch_cat_ms": cat_ms,
                                 "numba_ms": npack_ms},
                        "wrong": wrong}, f, indent=1)

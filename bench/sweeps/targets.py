@@ -225,6 +225,10 @@ def device_kernel_targets(path):
     pack = data["pack"]
     ratio = pack["torch_cat_ms"] / pack["ms"]
     out.append((f"pack of {pack['tensors']} tensors / torch.cat", f"{_fmt(ratio, 1.0)}", ">= 1.0", ratio >= 1.0))
+    if "fold2_into2_256M_ms" in data:  # what the one-GPU allreduce's bytes alone cost at 2 ranks, 256 MiB
+        t = data["fold2_into2_256M_ms"]
+        out.append(("(context) the 2-rank one-GPU fold, 256 MiB", f"{t:.3f} ms: busbw at most {256 * MiB / t / 1e6:.0f} "
+                    f"GB/s; torch.add + copy {data['add_copy_256M_ms']:.3f} ms", "-", True))
     wrong = int(data["wrong"])
     out.append(("kernels: #wrong", f"{wrong}", "= 0", wrong == 0))
     return f"{path}: {data['gpu']}", out
