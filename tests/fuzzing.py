@@ -136,7 +136,8 @@ def check_result(y, inputs, op, dt):
             over = np.prod(np.maximum(np.abs(stack), 1), axis=0) >= lim
             ieee = np.where(ref == 0, np.isnan(wide), np.isinf(wide) & (np.sign(wide) == np.sign(ref)))
         else:
-            up, down = np.where(stack > 0, stack, 0).sum(axis=0) >= lim, np.where(stack < 0, -stack, 0).sum(axis=0) >= lim
+            up = np.where(stack > 0, stack, 0).sum(axis=0) >= lim
+            down = np.where(stack < 0, -stack, 0).sum(axis=0) >= lim
             over = up | down
             ieee = ((wide == np.inf) & up) | ((wide == -np.inf) & down) | (np.isnan(wide) & up & down)
         bad = np.nonzero(~(ok | (over & ieee)))[0]

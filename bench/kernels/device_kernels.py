@@ -53,9 +53,10 @@ def _gpu():
 
 
 # A GPU left idle between runs waits, after the start event, for the host to launch the run: the events would
-# time the launch's host cost with the kernel (about 11 us for the CuPy backend's reduce, 8 us for torch.add;
-# 5-20 % of a 64 MiB reduce).  So each run starts behind a kernel that keeps one thread busy for longer than
-# the host takes to launch the run (nvbench's "blocking kernel"); host time per launch is a line of its own.
+# time the launch's host cost with the kernel (11.4 us a launch for the CuPy backend's reduce, 7.8 us for
+# torch.add, beside about 57 us for torch.add's 64 MiB float32 reduce on the H200: device_kernels_h200.txt).
+# So each run starts behind a kernel that keeps one thread busy for longer than the host takes to launch the
+# run (nvbench's "blocking kernel"); host time per launch is a line of its own.
 _SPIN = r"""
 extern "C" __global__ void ddl_bench_spin(unsigned long long ns) {
     unsigned long long t0, t;
@@ -134,7 +135,8 @@ def main(argv=None):
     gpu = name.decode() if isinstance(name, bytes) else str(name)
     tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     rows, wrong = [], 0
-    print(f"# {gpu}; median of {args.iters} runs, CUDA events, each run queued behind a spin kernel; GB/s = bytes moved / time (reduce 3x, copy 2x)")
+    print(f"# {gpu}; median of {args.iters} runs, CUDA events, each run queued behind a spin kernel; "
+          f"GB/s = bytes moved / time (reduce 3x, copy 2x)")
     print(f"{'case':<40} {'ddlkernels':>11} {'torch.add':>10} {'cp.add':>8} {'copy':>8} {'ddl/torch':>10}")
     for size in [parse_size(s) for s in args.sizes.split(",")]:
         for dname in ("float32", "float16", "bfloat16"):
@@ -219,7 +221,8 @@ def main(argv=None):
                                    "torch": add_and_copy}, args.iters)
     print(f"# the one-GPU allreduce's fold at 2 ranks, 256 MiB float32, 2 inputs into 2 outputs: ddl_fold "
           f"{one_gpu['fold']:.3f} ms ({4 * (256 << 20) / one_gpu['fold'] / 1e6:.0f} GB/s moved), torch.add + copy "
-          f"{one_gpu['torch']:.3f} ms; the allreduce's bus bandwidth at most {(256 << 20) / one_gpu['fold'] / 1e6:.0f} GB/s")
+          f"{one_gpu['torch']:.3f} ms; the allreduce's bus bandwidth at most "
+          f"{(256 << 20) / one_gpu['fold'] / 1e6:.0f} GB/s")
     # Host time per launch, 1 MiB float32.
     n = (1 << 20) // 4
     a, b, out = cp.random.rand(n, dtype=np.float32), cp.random.rand(n, dtype=np.float32), cp.empty(n, np.float32)

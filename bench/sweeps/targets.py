@@ -220,8 +220,8 @@ def device_kernel_targets(path):
                     f"{_fmt(ratio, 0.97)} ({case})", ">= 0.97", ratio >= 0.97))
     host = data["host_us_per_launch"]
     ratio = host["ddlkernels"] / host["cp.add"]
-    out.append(("host time per launch / cupy.add's", f"{ratio:.2f} ({host['ddlkernels']:.1f} vs {host['cp.add']:.1f} us)",
-                "<= 1.2", ratio <= 1.2))
+    out.append(("host time per launch / cupy.add's",
+                f"{ratio:.2f} ({host['ddlkernels']:.1f} vs {host['cp.add']:.1f} us)", "<= 1.2", ratio <= 1.2))
     pack = data["pack"]
     ratio = pack["torch_cat_ms"] / pack["ms"]
     out.append((f"pack of {pack['tensors']} tensors / torch.cat", f"{_fmt(ratio, 1.0)}", ">= 1.0", ratio >= 1.0))

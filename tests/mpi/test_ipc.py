@@ -399,9 +399,10 @@ def one_gpu_launches(p, n):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64], ids=dtype_name)
 def test_ranks_on_one_gpu_rank_0_folds_everything_after_their_streams_ran(monkeypatch, dtype, policy):
     """Every rank on one GPU: rank 0 alone launches, one fold of every rank's whole input into every output (past
-    8 ranks in launches of 8 operands, the partial result carried on), and no stream waits for a peer's event; the ranks' own streams have run before it reads and after it
-    writes.  Inputs written on a caller stream right before the call and overwritten right after, in and out
-    of place, every op: the rank-order fold's bits on every rank."""
+    8 ranks in launches of 8 operands, the partial result carried on), and no stream waits for a peer's event;
+    the ranks' own streams have run before it reads and after it writes.  Inputs written on a caller stream right
+    before the call and overwritten right after, in and out of place, every op: the rank-order fold's bits on
+    every rank."""
     import stream_emulator as SE
 
     launches, waits = [], []
