@@ -250,7 +250,7 @@ class DeviceBackend(Backend):
 
     def synchronize(self) -> None:
         """Block until the work queued on this thread's compute stream has finished."""
-        self.sync(self.record(self.compute_stream()))
+        self.sync_stream(self.compute_stream())
 
     def _pack_table(self, stream, ptrs, sizes, offsets, word=1):
         """(``pack_pieces``' table on the device, its longest row), lengths and offsets in ``word``-byte units
