@@ -33,10 +33,11 @@
 // Preconditions
 //   * b does not overlap dst (it is read through the read-only cache).  a is
 //     either exactly dst or does not overlap it.
-//   * All three pointers are aligned to sizeof(T).  When they share the same
-//     offset modulo 16 bytes, the bulk is moved with 128-bit loads/stores
-//     (a scalar head reaches the 16-byte boundary, a scalar tail ends it);
-//     otherwise every element is moved alone, a few a thread in flight.
+//   * All three pointers are aligned to sizeof(T).  The bulk is moved with
+//     128-bit loads/stores (a scalar head reaches dst's first 16-byte
+//     boundary, a scalar tail ends it); an operand at another offset modulo
+//     16 than dst is read as aligned 128-bit words too, each word it needs
+//     cut from the two it straddles (reduce_realigned).
 //   * 1-D grid of any size: the loops are grid-stride, so correctness does
 //     not depend on the launch shape; no shared memory, no __syncthreads.
 //
@@ -204,6 +205,68 @@ template <class T> union Vec16 {
     T v[16 / sizeof(T)];
 };
 
+// ---- operands that do not share dst's offset modulo 16 -------------------------------
+// The 16 bytes that start sh bytes into the aligned word lo and run on into the next
+// one, hi (0 < sh < 16): each 32-bit lane is a funnel shift of two neighbours (little
+// endian, as both the GPU and the host harness are).  sh is the same on every thread
+// (it is a property of the pointers), so the switch does not diverge.
+__device__ __forceinline__ uint4 realign(uint4 lo, uint4 hi, unsigned sh) {
+    unsigned w0, w1, w2, w3, w4;
+    switch (sh >> 2) {
+        case 0: w0 = lo.x; w1 = lo.y; w2 = lo.z; w3 = lo.w; w4 = hi.x; break;
+        case 1: w0 = lo.y; w1 = lo.z; w2 = lo.w; w3 = hi.x; w4 = hi.y; break;
+        case 2: w0 = lo.z; w1 = lo.w; w2 = hi.x; w3 = hi.y; w4 = hi.z; break;
+        default: w0 = lo.w; w1 = hi.x; w2 = hi.y; w3 = hi.z; w4 = hi.w; break;
+    }
+    const unsigned r = (sh & 3) * 8;
+    uint4 v;
+    v.x = __funnelshift_r(w0, w1, r);
+    v.y = __funnelshift_r(w1, w2, r);
+    v.z = __funnelshift_r(w2, w3, r);
+    v.w = __funnelshift_r(w3, w4, r);
+    return v;
+}
+
+// dst = op(a, b) where a or b lies at another offset modulo 16 than dst (a torch view one element
+// in, say): 128-bit stores from dst's first boundary on, each operand word cut from the two aligned
+// words it straddles (realign).  Every load is an aligned 128-bit one inside its operand: the body
+// starts where each operand's first straddled word begins at or after the operand, and ends where
+// each one's last ends inside it; the elements before and after go one at a time.  A second load of
+// the neighbour's word mostly hits the cache its neighbour thread's load filled, so DRAM moves each
+// byte once, as on the aligned path.
+template <class T, class Op>
+__device__ __forceinline__ void reduce_realigned(T* dst, const T* a, const T* __restrict__ b, u64 n,
+                                                 typename Traits<T>::acc arg, u64 tid, u64 stride) {
+    const int V = 16 / sizeof(T);
+    u64 body = ((16 - ((u64)dst & 15)) & 15) / sizeof(T);  // dst's first 16-byte boundary
+    const unsigned sa = (unsigned)(((u64)a + body * sizeof(T)) & 15);
+    const unsigned sb = (unsigned)(((u64)b + body * sizeof(T)) & 15);
+    const u64 back = (sa > sb ? sa : sb) / sizeof(T);  // elements an operand's first word reaches back
+    if (body < back) body += V;  // a word further on: the same offsets modulo 16
+    u64 words = 0;
+    if (body + V <= n) {
+        words = (n - body) / V;
+        const u64 wa = (n - body - V + sa / sizeof(T)) / V, wb = (n - body - V + sb / sizeof(T)) / V;
+        if (sa && wa < words) words = wa;  // word i reads the operand's aligned words i and i + 1
+        if (sb && wb < words) words = wb;
+    }
+    const u64 head = body < n ? body : n;
+    for (u64 i = tid; i < head; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
+    const uint4* aw = reinterpret_cast<const uint4*>((u64)a + body * sizeof(T) - sa);
+    const uint4* bw = reinterpret_cast<const uint4*>((u64)b + body * sizeof(T) - sb);
+    uint4* dw = reinterpret_cast<uint4*>(dst + body);
+    for (u64 i = tid; i < words; i += stride) {
+        Vec16<T> x, y, r;
+        // a may be dst (then sa == 0): cache-all loads, as ordinary ones (naming the global state space).
+        x.u = sa ? realign(__ldca(aw + i), __ldca(aw + i + 1), sa) : __ldca(aw + i);
+        y.u = sb ? realign(__ldg(bw + i), __ldg(bw + i + 1), sb) : __ldg(bw + i);
+#pragma unroll
+        for (int k = 0; k < V; ++k) r.v[k] = Op::apply(x.v[k], y.v[k], arg);
+        dw[i] = r.u;
+    }
+    for (u64 i = head + words * V + tid; i < n; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
+}
+
 template <class T, class Op>
 __device__ __forceinline__ void reduce_grid(T* dst, const T* a, const T* __restrict__ b, u64 n,
                                             typename Traits<T>::acc arg) {
@@ -213,21 +276,7 @@ __device__ __forceinline__ void reduce_grid(T* dst, const T* a, const T* __restr
     const u64 off = (u64)dst & 15;
     const bool vec = ((u64)a & 15) == off && ((u64)b & 15) == off;
     if (!vec) {
-        // Every element alone, UNROLL of them a thread loaded before the first is stored (as the words
-        // below): one at a time, a thread waits out each load's latency in turn.
-        const int UNROLL = Unroll<Op>::value;
-        u64 i = tid;
-        for (; i + (UNROLL - 1) * stride < n; i += UNROLL * stride) {
-            T x[UNROLL], y[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                x[u] = a[i + u * stride];
-                y[u] = __ldg(b + i + u * stride);
-            }
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) dst[i + u * stride] = Op::apply(x[u], y[u], arg);
-        }
-        for (; i < n; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
+        reduce_realigned<T, Op>(dst, a, b, n, arg, tid, stride);
         return;
     }
     // Elements before the first 16-byte boundary.

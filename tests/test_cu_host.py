@@ -4,7 +4,8 @@ g++ compiles kernels/reduce.cu and kernels/pack.cu, unmodified, after
 tests/cuda_host/cuda_host.h, which defines the CUDA built-ins and runs every
 (block, thread) of a launch.  Every kernel (op x dtype) is checked bitwise
 against the numpy backend on the 128-bit vector path, the scalar head and
-tail, the all-scalar path for pointers of different alignment, the in-place
+tail, the realigned path for pointers at different offsets modulo 16 (every
+combination, and no load outside an operand), the in-place
 2-operand form and several grid shapes (forward and backward thread order),
 with guard elements around the output to catch stray writes.
 """
@@ -134,6 +135,55 @@ def test_reduce_unrolled_rounds(harness, dtype, op):
                 assert ok, f"{name} n={n} off={off} launch={grid}x{block}: first mismatch at {bad}"
                 gb = K.bits_view(wd)
                 assert (gb[:GUARD] == before[:GUARD]).all() and (gb[GUARD + n:] == before[GUARD + n:]).all()
+
+
+@pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
+def test_reduce_every_offset_of_dst_a_and_b(harness, dtype):
+    """Every (dst, a, b) offset modulo 16 bytes: the aligned path where all three agree, else the realigned
+    one (each operand word cut from the two aligned words it straddles), against numpy, bits and guards."""
+    v = 16 // dtype.itemsize
+    for op in ("sum", "max"):
+        name = f"ddl_reduce_{op}_{K.SUFFIX[dtype]}"
+        for n in (0, 1, v + 1, 2 * v - 1, 3 * v + 2, 67):
+            a0, b0 = K.make_pair(dtype, n, seed=n, op=op)
+            ref = K.reference(op, a0, b0, 3)
+            for od in range(v):
+                for oa in range(v):
+                    for ob in range(v):
+                        wd, d = aligned(n, dtype, od)
+                        _, a = aligned(n, dtype, oa)
+                        _, b = aligned(n, dtype, ob)
+                        a[:], b[:] = a0, b0
+                        before = K.bits_view(wd).copy()
+                        grid, block, rev = LAUNCHES[(od + oa + ob) % 3]
+                        harness.reduce(name, d, a, b, K.kernel_arg(dtype, op, 3), grid, block, rev)
+                        ok, _, bad = K.compare(d, ref, op)
+                        assert ok, f"{name} n={n} offs={(od, oa, ob)}: first mismatch at {bad}"
+                        gb = K.bits_view(wd)
+                        assert (gb[:GUARD] == before[:GUARD]).all() and (gb[GUARD + n:] == before[GUARD + n:]).all()
+
+
+@pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
+def test_reduce_reads_nothing_outside_its_operands(harness, dtype):
+    """Every offset of dst, a and b and every length around a few words, with the harness counting loads that
+    reach outside the three arrays: the realigned path's loads of the words an operand straddles must stay
+    inside it (on a GPU the bytes beyond belong to a neighbour, or past an allocation's end fault)."""
+    v = 16 // dtype.itemsize
+    name = f"ddl_reduce_sum_{K.SUFFIX[dtype]}"
+    for n in range(0, 3 * v + 2):
+        a0, b0 = K.make_pair(dtype, n, seed=n, op="sum")
+        ref = K.reference("sum", a0, b0, 3)
+        for od in range(v):
+            for oa in range(v):
+                for ob in range(v):
+                    _, d = aligned(n, dtype, od)
+                    _, a = aligned(n, dtype, oa)
+                    _, b = aligned(n, dtype, ob)
+                    a[:], b[:] = a0, b0
+                    stray = harness.reads_outside((d, a, b), lambda: harness.reduce(
+                        name, d, a, b, K.kernel_arg(dtype, "sum", 3), 3, 32, (od + n) % 2 == 1))
+                    assert stray == 0, f"{name} n={n} offs={(od, oa, ob)}: {stray} loads outside the operands"
+                    assert K.compare(d, ref, "sum")[0], f"{name} n={n} offs={(od, oa, ob)}: wrong result"
 
 
 def fold_case(dtype, op, n, k):

@@ -5,7 +5,8 @@
 //   that CuPy loads, the test harness compiles them with g++ after this
 //   header, which supplies what nvcc would: the qualifiers (__global__,
 //   __device__, __forceinline__), the built-in index variables (threadIdx,
-//   blockIdx, blockDim, gridDim), and __ldg/__stwb.  uint4/dim3 and the half types
+//   blockIdx, blockDim, gridDim), __ldg/__ldcg/__ldca/__stwb and __funnelshift_r (the loads checked against
+//   the byte ranges a test allows, ddl_host_read_lo/hi).  uint4/dim3 and the half types
 //   come from the CUDA toolkit's own vector_types.h, cuda_fp16.h and
 //   cuda_bf16.h, which compile for the host (their host paths do the same
 //   round-to-nearest-even conversions as the device instructions).
@@ -59,18 +60,41 @@ static inline void ddl_host_aligned(const T* p) {
     }
 }
 
+// Byte ranges a test allows the loads below to read (none set: any).  A load that reaches outside every one is
+// counted, not made: on a GPU it would read a neighbour's bytes, or fault past the end of an allocation.
+static const unsigned char* ddl_host_read_lo[8];
+static const unsigned char* ddl_host_read_hi[8];
+static int ddl_host_reads = 0;
+static unsigned long long ddl_host_stray = 0;
+
+template <class T>
+static inline bool ddl_host_readable(const T* p) {
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(p);
+    for (int i = 0; i < ddl_host_reads; ++i)
+        if (b >= ddl_host_read_lo[i] && b + sizeof(T) <= ddl_host_read_hi[i]) return true;
+    if (ddl_host_reads > 0) ++ddl_host_stray;
+    return ddl_host_reads == 0;
+}
+
 // Read-only-cache load: on the host, a load.
 template <class T>
 static inline T __ldg(const T* p) {
     ddl_host_aligned(p);
-    return *p;
+    return ddl_host_readable(p) ? *p : T();
 }
 
 // Cache-global load (coherent at L2): on the host, a load.
 template <class T>
 static inline T __ldcg(const T* p) {
     ddl_host_aligned(p);
-    return *p;
+    return ddl_host_readable(p) ? *p : T();
+}
+
+// Cache-all load (the default policy, as an ordinary load): on the host, a load.
+template <class T>
+static inline T __ldca(const T* p) {
+    ddl_host_aligned(p);
+    return ddl_host_readable(p) ? *p : T();
 }
 
 // Cache-hinted store (write-back, the default policy): on the host, a store.
@@ -78,6 +102,11 @@ template <class T>
 static inline void __stwb(T* p, T v) {
     ddl_host_aligned(p);
     *p = v;
+}
+
+// The low 32 bits of hi:lo shifted right by shift & 31 (the SHF instruction; both machines are little endian).
+static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+    return (unsigned)((((unsigned long long)hi << 32) | lo) >> (shift & 31));
 }
 
 template <class... P, class... A>

@@ -56,6 +56,9 @@ class Harness:
             ctypes.c_double,
         ]
         self._r.host_fold.restype = ctypes.c_int
+        self._r.host_set_readable.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self._r.host_set_readable.restype = None
+        self._r.host_stray_reads.restype = ctypes.c_ulonglong
         self._r.host_fold_name.restype = ctypes.c_char_p
         for f in (self._p.host_pack, self._p.host_unpack):
             f.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int,
@@ -74,6 +77,18 @@ class Harness:
                                  dst.ctypes.data, a.ctypes.data, b.ctypes.data, n, float(arg))
         if rc != 0:
             raise KeyError(name)
+
+    def reads_outside(self, arrays, run) -> int:
+        """How many of the loads ``run()`` makes through __ldg/__ldcg/__ldca reach outside the bytes of ``arrays``
+        (up to 8; such a load returns zeros instead of reading)."""
+        lo = np.array([a.ctypes.data for a in arrays], np.uint64)
+        hi = np.array([a.ctypes.data + a.nbytes for a in arrays], np.uint64)
+        self._r.host_set_readable(lo.ctypes.data, hi.ctypes.data, len(arrays))
+        try:
+            run()
+            return int(self._r.host_stray_reads())
+        finally:
+            self._r.host_set_readable(None, None, 0)
 
     def fold_kernels(self) -> list[str]:
         """Names of every fold kernel reduce.cu defines (its DDL_FOLD_KERNELS list)."""

@@ -76,3 +76,16 @@ extern "C" int host_fold(const char* name, unsigned grid, unsigned block, int re
         }
     return -1;
 }
+
+// The byte ranges the kernels' loads may read from now on (count 0: any), and how many loads reached outside
+// them since the last call (cuda_host.h).
+extern "C" void host_set_readable(const unsigned long long* lo, const unsigned long long* hi, int count) {
+    ddl_host_reads = count < 8 ? count : 8;
+    for (int i = 0; i < ddl_host_reads; ++i) {
+        ddl_host_read_lo[i] = reinterpret_cast<const unsigned char*>(lo[i]);
+        ddl_host_read_hi[i] = reinterpret_cast<const unsigned char*>(hi[i]);
+    }
+    ddl_host_stray = 0;
+}
+
+extern "C" unsigned long long host_stray_reads() { return ddl_host_stray; }

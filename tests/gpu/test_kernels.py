@@ -30,7 +30,7 @@ cp = G.cp
 
 BACKENDS = ["cupy", "numba"]
 #: (dst, a, b) element offsets: all aligned; the same odd offset (the 128-bit path after a scalar head);
-#: three different offsets (the scalar path throughout).
+#: three different offsets (the CuPy kernel's realigned path: operand words cut from the aligned words they straddle).
 ALIGNMENTS = {"aligned": (0, 0, 0), "same-offset": (1, 1, 1), "mixed": (0, 1, 2)}
 SMALL = (0, 1, 7, 9, 67, 1031, 100003)
 
