@@ -60,7 +60,8 @@
 //   coherent loads, by the thread that writes it, before it writes it.  The
 //   destinations do not overlap each other; operands past k and destinations
 //   past m are ignored (pass any pointer).  128-bit accesses when every pointer used has
-//   dst's offset modulo 16.  At most 256 threads a block: __launch_bounds__(256,
+//   dst's offset modulo 16, else one element at a time (realigning operands as
+//   ddl_reduce does made ptxas spill the fold past 64 registers).  At most 256 threads a block: __launch_bounds__(256,
 //   4) keeps the 16 operand and destination pointers within 64 registers a
 //   thread (4 blocks an SM), reloading them from the parameters where needed.
 //

@@ -218,7 +218,9 @@ def test_fold_is_the_chain_of_two_operand_reductions(harness, dtype, op):
         for k in (2, 3, 5, 8):
             ops, ref = fold_case(dtype, op, n, k)
             arg = K.kernel_arg(dtype, op, k)
-            for offs in ((0,) * (k + 1), (1,) * (k + 1), (v - 1,) * (k + 1), (1,) * k + (0,)):
+            # all alike; operands elsewhere than dst, each at its own offset
+            for offs in ((0,) * (k + 1), (1,) * (k + 1), (v - 1,) * (k + 1), (1,) * k + (0,),
+                         (v - 1,) + tuple(j % v for j in range(k))):
                 for grid, block, rev in LAUNCHES:
                     wd, d = aligned(n, dtype, offs[0])
                     srcs = []
@@ -227,8 +229,8 @@ def test_fold_is_the_chain_of_two_operand_reductions(harness, dtype, op):
                         s[:] = ops[j]
                         srcs.append(s)
                     # extra destinations: none, one, 7 (the most), at dst's offset; of 7 the last one element
-                    # off, which leaves the operands' vector path to the scalar one (cuda_host.h stops on a
-                    # misaligned 128-bit access, as a GPU faults)
+                    # off, which leaves the vector path for the scalar one (cuda_host.h stops on a misaligned
+                    # 128-bit access, as a GPU faults)
                     m = (0, 1, 7)[(k + n) % 3]
                     extras = [aligned(n, dtype, offs[0] + (m == 7 and j == 6)) for j in range(m)]
                     before = [K.bits_view(w).copy() for w in [wd] + [w for w, _ in extras]]
@@ -250,6 +252,34 @@ def test_fold_is_the_chain_of_two_operand_reductions(harness, dtype, op):
             harness.fold(name, d, [d] + rest, arg, 2, 32, True)
             ok, _, bad = K.compare(d, ref, op)
             assert ok, f"{name} k={k} n={n} in place: first mismatch at {bad}"
+
+
+@pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
+def test_fold_operands_at_any_offset(harness, dtype):
+    """2 and 3 operands at every offset against dst's (and an extra destination's, at dst's), every length
+    around a few words: the chain's bits on the vector path (all alike) and on the element path (operands
+    elsewhere), and no load outside the arrays."""
+    v = 16 // dtype.itemsize
+    name = f"ddl_fold_sum_{K.SUFFIX[dtype]}"
+    for n in range(0, 3 * v + 2):
+        for k in (2, 3):
+            ops, ref = fold_case(dtype, "sum", n, k)
+            for od in range(v):
+                for o1 in range(v):
+                    for o2 in range(v):
+                        offs = (o1, o2, (o1 + 2 * o2 + od) % v)[:k]
+                        srcs = []
+                        for j in range(k):
+                            _, x = aligned(n, dtype, offs[j])
+                            x[:] = ops[j]
+                            srcs.append(x)
+                        _, d = aligned(n, dtype, od)
+                        also = [aligned(n, dtype, od)[1]] if (o1 + o2) % 2 else []
+                        stray = harness.reads_outside([d, *srcs, *also], lambda: harness.fold(
+                            name, d, srcs, K.kernel_arg(dtype, "sum", k), 3, 32, n % 2 == 1, also=also))
+                        assert stray == 0, f"{name} k={k} n={n} dst at {od}, operands at {offs}: {stray} stray loads"
+                        for got in [d, *also]:
+                            assert K.compare(got, ref, "sum")[0], f"{name} k={k} n={n} dst at {od}, operands at {offs}"
 
 
 class _FoldingBackend:
