@@ -14,6 +14,8 @@ stream waits for the peers' "done".  They differ only in who runs the kernel:
                   context of its own, take turns on it)
     host sync     one kernel, but no stream waits for a peer's event: each rank blocks until its stream
                   has run before each allgather (the library's schedule where the ranks share one GPU)
+    ipc node      the library's own schedule called beneath the Communicator (``IpcNode.allreduce``):
+                  with its exchange of where the buffers lie, without the call's checks and choice
     library       ``Communicator(ipc=True).allreduce`` of the same buffers: the library's own choice of
                   the schedules above, with what a call of it costs besides
     protocol      the events and the two allgathers with no kernel: what a call costs beside its bytes
@@ -60,6 +62,10 @@ def main(argv=None):
 
     cp.cuda.Device(ddlkernels.local_device(cp.cuda.runtime.getDeviceCount(), comm)).use()
     lib = ddlkernels.Communicator(comm, shm=False, ipc=True)
+    node = lib.algorithms["ipc"].node
+    if node.check(be) is not None:  # collective; the library's calls then find its verdict made
+        print(f"ipc_schedules: CUDA IPC does not work here ({node.check(be)})")
+        return 2
     s = cp.cuda.get_current_stream()
     (ready, ready_key), (done, done_key) = be.ipc_event(), be.ipc_event()
     keys = comm.allgather((ready_key, done_key))
@@ -117,7 +123,8 @@ def main(argv=None):
 
         copy_dst = cp.empty_like(x)
         lines = {"two-shot": lambda: protocol(two_shot), "one kernel": lambda: protocol(one_kernel),
-                 "host sync": host_sync, "library": lambda: lib.allreduce(x, "sum", out=out),
+                 "host sync": host_sync, "ipc node": lambda: node.allreduce(be, x, out, "sum"),
+                 "library": lambda: lib.allreduce(x, "sum", out=out),
                  "protocol": lambda: protocol(lambda: None), "device copy": lambda: cp.copyto(copy_dst, x)}
 
         def timed(fn):
