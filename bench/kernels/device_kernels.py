@@ -7,9 +7,9 @@
   no bfloat16: torch only), out of place and in place (``dst`` is ``a``), aligned and "+1" (``a`` and
   ``b`` one element off a 16-byte boundary: out of place into an aligned output, the kernel's realigned
   path; in place, its aligned path after a scalar head); GB/s of bytes moved, as STREAM counts them
-  (reduce 3 x size, copy 2 x size), median of ``-n`` runs timed with CUDA events, the lines taken in turn within each run, each run queued
-  behind a kernel that holds the GPU until the host has launched it (the events time the device's work,
-  not the host's launch, which the next line times);
+  (reduce 3 x size, copy 2 x size), median of ``-n`` runs timed with CUDA events, the lines taken in
+  turn within each run, each run queued behind a kernel that holds the GPU until the host has launched
+  it (the events time the device's work, not the host's launch, which the next line times);
 * host time per launch: 1000 back-to-back 1 MiB launches of each, divided by 1000 (the device
   synchronized after, not between), the Numba backend's reduce beside the CuPy backend's;
 * the fold of 4 operands (the CUDA IPC allreduce's reduce-scatter at 4 ranks): one ``ddl_fold`` launch
