@@ -2,8 +2,8 @@
 
     python bench/studies/reduce_launch.py [--sizes 64M,256M] [-n 20]
 
-The CuPy backend launches ``ddl_reduce_<op>_<t>`` (kernels/reduce.cu) with 256 threads a block and at most
-4096 blocks (a grid-stride loop does the rest); this times other shapes of the same kernel on the same
+The CuPy backend launches ``ddl_reduce_<op>_<t>`` (kernels/reduce.cu) with 256 threads a block and one
+128-bit word a thread (the "None" column); this times other shapes of the same kernel on the same
 arrays, out of place and aligned, float32 and float16, GB/s as bench/kernels/device_kernels.py counts them
 (3 x size), median of ``-n`` runs timed with CUDA events by device_kernels.py's timer (each run
 behind a kernel that holds the GPU until the run is queued).  Every result is compared with torch's bit for

@@ -3,7 +3,8 @@
 Every reduce kernel (CuPy: kernels/reduce.cu compiled by NVRTC with our own
 options; Numba: ddlkernels.kernels.numba_cuda) x dtype x op x pointer alignment
 (all aligned, all at the same odd offset, three different offsets) x sizes
-from 0 to past the kernel's grid cap (where the grid-stride loops wrap),
+from 0 to past the kernel's grid cap (where the grid-stride loops wrap; the CuPy
+reduce's, on a grid made small), and ``reduce_many``'s folds of 2 to 17 operands,
 against ddlkernels' numpy backend (tests/_kernel_ref.py: the first elements
 hold every pair of special values -- NaN, +-0, +-inf, the subnormal 1e-40 --
 which is where CuPy's forced flush-to-zero showed).  Then pack/unpack of
@@ -36,10 +37,12 @@ SMALL = (0, 1, 7, 9, 67, 1031, 100003)
 
 
 def grid_cap(backend: str, dtype) -> int:
-    """Elements one launch covers before its grid-stride loop wraps (see each backend's launch)."""
+    """Elements one launch covers before its grid-stride loop wraps (see each backend's launch).  The CuPy reduce
+    launches one 128-bit word a thread and never wraps: this is its fold's cap (``_cupy._launch_fold``: 4096
+    blocks); ``test_cupy_kernels_on_a_small_grid`` makes its reduce wrap."""
     if backend == "cupy":
-        return 4096 * 256 * (16 // np.dtype(dtype).itemsize)  # _cupy._launch_reduce: <= 4096 blocks, 128-bit words
-    return 1024 * 256  # _numba_kernels.launch_config: <= 1024 blocks of 256 threads, one element per thread
+        return 4096 * 256 * (16 // np.dtype(dtype).itemsize)
+    return 1024 * 256  # ddlkernels.kernels.numba_cuda.launch_config: <= 1024 blocks of 256 threads, an element each
 
 
 @functools.lru_cache(maxsize=64)
@@ -99,6 +102,77 @@ def test_reduce_matches_numpy(be, dtype, op, align):
         ok, _, bad = K.compare(to_host(be.name, da, dtype), ref, op)
         assert ok, f"{be.name} in place n={n} {align}: first mismatch at {bad}"
         assert np.array_equal(to_host(be.name, db, dtype).view(np.uint8), b0.view(np.uint8)), "b was modified"
+
+
+def chain(op, ops):
+    """What a fold of ``ops`` must give: the numpy backend's chain of pairwise steps ("avg": sums, scaled by
+    1 / len(ops) in the last step)."""
+    k, ref = len(ops), ops[0].copy()
+    for j in range(1, k):
+        K.reference(op if op != "avg" or j == k - 1 else "sum", ref, ops[j], k, dst=ref)
+    return ref
+
+
+@pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
+def test_cupy_kernels_on_a_small_grid(monkeypatch, dtype):
+    """The CuPy launches give each thread about one 128-bit word; on a grid of 8 blocks every thread runs the
+    reduce's unrolled rounds, the realigned loop's wrap and the fold's, at every alignment, bit for bit."""
+    from ddlkernels.backends import _cupy, get_backend
+
+    be = get_backend("cupy")
+    real = _cupy._blocks
+    monkeypatch.setattr(_cupy, "_blocks", lambda n, itemsize: min(real(n, itemsize), 8))
+    v, threads = 16 // dtype.itemsize, 8 * 256
+    for align, (od, oa, ob) in sorted(ALIGNMENTS.items()):
+        for op in K.OPS:
+            red, avg_p = ("sum", 5) if op == "avg" else (op, None)
+            for n in (4 * threads * v + 3 * threads * v + v - 1, 13 * threads * v + 5):
+                a0, b0 = pair(dtype, n, op)
+                da, db = to_dev("cupy", a0, oa), to_dev("cupy", b0, ob)
+                out = to_dev("cupy", np.zeros_like(a0), od)
+                be.reduce(red, out, da, db, avg_p=avg_p)
+                ok, _, bad = K.compare(to_host("cupy", out, dtype), K.reference(op, a0, b0, 5), op)
+                assert ok, f"reduce n={n} {align}: first mismatch at {bad}"
+            n = 3 * threads * v + 5
+            ops = [pair(dtype, n, op)[j % 2] for j in range(3)]
+            devs = [to_dev("cupy", x, (oa, ob, od)[j]) for j, x in enumerate(ops)]
+            outs = [to_dev("cupy", np.zeros_like(ops[0]), od) for _ in range(2)]
+            be.reduce_many(red, outs[0], devs, avg_p=3 if op == "avg" else None, also=outs[1:])
+            ref = chain(op, ops)
+            for o in outs:
+                ok, _, bad = K.compare(to_host("cupy", o, dtype), ref, op)
+                assert ok, f"fold n={n} {align}: first mismatch at {bad}"
+
+
+@pytest.mark.parametrize("op", K.OPS)
+@pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
+def test_reduce_many_matches_the_chain(be, dtype, op):
+    """``reduce_many`` (the IPC allreduce's fold): 2 to 17 operands (launches of up to 8 on the CuPy backend,
+    the partial result carried on), 0 to 8 more destinations (7 written by the kernel, the rest copied),
+    operands at three offsets, past the fold's grid cap; and in place, the output one of the operands and the
+    others the extra destinations (past the first 8 operands: through a scratch buffer)."""
+    red, avg_p = ("sum", True) if op == "avg" else (op, None)
+    for k, m, n in ((2, 0, 67), (3, 1, grid_cap(be.name, dtype) + 37), (8, 7, 1031), (9, 8, 4099), (17, 3, 100003)):
+        ops = [pair(dtype, n, op)[j % 2] for j in range(k)]
+        ref = chain(op, ops)
+        devs = [to_dev(be.name, x, j % 3) for j, x in enumerate(ops)]
+        outs = [to_dev(be.name, np.zeros_like(ops[0]), 0) for _ in range(m + 1)]
+        be.reduce_many(red, outs[0], devs, avg_p=k if avg_p else None, also=outs[1:])
+        for i, o in enumerate(outs):
+            ok, _, bad = K.compare(to_host(be.name, o, dtype), ref, op)
+            assert ok, f"{be.name} k={k} m={m} n={n} output {i}: first mismatch at {bad}"
+        for x, d in zip(ops, devs):
+            assert np.array_equal(to_host(be.name, d, dtype).view(np.uint8), x.view(np.uint8)), "an operand changed"
+    for k, me in ((3, 1), (11, 4), (11, 9)):
+        n = 4099
+        ops = [pair(dtype, n, op)[j % 2] for j in range(k)]
+        devs = [to_dev(be.name, x, 1) for x in ops]
+        be.reduce_many(red, devs[me], devs, avg_p=k if avg_p else None,
+                       also=[d for j, d in enumerate(devs) if j != me])
+        ref = chain(op, ops)
+        for j, d in enumerate(devs):
+            ok, _, bad = K.compare(to_host(be.name, d, dtype), ref, op)
+            assert ok, f"{be.name} in place k={k} dst={me}: buffer {j} first mismatch at {bad}"
 
 
 def test_subnormals_survive(be):
