@@ -18,6 +18,8 @@ stream waits for the peers' "done".  They differ only in who runs the kernel:
                   with its exchange of where the buffers lie, without the call's checks and choice
     library       ``Communicator(ipc=True).allreduce`` of the same buffers: the library's own choice of
                   the schedules above, with what a call of it costs besides
+    library pool  the same call on arrays of CuPy's memory pool (``cupy.asarray``, ``cupy.empty``), as
+                  the device sweep's lines have, where the lines above have allocations of their own
     protocol      the events and the two allgathers with no kernel: what a call costs beside its bytes
     device copy   every rank copies its input once on its GPU (the sweep's floor line)
 
@@ -122,9 +124,11 @@ def main(argv=None):
             comm.allgather(None)
 
         copy_dst = cp.empty_like(x)
+        x_pool, out_pool = cp.asarray(x), cp.empty_like(x)
         lines = {"two-shot": lambda: protocol(two_shot), "one kernel": lambda: protocol(one_kernel),
                  "host sync": host_sync, "ipc node": lambda: node.allreduce(be, x, out, "sum"),
                  "library": lambda: lib.allreduce(x, "sum", out=out),
+                 "library pool": lambda: lib.allreduce(x_pool, "sum", out=out_pool),
                  "protocol": lambda: protocol(lambda: None), "device copy": lambda: cp.copyto(copy_dst, x)}
 
         def timed(fn):
@@ -133,24 +137,29 @@ def main(argv=None):
                 cp.cuda.Device().synchronize()
             return run
 
-        def checked(_):
-            # Right after the call (the harness's allreduce of the sample's time has passed: every rank's writes
-            # into my output have run); then poisoned, so that the next line's sample must write it all again.
-            bad = int((cp.asnumpy(out) != want).sum())
-            out.fill(-1)
-            cp.cuda.Device().synchronize()
-            return bad
+        def checked(result):
+            def check(_):
+                # Right after the call (the harness's allreduce of the sample's time has passed: every rank's
+                # writes into my output have run); then poisoned, so that the next sample must write it again.
+                bad = int((cp.asnumpy(result) != want).sum())
+                result.fill(-1)
+                cp.cuda.Device().synchronize()
+                return bad
+            return check
 
         impls = [Collective(name, lambda q: 2 * (q - 1) / q, lambda *_: None, timed(fn),
-                            (lambda _: 0) if name in ("protocol", "device copy") else checked)
+                            (lambda _: 0) if name in ("protocol", "device copy")
+                            else checked(out_pool if name == "library pool" else out))
                  for name, fn in lines.items()]
         out.fill(-1)
+        out_pool.fill(-1)
         got = run_sweep(comm, [nbytes], impls, iters=args.iters, warmup=args.warmup, progress=False)[0]
         wrong += sum(m["wrong"] for m in got["impls"].values())
         row = {"bytes": nbytes, **{name: m["time_us_median"] / 1e3 for name, m in got["impls"].items()}}
         rows.append(row)
         cp.cuda.Device().synchronize()
         comm.Barrier()
+        del x_pool, out_pool  # back to CuPy's pool, not to the driver: the library's mappings of them may stay
         for m in maps:
             be.ipc_close(m)
         lib.close_peer_memory()
