@@ -7,7 +7,8 @@
   and 13 toolchains both pass; ``ptxas -v`` must report no spills and no
   stack frame, every kernel of the file must be there, and the reduce and
   pack kernels must move their bulk with 128-bit global loads and stores
-  (the float32 reduce: ``ld.global.v4`` / ``ld.global.nc.v4``).
+  (the float32 reduce: ``ld.global.v4`` / ``ld.global.nc.v4``; every reduce's
+  realigned path: ``ld.global.ca.v4`` and funnel shifts).
 * every Numba kernel with ``numba.cuda.compile_ptx`` for sm_70/80/90, then
   ptxas (pip CUDA 12.9) for registers and spills.
 """
@@ -104,6 +105,19 @@ def test_f32_reduce_uses_128_bit_loads():
     assert "ld.global.v4.f32" in body or "ld.global.nc.v4" in body
     assert "ld.global.nc.v4" in body, "the read-only operand should go through the non-coherent cache"
     assert "st.global.v4" in body
+
+
+@needs_nvcc
+def test_every_reduce_realigns_with_128_bit_loads():
+    """The realigned path (an operand at another offset modulo 16 than dst) is in every reduce kernel, moving
+    128-bit words: cache-all loads of a (``__ldca``), funnel shifts of each word's two halves."""
+    ok, log, ptx = C.nvcc("reduce.cu", 90, ptx=True)
+    assert ok, log
+    entries = C.ptx_entries(ptx)
+    for op in K.OPS:
+        for dt in K.DTYPES:
+            body = entries[f"ddl_reduce_{op}_{K.SUFFIX[dt]}"]
+            assert "ld.global.ca.v4" in body and "shf.r" in body, f"ddl_reduce_{op}_{K.SUFFIX[dt]}"
 
 
 @needs_ptxas
