@@ -149,9 +149,9 @@ def test_chunk_cost_counts_chunks_and_fits_their_cost():
 
 
 def test_device_benchmarks_time_nothing_without_a_gpu(tmp_path):
-    """Without a CUDA device the device sweep and kernel benchmark say why and exit 2, with no line of
-    numbers (never a host stand-in), and so does tests/gpu/run_on_device.sh, which runs them where there
-    is one."""
+    """Without a CUDA device the device sweep, the kernel benchmark and the GPU studies say why and exit 2,
+    with no line of numbers (never a host stand-in), and so does tests/gpu/run_on_device.sh, which runs them
+    where there is one."""
     try:
         import cupy
 
@@ -161,7 +161,10 @@ def test_device_benchmarks_time_nothing_without_a_gpu(tmp_path):
         pass
     for script, *args in (("bench/sweeps/device_allreduce.py", "--sizes", "4K"),
                           ("bench/kernels/device_kernels.py", "--sizes", "4K"),
-                          ("bench/studies/chunk_cost.py", "--device", "cuda", "--bytes", "4K")):
+                          ("bench/studies/chunk_cost.py", "--device", "cuda", "--bytes", "4K"),
+                          ("bench/studies/ipc_schedules.py", "--sizes", "4K"),
+                          ("bench/studies/ipc_profile.py", "--sizes", "4K"),
+                          ("bench/studies/reduce_launch.py", "--sizes", "4K")):
         proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2, script + proc.stdout + proc.stderr

@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from ddlkernels.tools.bench import parse_size  # noqa: E402
+from ddlkernels.tools.bench.device import gpu_everywhere  # noqa: E402
 from ddlkernels.tools.bench.impls import Collective  # noqa: E402
 from ddlkernels.tools.bench.runner import run_sweep  # noqa: E402
 
@@ -51,18 +52,15 @@ def main(argv=None):
     args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     p, me = comm.Get_size(), comm.Get_rank()
-    try:
-        import cupy as cp
-
-        from ddlkernels.backends import get_backend
-
-        be = get_backend("cupy")
-    except Exception as exc:  # noqa: BLE001
-        print(f"ipc_schedules: no CuPy backend ({exc})")
+    cp, why = gpu_everywhere(comm)  # collective; each rank on its local_device
+    if cp is None:
+        if me == 0:
+            print(f"ipc_schedules: no GPU to measure on ({why}); nothing was timed")
         return 2
     import ddlkernels
+    from ddlkernels.backends import get_backend
 
-    cp.cuda.Device(ddlkernels.local_device(cp.cuda.runtime.getDeviceCount(), comm)).use()
+    be = get_backend("cupy")
     lib = ddlkernels.Communicator(comm, shm=False, ipc=True)
     node = lib.algorithms["ipc"].node
     if node.check(be) is not None:  # collective; the library's calls then find its verdict made

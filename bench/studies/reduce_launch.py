@@ -26,11 +26,13 @@ def main(argv=None):
     ap.add_argument("--sizes", default="64M,256M")
     ap.add_argument("-n", "--iters", type=int, default=20)
     args = ap.parse_args(argv)
-    import cupy as cp
-    import torch
-
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels"))
-    from device_kernels import _events_ms
+    from device_kernels import _events_ms, _gpu
+
+    cp, torch, why = _gpu()
+    if cp is None:
+        print(f"reduce_launch: no GPU to measure on ({why}); nothing was timed", flush=True)
+        return 2
 
     from ddlkernels.backends import get_backend
 
