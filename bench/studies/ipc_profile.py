@@ -4,9 +4,9 @@ calls lists every CUDA runtime and driver call a call makes and every kernel it 
     mpirun -n 2 python bench/studies/ipc_profile.py --sizes 1M,256M -n 20 [--trace-dir DIR]
 
 The device sweep timed ``Communicator(ipc=True).allreduce`` at 2 ranks sharing an H200 at 1.23-1.31 ms for
-256 MiB, where the fold it runs moves its bytes in about 0.3 ms and the ipc_schedules study's own schedules
-took 0.85; this tells the host's part (launches, synchronizations, IPC handles, Python between them) from
-the device's (kernels, and the gaps between them).
+256 MiB, where the ipc_schedules study's own schedules took 0.85 (bench/results/device_allreduce_np2_h200.txt,
+ipc_schedules_np2_h200.txt); this tells the host's part (launches, synchronizations, IPC handles, Python
+between them) from the device's (kernels, and the gaps between them).
 
 Each rank calls the library on CuPy arrays of the pool (as the sweep's lines), ``-n`` times per size after
 ``-w`` untimed calls, each call after a barrier and inside a profiler ``record_function`` that ends once the
