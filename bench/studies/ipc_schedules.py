@@ -63,8 +63,10 @@ def main(argv=None):
     be = get_backend("cupy")
     lib = ddlkernels.Communicator(comm, shm=False, ipc=True)
     node = lib.algorithms["ipc"].node
-    if node.check(be) is not None:  # collective; the library's calls then find its verdict made
-        print(f"ipc_schedules: CUDA IPC does not work here ({node.check(be)})")
+    why = node.check(be)  # collective; the library's calls then find its verdict made
+    if why is not None:
+        if me == 0:
+            print(f"ipc_schedules: CUDA IPC does not work here ({why})")
         return 2
     s = cp.cuda.get_current_stream()
     (ready, ready_key), (done, done_key) = be.ipc_event(), be.ipc_event()

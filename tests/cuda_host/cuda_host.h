@@ -5,11 +5,12 @@
 //   that CuPy loads, the test harness compiles them with g++ after this
 //   header, which supplies what nvcc would: the qualifiers (__global__,
 //   __device__, __forceinline__), the built-in index variables (threadIdx,
-//   blockIdx, blockDim, gridDim), __ldg/__ldcg/__ldca/__stwb and __funnelshift_r (the loads checked against
-//   the byte ranges a test allows, ddl_host_read_lo/hi).  uint4/dim3 and the half types
-//   come from the CUDA toolkit's own vector_types.h, cuda_fp16.h and
-//   cuda_bf16.h, which compile for the host (their host paths do the same
-//   round-to-nearest-even conversions as the device instructions).
+//   blockIdx, blockDim, gridDim), __ldg/__ldcg/__ldca/__stwb (the loads
+//   checked against the byte ranges a test allows) and __funnelshift_r.
+//   uint4/dim3 and the half types come from the CUDA toolkit's own
+//   vector_types.h, cuda_fp16.h and cuda_bf16.h, which compile for the host
+//   (their host paths do the same round-to-nearest-even conversions as the
+//   device instructions).
 //
 //   ddl_host_launch(kernel, grid, block, args...) calls the kernel once for
 //   every (block, thread) of the grid, setting the index variables before

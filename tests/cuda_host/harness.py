@@ -81,6 +81,7 @@ class Harness:
     def reads_outside(self, arrays, run) -> int:
         """How many of the loads ``run()`` makes through __ldg/__ldcg/__ldca reach outside the bytes of ``arrays``
         (up to 8; such a load returns zeros instead of reading)."""
+        assert len(arrays) <= 8, "the harness keeps 8 readable ranges"
         lo = np.array([a.ctypes.data for a in arrays], np.uint64)
         hi = np.array([a.ctypes.data + a.nbytes for a in arrays], np.uint64)
         self._r.host_set_readable(lo.ctypes.data, hi.ctypes.data, len(arrays))
