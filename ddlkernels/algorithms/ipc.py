@@ -42,7 +42,10 @@ another schedule, the same bits::
 Only rank 0's context has work, no stream waits for another process's
 event, and the bytes moved are those of the schedule above (past 8 ranks
 the fold runs in launches of 8 operands, the last writing 7 outputs and
-copies the rest: ``reduce_many``).
+copies the rest: ``reduce_many``).  reduce_scatter and allgather there keep
+each rank's own part (their outputs are the ranks' own, not exchanged) but
+order it the same way: each rank blocks until its stream has run before
+each exchange, and no stream waits for a peer's event.
 
 Buffers.  A peer's allocation is opened once and kept (``Mapped``, least
 recently used closed past ``MAPPED``), as NCCL keeps registered buffers: a
@@ -465,7 +468,7 @@ class IpcNode:
                 self._fold(be, mine_in, peer, lo, hi, redop, avg_p, shard)
 
         if any(b > a for a, b in bounds):
-            self._call(be, src, None, deadline, "reduce_scatter", body, agree)
+            self._call(be, src, None, deadline, "reduce_scatter", body, agree, host_sync=self.one_gpu(be))
 
     def allgather(self, be, shard, dst, bounds, deadline=None, agree=None) -> None:
         """Every rank's ``shard`` into its ``bounds`` of every rank's ``dst`` (``shard`` apart from ``dst``;
@@ -477,7 +480,7 @@ class IpcNode:
                 self._push(be, shard, mine_out, peer, lo, hi)
 
         if any(b > a for a, b in bounds):
-            self._call(be, None, dst, deadline, "allgather", body, agree)
+            self._call(be, None, dst, deadline, "allgather", body, agree, host_sync=self.one_gpu(be))
 
     def mapped(self, now=False) -> int:
         """How many peers' allocations this rank has opened so far, or with ``now`` holds open in use, over

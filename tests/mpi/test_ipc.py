@@ -402,7 +402,7 @@ def test_ranks_on_one_gpu_rank_0_folds_everything_after_their_streams_ran(monkey
     8 ranks in launches of 8 operands, the partial result carried on), and no stream waits for a peer's event;
     the ranks' own streams have run before it reads and after it writes.  Inputs written on a caller stream right
     before the call and overwritten right after, in and out of place, every op: the rank-order fold's bits on
-    every rank."""
+    every rank.  reduce_scatter and allgather the same way (each rank its own part), no event waits either."""
     import stream_emulator as SE
 
     launches, waits = [], []
@@ -440,6 +440,22 @@ def test_ranks_on_one_gpu_rank_0_folds_everything_after_their_streams_ran(monkey
                         if n:
                             mine = one_gpu_launches(P, n) if R == 0 else []
                             bad += [] if launches == mine else [f"n={n}: launches {launches}"]
+                # reduce_scatter and allgather: each rank its own part, ordered by host blocks as allreduce
+                lo, hi = c.shard_range(n)
+                xs = COMM.allgather(x)
+                d = be.to_device(np.zeros_like(x))
+                be.write(d, x)
+                got = c.reduce_scatter(d, "sum")
+                be.write(d, np.zeros_like(x))  # overwritten right after the call: every peer has read it
+                want = fold([v[lo:hi] for v in xs], "sum") if hi > lo else x[lo:hi].copy()
+                bad += [] if same_bits(be.to_host(got), want) else [f"reduce_scatter n={n}"]
+                whole = np.concatenate([xs[q][slice(*c.shard_range(n, rank=q))] for q in range(P)])
+                mine = be.to_device(np.zeros(hi - lo, x.dtype))
+                be.write(mine, x[lo:hi])
+                out = be.to_device(np.full_like(x, -1))
+                got = c.allgather(mine, count=n, out=out)
+                be.write(mine, np.zeros(hi - lo, x.dtype))
+                bad += [] if same_bits(be.to_host(got), whole) else [f"allgather n={n}"]
         assert c.algorithms["ipc"].node.one_gpu(be)
         c.free()
     assert "IpcEvent" not in waits, waits
