@@ -446,6 +446,7 @@ def test_ranks_on_one_gpu_rank_0_folds_everything_after_their_streams_ran(monkey
                 d = be.to_device(np.zeros_like(x))
                 be.write(d, x)
                 got = c.reduce_scatter(d, "sum")
+                assert c.last_algorithm == "ipc" or n == 0
                 be.write(d, np.zeros_like(x))  # overwritten right after the call: every peer has read it
                 want = fold([v[lo:hi] for v in xs], "sum") if hi > lo else x[lo:hi].copy()
                 bad += [] if same_bits(be.to_host(got), want) else [f"reduce_scatter n={n}"]
@@ -454,6 +455,7 @@ def test_ranks_on_one_gpu_rank_0_folds_everything_after_their_streams_ran(monkey
                 be.write(mine, x[lo:hi])
                 out = be.to_device(np.full_like(x, -1))
                 got = c.allgather(mine, count=n, out=out)
+                assert c.last_algorithm == "ipc" or n == 0
                 be.write(mine, np.zeros(hi - lo, x.dtype))
                 bad += [] if same_bits(be.to_host(got), whole) else [f"allgather n={n}"]
         assert c.algorithms["ipc"].node.one_gpu(be)
