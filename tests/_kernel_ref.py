@@ -17,7 +17,7 @@ import numpy as np
 from ddlkernels._dtypes import BFLOAT16, acc_dtype
 from ddlkernels.backends._numpy import NumpyBackend
 
-__all__ = ["DTYPES", "SUFFIX", "OPS", "make_pair", "reference", "compare", "kernel_arg", "bits_view"]
+__all__ = ["DTYPES", "SUFFIX", "OPS", "make_pair", "reference", "chain", "compare", "kernel_arg", "bits_view"]
 
 #: Storage dtypes in kernel-suffix order.
 DTYPES = (np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64))
@@ -96,6 +96,15 @@ def reference(op: str, a, b, p: int, dst=None):
         else:
             NumpyBackend().reduce(op, out, a, b)
     return out
+
+
+def chain(op: str, ops):
+    """What a fold of ``ops`` must give (kernels/reduce.cu's ddl_fold, ``reduce_many``): the numpy backend's
+    chain of pairwise steps in order ("avg": sums, scaled by 1 / len(ops) in the last step)."""
+    k, ref = len(ops), ops[0].copy()
+    for j in range(1, k):
+        reference(op if op != "avg" or j == k - 1 else "sum", ref, ops[j], k, dst=ref)
+    return ref
 
 
 def compare(got: np.ndarray, ref: np.ndarray, op: str):

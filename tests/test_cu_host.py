@@ -171,16 +171,7 @@ def fold_case(dtype, op, n, k):
     """k operands of n elements and what ddl_fold must give: the numpy backend's chain of k - 1 two-operand
     reductions ("avg": sums, scaled by 1/k in the last step)."""
     ops = [K.make_pair(dtype, n, seed=7 * n + j, op=op)[j % 2] for j in range(k)]
-    ref = np.empty_like(ops[0])
-    be = K.NumpyBackend()
-    with np.errstate(all="ignore"):
-        for j in range(1, k):
-            a = ops[0] if j == 1 else ref
-            if op == "avg":
-                be.reduce("sum", ref, a, ops[j], avg_p=k if j == k - 1 else None)
-            else:
-                be.reduce(op, ref, a, ops[j])
-    return ops, ref
+    return ops, K.chain(op, ops)
 
 
 def test_every_fold_kernel_is_listed(harness):
@@ -303,10 +294,7 @@ def test_reduce_many_launches_folds_of_8_with_the_chains_bits(harness, dtype, op
     for k in (2, 8, 9, 15, 17):
         n = 37
         ops = [K.make_pair(dtype, n, seed=k + j, op=op)[j % 2] for j in range(k)]
-        ref = ops[0].copy()
-        with np.errstate(all="ignore"):
-            for j in range(1, k):  # the chain: ref = ref op ops[j], "avg" scaling in the last step
-                K.reference(op if op != "avg" or j == k - 1 else "sum", ref, ops[j], k, dst=ref)
+        ref = K.chain(op, ops)
         want, left = [min(k, 8)], k - min(k, 8)  # launches: 8 operands, then the partial result and 7 more
         while left:
             want.append(1 + min(7, left))

@@ -104,15 +104,6 @@ def test_reduce_matches_numpy(be, dtype, op, align):
         assert np.array_equal(to_host(be.name, db, dtype).view(np.uint8), b0.view(np.uint8)), "b was modified"
 
 
-def chain(op, ops):
-    """What a fold of ``ops`` must give: the numpy backend's chain of pairwise steps ("avg": sums, scaled by
-    1 / len(ops) in the last step)."""
-    k, ref = len(ops), ops[0].copy()
-    for j in range(1, k):
-        K.reference(op if op != "avg" or j == k - 1 else "sum", ref, ops[j], k, dst=ref)
-    return ref
-
-
 @pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
 def test_cupy_kernels_on_a_small_grid(monkeypatch, dtype):
     """The CuPy launches give each thread about one 128-bit word; on a grid of 8 blocks every thread runs the
@@ -138,7 +129,7 @@ def test_cupy_kernels_on_a_small_grid(monkeypatch, dtype):
             devs = [to_dev("cupy", x, (oa, ob, od)[j]) for j, x in enumerate(ops)]
             outs = [to_dev("cupy", np.zeros_like(ops[0]), od) for _ in range(2)]
             be.reduce_many(red, outs[0], devs, avg_p=3 if op == "avg" else None, also=outs[1:])
-            ref = chain(op, ops)
+            ref = K.chain(op, ops)
             for o in outs:
                 ok, _, bad = K.compare(to_host("cupy", o, dtype), ref, op)
                 assert ok, f"fold n={n} {align}: first mismatch at {bad}"
@@ -154,7 +145,7 @@ def test_reduce_many_matches_the_chain(be, dtype, op):
     red, avg_p = ("sum", True) if op == "avg" else (op, None)
     for k, m, n in ((2, 0, 67), (3, 1, grid_cap(be.name, dtype) + 37), (8, 7, 1031), (9, 8, 4099), (17, 3, 100003)):
         ops = [pair(dtype, n, op)[j % 2] for j in range(k)]
-        ref = chain(op, ops)
+        ref = K.chain(op, ops)
         devs = [to_dev(be.name, x, j % 3) for j, x in enumerate(ops)]
         outs = [to_dev(be.name, np.zeros_like(ops[0]), 0) for _ in range(m + 1)]
         be.reduce_many(red, outs[0], devs, avg_p=k if avg_p else None, also=outs[1:])
@@ -169,7 +160,7 @@ def test_reduce_many_matches_the_chain(be, dtype, op):
         devs = [to_dev(be.name, x, 1) for x in ops]
         be.reduce_many(red, devs[me], devs, avg_p=k if avg_p else None,
                        also=[d for j, d in enumerate(devs) if j != me])
-        ref = chain(op, ops)
+        ref = K.chain(op, ops)
         for j, d in enumerate(devs):
             ok, _, bad = K.compare(to_host(be.name, d, dtype), ref, op)
             assert ok, f"{be.name} in place k={k} dst={me}: buffer {j} first mismatch at {bad}"

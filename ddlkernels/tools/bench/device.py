@@ -316,11 +316,6 @@ def made_up_node_size(p: int):
     return next((k for k in range(p - 1, 1, -1) if p % k == 0), None)
 
 
-#: each ddlkernels line by the role of its Communicator in ``_lines``' third value
-_ROLE_LINES = {"tuned": "ddlkernels", "ipc": "ddlkernels ipc", "hier": "ddlkernels hier",
-               "staged": "ddlkernels staged", "host": "ddlkernels host"}
-
-
 def _collectives(lines, comms, dev, n, kind, factor, missing):
     """One size's lines as the harness's ``Collective``s (``runner.run_sweep`` times them), each line's state
     made now.  A line of another library whose first call raises (torch.distributed refuses what a backend
@@ -328,7 +323,8 @@ def _collectives(lines, comms, dev, n, kind, factor, missing):
     the reason in ``missing``; a ddlkernels line that raises stops the sweep."""
     from .impls import Collective
 
-    tuners = {_ROLE_LINES[role]: c for role, c in comms.items()}
+    # each ddlkernels line's Communicator, by its role in ``_lines``' third value ("tuned": the plain line)
+    tuners = {"ddlkernels" if role == "tuned" else f"ddlkernels {role}": c for role, c in comms.items()}
     out = []
     for name, (setup, run, result) in list(lines.items()):
         s = setup(n)
