@@ -119,6 +119,17 @@ def node_size(p: int):
     return next((k for k in range(2, p) if p % k == 0), None)
 
 
+#: How the ranks drive GPUs on the stream emulator (``emulated_device(gpu=)``, a name per rank): each its own, all
+#: one, or two dealt out round robin, as ``ddlkernels.local_device`` deals more ranks than a node has GPUs.
+GPU_LAYOUTS = {"own": lambda rank: None, "one": lambda rank: "0", "two": lambda rank: str(rank % 2)}
+
+
+def gpu_leaders(layout: str, p: int) -> list:
+    """The lowest rank on each GPU of ``layout`` at ``p`` ranks, in rank order."""
+    first = {}
+    return sorted({first.setdefault(GPU_LAYOUTS[layout](q) or f"own {q}", q) for q in range(p)})
+
+
 def dims_cases(p: int) -> list:
     """The boxes every MPI test sweeps: (p,), the first 2-D factorization where p allows, and None."""
     out = [(p,), None]

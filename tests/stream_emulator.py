@@ -525,7 +525,7 @@ class EmuBackend(DeviceBackend):
     name = "emu"
     claim_torch = False
     ipc = False  # CUDA IPC between the ranks of a node (``emulated_device(ipc=True)``)
-    one_gpu = False  # every rank's device is one GPU (``emulated_device(one_gpu=True)``)
+    gpu = None  # the name of this rank's GPU, which ranks of equal names share (``emulated_device(gpu=)``)
 
     def __init__(self):
         super().__init__()
@@ -779,7 +779,7 @@ class EmuBackend(DeviceBackend):
         return EmuArray(self.heap.alloc(nbytes))
 
     def gpu_ident(self):
-        return b"emu" if self.one_gpu else f"emu-{os.getpid()}".encode()
+        return f"emu-{os.getpid()}".encode() if self.gpu is None else f"emu {self.gpu}".encode()
 
     def ipc_event(self):
         counters, key = self.heap.event()
@@ -874,14 +874,15 @@ def _recognises(x) -> bool:
 
 
 @contextlib.contextmanager
-def emulated_device(seed=0, policy="lazy", claim_torch=False, ipc=False, one_gpu=False):
+def emulated_device(seed=0, policy="lazy", claim_torch=False, ipc=False, gpu=None):
     """Register the "emu" backend (first, so it may claim CPU torch tensors) for the block; yield it.
 
     Every rank must use the same ``seed`` and ``policy`` only if a test wants the same schedule everywhere;
     the schedules of different ranks are independent anyway (each rank is its own device).  ``ipc``: the
     ranks may map each other's device memory (CUDA IPC); every rank passes the same, and a rank leaves the
     block only when its peers no longer use its memory (a collective after the last call, e.g. ``free``).
-    ``one_gpu``: every rank's device is the same GPU (``gpu_ident``), else each rank has its own.
+    ``gpu``: the name of this rank's GPU (``gpu_ident``): ranks that pass the same name share one GPU; None, a
+    GPU of its own.
     """
     saved = dict(_REGISTRY)
     _REGISTRY.clear()
@@ -893,7 +894,7 @@ def emulated_device(seed=0, policy="lazy", claim_torch=False, ipc=False, one_gpu
     be.configure(seed, policy)
     EmuBackend.claim_torch = claim_torch
     be.ipc, be.heap, be.ipc_events = ipc, (_SharedHeap() if ipc else None), []
-    be.one_gpu = one_gpu
+    be.gpu = gpu
     be.reset_pools()
     be.faults = 0
     device = _DeviceThread(be) if ipc else None
@@ -913,4 +914,4 @@ def emulated_device(seed=0, policy="lazy", claim_torch=False, ipc=False, one_gpu
             _REGISTRY.update(saved)
             if be.heap is not None:
                 be.heap.close()
-            be.ipc, be.heap, be.ipc_events, be.one_gpu = False, None, [], False
+            be.ipc, be.heap, be.ipc_events, be.gpu = False, None, [], None

@@ -25,27 +25,32 @@ kernels/reduce.cu's ddl_fold, with the bits of the pairwise chain and up to
 7 more destinations), in place too: no host memory, no MPI message but the
 two small ones.
 
-Ranks that share one GPU.  Where every rank of the node drives the same GPU
-(``IpcNode.check`` compares their ``gpu_ident``), the GPU runs one process's
-work at a time, switching between their contexts; a stream's wait for a
-peer's event then costs a switch.  On an H200, 2 ranks: the two events and
-the two exchanges alone took 0.5-0.57 ms a call, 4 ranks 1.41 ms
-(bench/results/ipc_schedules_np{2,4}_h200.txt).  So allreduce there takes
-another schedule, the same bits::
+Ranks that share a GPU.  Where a GPU serves several ranks (``IpcNode.check``
+compares their ``gpu_ident``: every rank on a node's one GPU, or more ranks
+than GPUs, which ``ddlkernels.local_device`` deals out round robin), the GPU
+runs one process's work at a time, switching between their contexts; a
+stream's wait for a peer's event then costs a switch.  On an H200, 2 ranks:
+the two events and the two exchanges alone took 0.5-0.57 ms a call, 4 ranks
+1.41 ms (bench/results/ipc_schedules_np{2,4}_h200.txt).  So allreduce there
+takes another schedule, the same bits.  The lowest rank on each GPU leads it;
+2 GPUs, ranks 0 and 2 on one, 1 and 3 on the other, leaders 0 and 1, 8
+elements::
 
-    both    block until their own stream's work so far has run (the input is
+    all     block until their own stream's work so far has run (the input is
             written), then the exchange of where x and out lie (barrier 1)
-    rank 0  folds all of x0 op x1 into out0 and, in the same kernel, out1,
-            then blocks until that kernel has run; rank 1 queues nothing
-    both    barrier 2: out holds the whole result on every rank
+    rank 0  folds x0 op x1 op x2 op x3 over [0, 4) into out0 and, in the same
+            kernel, out1, out2 and out3, then blocks until that kernel has run
+    rank 1  the same over [4, 8); ranks 2 and 3 queue nothing
+    all     barrier 2: out holds the whole result on every rank
 
-Only rank 0's context has work, no stream waits for another process's
-event, and the bytes moved are those of the schedule above (past 8 ranks
-the fold runs in launches of 8 operands, the last writing 7 outputs and
-copies the rest: ``reduce_many``).  reduce_scatter and allgather there keep
-each rank's own part (their outputs are the ranks' own, not exchanged) but
-order it the same way: each rank blocks until its stream has run before
-each exchange, and no stream waits for a peer's event.
+With one GPU, rank 0 alone folds the whole buffer.  Only the leaders'
+contexts have work, no stream waits for another process's event, and the
+bytes moved are those of the schedule above (past 8 ranks the fold runs in
+launches of 8 operands, the last writing 7 outputs and copies the rest:
+``reduce_many``).  reduce_scatter and allgather there keep each rank's own
+part (their outputs are the ranks' own, not exchanged) but order it the same
+way: each rank blocks until its stream has run before each exchange, and no
+stream waits for a peer's event.
 
 Buffers.  A peer's allocation is opened once and kept (``Mapped``, least
 recently used closed past ``MAPPED``), as NCCL keeps registered buffers: a
@@ -261,7 +266,7 @@ class IpcNode:
         self.p, self.me = comm.Get_size(), comm.Get_rank()
         self._devices: dict = {}  # (backend name, device) -> _Device
         self._verdicts: dict = {}  # backend name -> None where CUDA IPC works, else why not (``check``)
-        self._one_gpu: dict = {}  # backend name -> whether every rank drives the same GPU (``check``)
+        self._leaders: dict = {}  # backend name -> per rank, the lowest rank driving its GPU (``check``)
         self.staged = 0  # buffers this rank passed through an exportable stage (CUDA IPC could not export them)
 
     def _device(self, be) -> _Device:
@@ -308,19 +313,25 @@ class IpcNode:
         if failed.any():
             verdict = (f"CUDA IPC failed on rank(s) {np.flatnonzero(failed).tolist()} of {over.Get_size()}"
                        + (f"; here: {why}" if why else ""))
-        else:  # which GPU each rank drives: one for all takes the one-GPU schedule (the module comment)
+        else:  # which GPU each rank drives: a GPU several ranks share takes the schedule of the module comment
             ident = np.zeros(IDENT_BYTES, np.uint8)
             got = be.gpu_ident()[:IDENT_BYTES]
             ident[: len(got)] = np.frombuffer(got, np.uint8)
             idents = np.empty((self.p, IDENT_BYTES), np.uint8)
             complete(self.comm.Iallgather(ident, idents), deadline, "the CUDA IPC check's GPUs (MPI_Iallgather)")
-            self._one_gpu[be.name] = bool((idents == idents[0]).all())
+            first = {}
+            self._leaders[be.name] = tuple(first.setdefault(row.tobytes(), q) for q, row in enumerate(idents))
         self._verdicts[be.name] = verdict
         return verdict
 
-    def one_gpu(self, be) -> bool:
-        """Whether every rank drives the same GPU (known once ``check`` has passed on ``be``)."""
-        return self._one_gpu.get(be.name, False)
+    def leaders(self, be) -> list:
+        """The ranks that fold for their GPU where a GPU serves several ranks (the lowest rank on each GPU, in
+        rank order), else every rank; known once ``check`` has passed on ``be``."""
+        return sorted(set(self._leaders.get(be.name, range(self.p))))
+
+    def shares_gpus(self, be) -> bool:
+        """Whether some GPU serves several ranks (then the host-blocking schedule of the module comment)."""
+        return len(self.leaders(be)) < self.p
 
     def _exported(self, be, d, buf, tag):
         """(array peers use, its handle, offset): ``buf`` itself where it can be exported, else the stage
@@ -344,7 +355,7 @@ class IpcNode:
         says so in the last exchange, so that every rank raises the same error instead of waiting for it in
         a later collective (the output is then undefined).  ``agree``: a communicator of several nodes over
         which that last exchange runs instead (``hier``: the other nodes must raise too).  ``host_sync``: the
-        one-GPU schedule's order (the module comment): each rank blocks until its stream has run, before the
+        shared GPUs' order (the module comment): each rank blocks until its stream has run, before the
         first exchange and before the last, instead of its stream waiting for the peers' events."""
         p, me = self.p, self.me
         d = self._device(be)
@@ -438,13 +449,18 @@ class IpcNode:
         n = dst.shape[0]
         if n == 0:
             return
-        if self.one_gpu(be):
-            def whole(mine_in, mine_out, peer):  # rank 0 folds everything into every output
-                if self.me == 0:
-                    outs = [peer(q, _DST, 0, n, mine_in.dtype) for q in range(1, self.p)]
-                    self._fold(be, mine_in, peer, 0, n, redop, avg_p, mine_out[0:n], also=outs)
+        if self.shares_gpus(be):
+            leaders = self.leaders(be)
+            c = cuts(n, len(leaders))
+            i = leaders.index(self.me) if self.me in leaders else None
 
-            return self._call(be, src, dst, deadline, "allreduce", whole, host_sync=True)
+            def led(mine_in, mine_out, peer):  # a leader folds its GPU's part into every rank's output
+                if i is not None and c[i + 1] > c[i]:
+                    lo, hi = c[i], c[i + 1]
+                    outs = [peer(q, _DST, lo, hi, mine_in.dtype) for q in range(self.p) if q != self.me]
+                    self._fold(be, mine_in, peer, lo, hi, redop, avg_p, mine_out[lo:hi], also=outs)
+
+            return self._call(be, src, dst, deadline, "allreduce", led, host_sync=True)
         c = cuts(n, self.p)
         lo, hi = c[self.me], c[self.me + 1]
 
@@ -468,7 +484,7 @@ class IpcNode:
                 self._fold(be, mine_in, peer, lo, hi, redop, avg_p, shard)
 
         if any(b > a for a, b in bounds):
-            self._call(be, src, None, deadline, "reduce_scatter", body, agree, host_sync=self.one_gpu(be))
+            self._call(be, src, None, deadline, "reduce_scatter", body, agree, host_sync=self.shares_gpus(be))
 
     def allgather(self, be, shard, dst, bounds, deadline=None, agree=None) -> None:
         """Every rank's ``shard`` into its ``bounds`` of every rank's ``dst`` (``shard`` apart from ``dst``;
@@ -480,7 +496,7 @@ class IpcNode:
                 self._push(be, shard, mine_out, peer, lo, hi)
 
         if any(b > a for a, b in bounds):
-            self._call(be, None, dst, deadline, "allgather", body, agree, host_sync=self.one_gpu(be))
+            self._call(be, None, dst, deadline, "allgather", body, agree, host_sync=self.shares_gpus(be))
 
     def mapped(self, now=False) -> int:
         """How many peers' allocations this rank has opened so far, or with ``now`` holds open in use, over

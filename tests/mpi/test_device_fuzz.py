@@ -22,7 +22,7 @@ host), and where the rank count has a divisor 2 <= k < p, "hier" (node
 labels make nodes of k ranks, consecutive or round robin: CUDA IPC inside
 each, the ring staged or CUDA-aware across them; its allreduces settled on
 it where it serves them, the other collectives the tuner's); the ranks'
-devices are one GPU or one each (CUDA IPC's allreduce differs).  Calls:
+devices are one GPU, one each, or two dealt out round robin (CUDA IPC's allreduce differs).  Calls:
 allreduce, reduce_scatter then allgather of its shard, mpi4py's Allreduce,
 allreduce_many of two tensors, and allreduce_many_async (the progress
 thread; in place, the DDP hook's call; waited for on the current stream, or
@@ -53,7 +53,7 @@ from mpi4py import MPI
 import ddlkernels
 from ddlkernels._dtypes import BFLOAT16
 from fuzzing import ALL_DTYPES, P, RANK, check_result, digest, dims_choices, drive, gathered, make_input
-from helpers import OPS, node_size
+from helpers import GPU_LAYOUTS, OPS, node_size
 from stream_emulator import EmuArray, emulated_device
 
 try:
@@ -112,7 +112,8 @@ cases = st.fixed_dictionaries(
         "policy": st.sampled_from(["lazy", "random"]),
         "nodes": st.sampled_from(["block", "round robin"]),  # "hier": the made-up nodes' ranks
         "aware": st.booleans(),  # "hier": CUDA-aware MPI across its nodes, else staged
-        "one_gpu": st.booleans(),  # CUDA IPC's ranks drive one GPU (its allreduce: rank 0 folds for all)
+        # which GPU each rank drives (CUDA IPC's allreduce: where ranks share one, its lowest rank folds for them)
+        "gpus": st.sampled_from(sorted(GPU_LAYOUTS)),
         "seed": st.integers(0, 2**20),
         "calls": st.lists(calls, min_size=1, max_size=4),
     }
@@ -277,7 +278,7 @@ def run_case(case):
         try:
             be = stack.enter_context(emulated_device(seed=case["seed"] * 16 + RANK, policy=case["policy"],
                                                      ipc=case["setup"] in ("ipc", "tuned", "hier"),
-                                                     one_gpu=case["one_gpu"],
+                                                     gpu=GPU_LAYOUTS[case["gpus"]](RANK),
                                                      claim_torch=case["arrays"] == "torch"))
             why = []
         except Exception as e:

@@ -18,7 +18,8 @@ import ddlkernels
 from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name
 from ddlkernels.algorithms import ipc as ipc_module
 from ddlkernels.select.tuner import tuning_calls
-from helpers import node_size, rank_data, rank_order_fold as fold
+from ddlkernels.algorithms.window_shards import cuts
+from helpers import GPU_LAYOUTS, gpu_leaders, node_size, rank_data, rank_order_fold as fold
 from stream_emulator import emulated_device
 
 COMM = MPI.COMM_WORLD
@@ -383,10 +384,11 @@ def test_one_fold_launch_writes_every_rank_s_output(monkeypatch):
         c.free()
 
 
-def one_gpu_launches(p, n):
-    """(operands, outputs besides dst, length) of each fold launch of the one-GPU schedule at p ranks: the
-    first 8 inputs, then the partial result and 7 more at a time; the last launch writes 7 peers' outputs
-    (``reduce_many``), in place too (rank 0's output, its own input, is the first operand)."""
+def shared_gpu_launches(p, n):
+    """(operands, outputs besides dst, length) of each fold launch of a leader of the shared-GPU schedule at p
+    ranks, over its n elements: the first 8 inputs, then the partial result and 7 more at a time; the last
+    launch writes 7 peers' outputs (``reduce_many``), in place too (the leader's output, its own input, is the
+    first operand)."""
     got, left = [(min(p, 8), 0, n)], p - min(p, 8)
     while left:
         got.append((1 + min(7, left), 0, n))
@@ -397,12 +399,17 @@ def one_gpu_launches(p, n):
 
 @pytest.mark.parametrize("policy", ["lazy", "random"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64], ids=dtype_name)
-def test_ranks_on_one_gpu_rank_0_folds_everything_after_their_streams_ran(monkeypatch, dtype, policy):
-    """Every rank on one GPU: rank 0 alone launches, one fold of every rank's whole input into every output (past
-    8 ranks in launches of 8 operands, the partial result carried on), and no stream waits for a peer's event;
-    the ranks' own streams have run before it reads and after it writes.  Inputs written on a caller stream right
+@pytest.mark.parametrize("layout", ["one", "two"])
+def test_ranks_sharing_gpus_fold_by_leader_after_their_streams_ran(monkeypatch, layout, dtype, policy):
+    """Ranks that share GPUs (all one, or two dealt out round robin): the lowest rank on each GPU alone launches,
+    one fold of its part (``cuts`` over the leaders) of every rank's input into every output (past 8 ranks in
+    launches of 8 operands, the partial result carried on), and no stream waits for a peer's event; the ranks'
+    own streams have run before a leader reads and after it writes.  Inputs written on a caller stream right
     before the call and overwritten right after, in and out of place, every op: the rank-order fold's bits on
     every rank.  reduce_scatter and allgather the same way (each rank its own part), no event waits either."""
+    leaders = gpu_leaders(layout, P)
+    if len(leaders) == P:
+        pytest.skip(f"{P} ranks on the {layout} layout's GPUs: no GPU serves two")
     import stream_emulator as SE
 
     launches, waits = [], []
@@ -419,7 +426,7 @@ def test_ranks_on_one_gpu_rank_0_folds_everything_after_their_streams_ran(monkey
     monkeypatch.setattr(SE.EmuBackend, "_launch_fold", counted)
     monkeypatch.setattr(SE.EmuBackend, "wait", wait)
     bad = []
-    with emulated_device(seed=17 * R + 3, policy=policy, ipc=True, one_gpu=True) as be:
+    with emulated_device(seed=17 * R + 3, policy=policy, ipc=True, gpu=GPU_LAYOUTS[layout](R)) as be:
         c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
         s = be.new_stream()
         with be.current(s):
@@ -433,13 +440,15 @@ def test_ranks_on_one_gpu_rank_0_folds_everything_after_their_streams_ran(monkey
                         be.write(d, x)  # on the caller's stream, right before the call: late under "lazy"
                         got = c.allreduce(d, op, out=d if inplace else None)
                         assert c.last_algorithm == "ipc"
-                        if not inplace:  # overwritten right after the call: rank 0 has read it by then
+                        if not inplace:  # overwritten right after the call: the leaders have read it by then
                             be.write(d, np.zeros_like(x))
                         if not same_bits(be.to_host(got), want):
                             bad.append(f"n={n} {op} {'in place' if inplace else 'out of place'}")
-                        if n:
-                            mine = one_gpu_launches(P, n) if R == 0 else []
-                            bad += [] if launches == mine else [f"n={n}: launches {launches}"]
+                        part = cuts(n, len(leaders))  # the leaders' parts
+                        i = leaders.index(R) if R in leaders else None
+                        mine = [] if i is None or part[i + 1] == part[i] else \
+                            shared_gpu_launches(P, part[i + 1] - part[i])
+                        bad += [] if launches == mine else [f"n={n}: launches {launches}, not {mine}"]
                 # reduce_scatter and allgather: each rank its own part, ordered by host blocks as allreduce
                 lo, hi = c.shard_range(n)
                 xs = COMM.allgather(x)
@@ -458,7 +467,7 @@ def test_ranks_on_one_gpu_rank_0_folds_everything_after_their_streams_ran(monkey
                 assert c.last_algorithm == "ipc" or n == 0
                 be.write(mine, np.zeros(hi - lo, x.dtype))
                 bad += [] if same_bits(be.to_host(got), whole) else [f"allgather n={n}"]
-        assert c.algorithms["ipc"].node.one_gpu(be)
+        assert c.algorithms["ipc"].node.leaders(be) == leaders
         c.free()
     assert "IpcEvent" not in waits, waits
     assert wrong_anywhere(len(bad)) == 0, f"rank {R}: {bad[:5]}"

@@ -30,6 +30,7 @@ from ddlkernels.algorithms import host as _host, ipc as _ipc
 from ddlkernels.collectives import streams as _streams
 from ddlkernels.transport import direct as _transport, staged as _staged
 from ddlkernels._dtypes import SUPPORTED_DTYPES
+from helpers import GPU_LAYOUTS
 from stream_emulator import emulated_device
 
 COMM = MPI.COMM_WORLD
@@ -241,10 +242,10 @@ def ipc_workload(be, c):
     return bad
 
 
-def ipc_one_gpu_workload(be, c):
-    """The CUDA IPC allreduce where every rank's device is one GPU (rank 0 folds for all, the ranks block on
-    their own streams): each input written on the caller's stream right before its call, each result read
-    right after it through that stream, the input overwritten at once."""
+def ipc_shared_gpus_workload(be, c):
+    """The CUDA IPC allreduce where ranks share GPUs (the lowest rank on each folds its part for all, the ranks
+    block on their own streams): each input written on the caller's stream right before its call, each result
+    read right after it through that stream, the input overwritten at once."""
     c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
     s, bad = be.new_stream(), 0
     if R % 2:  # odd ranks' hosts are slow to wait for their streams: their late work stays late
@@ -257,7 +258,7 @@ def ipc_one_gpu_workload(be, c):
                 d = be.to_device(np.zeros_like(x))
                 be.write(d, x)  # late under "lazy": rank 0 must not read it before it has run
                 out = c.allreduce(d, "sum", out=None if k % 2 else d)
-                if R == 0:  # rank 0's host is slow to read: its peers read their results first
+                if R == 0:  # a leader's host is slow to read: its peers read their results first
                     time.sleep(0.002)
                 got = be.to_host(out, s)  # nothing orders rank 0's kernel before this but the call itself
                 if out is not d:
@@ -347,7 +348,8 @@ WORKLOADS = {
     "async": lambda be: async_workload(be, comm_for(False)),
     "torch": lambda be: torch_workload(be, comm_for(False)),
     "ipc": lambda be: ipc_workload(be, None),
-    "ipc-one-gpu": lambda be: ipc_one_gpu_workload(be, None),
+    "ipc-one-gpu": lambda be: ipc_shared_gpus_workload(be, None),
+    "ipc-two-gpus": lambda be: ipc_shared_gpus_workload(be, None),
     "host": lambda be: host_workload(be, None),
     "host-sharded": lambda be: host_sharded_workload(be, None),
 }
@@ -355,8 +357,9 @@ WORKLOADS = {
 
 def run(workload, policy, seed):
     """Wrong results of ``workload``, and work that ran through a peer's mapping already closed."""
+    layout = {"ipc-one-gpu": "one", "ipc-two-gpus": "two"}.get(workload, "own")
     with emulated_device(seed=1000 * seed + R, policy=policy, ipc=workload.startswith("ipc"),
-                         one_gpu=workload == "ipc-one-gpu") as be:
+                         gpu=GPU_LAYOUTS[layout](R)) as be:
         return WORKLOADS[workload](be) + be.faults
 
 
@@ -634,8 +637,10 @@ MUTATIONS = [
     ("ipc-inputs-ready-recorded", _ipc.IpcNode, "_call", "be.record_on(s, d.ready)", 0, ["ipc"]),
     ("ipc-writes-done-recorded", _ipc.IpcNode, "_call", "be.record_on(s, d.done)", 0, ["ipc"]),
     ("ipc-mapping-closed-after-its-last-use", _ipc.Mapped, "reap", "continue  # queued work", 0, ["ipc"]),
-    ("ipc-one-gpu-reads-after-inputs-ran", _ipc.IpcNode, "_call", "be.sync_stream(s)", 0, ["ipc-one-gpu"]),
-    ("ipc-one-gpu-results-after-rank-0-ran", _ipc.IpcNode, "_call", "be.sync_stream(s)", 1, ["ipc-one-gpu"]),
+    ("ipc-shared-gpus-reads-after-inputs-ran", _ipc.IpcNode, "_call", "be.sync_stream(s)", 0,
+     ["ipc-one-gpu", "ipc-two-gpus"]),
+    ("ipc-shared-gpus-results-after-leaders-ran", _ipc.IpcNode, "_call", "be.sync_stream(s)", 1,
+     ["ipc-one-gpu", "ipc-two-gpus"]),
     ("close-peer-memory-waits-for-device-work", ddlkernels.Communicator, "close_peer_memory",
      "get_backend(key[0]).sync(ev)", 0, ["ipc"]),
     ("host-down-waits-for-caller", _host.Host, "_pipeline", "be.wait(cp.d2h, be.record(compute))", 0, HOSTS),

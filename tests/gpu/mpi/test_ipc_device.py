@@ -232,15 +232,15 @@ def test_close_peer_memory_then_the_pool_frees_its_blocks():
     """Every rank closes what it maps of its peers, then hands CuPy's pool back to the driver (cudaFree of
     memory no peer has open any more); new allocations are mapped afresh and reduce right."""
     c = ddlkernels.Communicator(COMM, shm=False, cuda_aware=False, ipc=True)
-    one_gpu = len(set(COMM.allgather(cp.cuda.Device().pci_bus_id))) == 1
+    gpus = COMM.allgather(cp.cuda.Device().pci_bus_id)
+    # Who maps its peers' memory: every rank, or where GPUs serve several ranks, the lowest rank on each (it
+    # folds its part for all of them, at any rank count: ddlkernels.algorithms.ipc).
+    readers = range(P) if len(set(gpus)) == P else [gpus.index(g) for g in set(gpus)]
     for k in range(2):
         x = data(300007, np.float32, salt=20 + k)
         want = rank_order_fold(COMM.allgather(x), "sum")
         d = cp.asarray(x)
         check(cp.asnumpy(c.allreduce(d, "sum")), want, f"round {k}")
-        # Who maps its peers' memory: every rank, or where every rank drives one GPU, rank 0 alone (it folds
-        # the whole buffer for all of them, at any rank count: ddlkernels.algorithms.ipc).
-        readers = [0] if one_gpu else range(P)
         assert (c.algorithms["ipc"].mapped(now=True) > 0) == (R in readers)
         c.close_peer_memory()
         assert c.algorithms["ipc"].mapped(now=True) == 0
