@@ -198,7 +198,8 @@ class Communicator:
         self.rank_ordered = rp.rank_ordered
         self._buffers: dict = {}
         self._transports: dict = {}
-        #: (backend name, device) -> event recorded at the end of the last device call (collectives.streams)
+        #: (backend name, device) -> event recorded at the end of the last device call, none where that call's
+        #: stream had run all its work when it ended (collectives.streams)
         self._tails: dict = {}
         #: the algorithm the last allreduce, reduce_scatter or allgather ran ("mpi", "ring", "shm", ...)
         self.last_algorithm = None

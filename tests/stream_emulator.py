@@ -257,6 +257,12 @@ class Emulator:
                 self._advance(ev.op)
             return ev.done
 
+    def ran_all(self, stream) -> bool:
+        """Whether ``stream`` has nothing pending (after running, by the policy, what may run now)."""
+        with self.lock:
+            self._progress()
+            return not stream.queue
+
     def sync_stream(self, stream):
         self.sync(self.record(stream))
 
@@ -665,6 +671,12 @@ class EmuBackend(DeviceBackend):
 
     def query(self, ev):
         return self.emu.query(ev)
+
+    def idle(self, stream):
+        return self.emu.ran_all(stream)
+
+    def sync_stream(self, stream):
+        self.emu.sync_stream(stream)  # as cudaStreamSynchronize: no event of the backend's
 
     def pinned(self, nbytes):
         return self.pinned_pool.take(nbytes)

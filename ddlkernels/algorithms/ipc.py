@@ -44,13 +44,15 @@ elements::
     all     barrier 2: out holds the whole result on every rank
 
 With one GPU, rank 0 alone folds the whole buffer.  Only the leaders'
-contexts have work, no stream waits for another process's event, and the
-bytes moved are those of the schedule above (past 8 ranks the fold runs in
-launches of 8 operands, the last writing 7 outputs and copies the rest:
-``reduce_many``).  reduce_scatter and allgather there keep each rank's own
-part (their outputs are the ranks' own, not exchanged) but order it the same
-way: each rank blocks until its stream has run before each exchange, and no
-stream waits for a peer's event.
+contexts have work (each call ends with its stream run, so the Communicator
+records no event after it either: ``ddlkernels.collectives.streams``), no
+stream waits for another process's event, and the bytes moved are those of
+the schedule above (past 8 ranks the fold runs in launches of 8 operands,
+the last writing 7 outputs and copies the rest: ``reduce_many``).
+reduce_scatter and allgather there keep each rank's own part (their outputs
+are the ranks' own, not exchanged) but order it the same way: each rank
+blocks until its stream has run before each exchange, and no stream waits
+for a peer's event.
 
 Buffers.  A peer's allocation is opened once and kept (``Mapped``, least
 recently used closed past ``MAPPED``), as NCCL keeps registered buffers: a

@@ -213,6 +213,9 @@ class CupyBackend(DeviceBackend):
     def query(self, ev):
         return ev.done
 
+    def idle(self, stream):
+        return stream.done  # cudaStreamQuery
+
     def pinned(self, nbytes):
         import cupyx
 

@@ -32,6 +32,8 @@ array library's own terms:
 ``sync(ev)``               block the host until ev has happened
 ``sync_stream(s)``         block the host until the work queued on s has run
 ``query(ev)``              whether ev has happened (no block)
+``idle(s)``                whether the work queued on s has all run (no block,
+                           nothing queued; False where the backend cannot tell)
 =========================  ====================================================
 
 A backend whose ``ipc`` is True also offers CUDA IPC between the processes
@@ -231,6 +233,11 @@ class DeviceBackend(Backend):
     def sync_stream(self, stream) -> None:
         """Block until the work queued on ``stream`` so far has run (a backend may do it without an event)."""
         self.sync(self.record(stream))
+
+    def idle(self, stream) -> bool:
+        """Whether every operation queued on ``stream`` so far has run, asked without queueing anything (False
+        where this backend cannot tell without an event)."""
+        return False
 
     def compute_stream(self):
         s = getattr(self._tls, "stream", None)

@@ -6,8 +6,9 @@ Worked example, two calls on CuPy arrays from two streams ``a`` and ``b``::
     with b: comm.allreduce(y)   compute stream b; b waits for E1 (the slots, scratch and
                                 fusion buffers of the first call are reused); records E2 on b
 
-No host block: one event recorded and one waited per call.  Each function
-takes the ``Communicator`` first: they are its methods.
+No host block: one event recorded and one waited per call, none where the call's
+stream has run all it was given by the time the call ends (nothing is left to wait
+for).  Each function takes the ``Communicator`` first: they are its methods.
 """
 
 from __future__ import annotations
@@ -41,4 +42,9 @@ def on_stream(self, be, s, device):
         try:
             yield s
         finally:
-            self._tails[where(be)] = be.record(s)
+            # A call that blocked until its stream had run (CUDA IPC's schedule on a shared GPU) leaves no
+            # event: a rank whose part is done then queues nothing on a GPU that switches between processes.
+            if be.idle(s):
+                self._tails.pop(where(be), None)
+            else:
+                self._tails[where(be)] = be.record(s)

@@ -403,8 +403,8 @@ def shared_gpu_launches(p, n):
 def test_ranks_sharing_gpus_fold_by_leader_after_their_streams_ran(monkeypatch, layout, dtype, policy):
     """Ranks that share GPUs (all one, or two dealt out round robin): the lowest rank on each GPU alone launches,
     one fold of its part (``cuts`` over the leaders) of every rank's input into every output (past 8 ranks in
-    launches of 8 operands, the partial result carried on), and no stream waits for a peer's event; the ranks'
-    own streams have run before a leader reads and after it writes.  Inputs written on a caller stream right
+    launches of 8 operands, the partial result carried on), no rank records or waits for any event, and no
+    stream waits for a peer's event; the ranks' own streams have run before a leader reads and after it writes.  Inputs written on a caller stream right
     before the call and overwritten right after, in and out of place, every op: the rank-order fold's bits on
     every rank.  reduce_scatter and allgather the same way (each rank its own part), no event waits either."""
     leaders = gpu_leaders(layout, P)
@@ -412,8 +412,8 @@ def test_ranks_sharing_gpus_fold_by_leader_after_their_streams_ran(monkeypatch, 
         pytest.skip(f"{P} ranks on the {layout} layout's GPUs: no GPU serves two")
     import stream_emulator as SE
 
-    launches, waits = [], []
-    real_fold, real_wait = SE.EmuBackend._launch_fold, SE.EmuBackend.wait
+    launches, waits, events = [], [], []
+    real_fold, real_wait, real_record = SE.EmuBackend._launch_fold, SE.EmuBackend.wait, SE.EmuBackend.record
 
     def counted(self, name, dst, srcs, n, arg, also=()):
         launches.append((len(srcs), len(also), n))
@@ -421,14 +421,20 @@ def test_ranks_sharing_gpus_fold_by_leader_after_their_streams_ran(monkeypatch, 
 
     def wait(self, stream, ev):
         waits.append(type(ev).__name__)
+        events.append("wait")
         return real_wait(self, stream, ev)
+
+    def record(self, stream):
+        events.append("record")
+        return real_record(self, stream)
 
     monkeypatch.setattr(SE.EmuBackend, "_launch_fold", counted)
     monkeypatch.setattr(SE.EmuBackend, "wait", wait)
+    monkeypatch.setattr(SE.EmuBackend, "record", record)
     bad = []
     with emulated_device(seed=17 * R + 3, policy=policy, ipc=True, gpu=GPU_LAYOUTS[layout](R)) as be:
         c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
-        s = be.new_stream()
+        s, last_n = be.new_stream(), 0
         with be.current(s):
             for n in SIZES:
                 for op in OPS:
@@ -438,8 +444,14 @@ def test_ranks_sharing_gpus_fold_by_leader_after_their_streams_ran(monkeypatch, 
                         launches.clear()
                         d = be.to_device(np.zeros_like(x))
                         be.write(d, x)  # on the caller's stream, right before the call: late under "lazy"
+                        events.clear()
                         got = c.allreduce(d, op, out=d if inplace else None)
                         assert c.last_algorithm == "ipc"
+                        # Nothing but the leaders' folds goes to the shared GPU: no event recorded or waited for
+                        # (a call that ends with its stream run leaves no tail for the next one to wait on; one
+                        # of 0 elements returns at once, its caller's work still queued, and leaves one).
+                        bad += [f"n={n}: {events}"] if events and n and last_n else []
+                        last_n = n
                         if not inplace:  # overwritten right after the call: the leaders have read it by then
                             be.write(d, np.zeros_like(x))
                         if not same_bits(be.to_host(got), want):

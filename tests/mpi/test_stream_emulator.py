@@ -623,6 +623,8 @@ MUTATIONS = [
     ("aware-recv-waits-for-kernels", _transport.HostTransport, "__init__", "_sync()", 1, ["ring-aware"]),
     ("call-waits-for-previous-call", _streams, "on_stream", "be.wait(s, tail)", 0,
      ["shards-staged", "fusion"]),
+    ("call-leaves-its-tail-unless-its-stream-ran", _streams, "on_stream", "self._tails[where(be)] = be.record(s)", 0,
+     ["shards-staged", "fusion"]),
     ("progress-thread-waits-for-caller", _async.ThreadEngine, "_run", "be.wait(s, d.ready)", 0, ["async"]),
     ("caller-waits-for-progress-thread", _async._Device, "order_caller", "be.wait(be.call_stream(self.like, stream), self.done)", 0,
      ["async"]),
