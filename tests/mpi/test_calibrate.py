@@ -35,9 +35,10 @@ def test_calibrated_topology(world):
         assert lv.fanout == p and lv.bandwidth > 0 and lv.latency > 0 and isinstance(lv.cpu_copy, bool)
         assert any("cpu_copy" in n for n in topo.notes)
         assert "one-way times" in lv.note
-        # The engine's own per-chunk cost: Python and mpi4py take microseconds
-        # per chunk on any machine, more than the modeled transfer of 4 bytes.
-        assert 0 < topo.chunk_overhead < 0.1 and any(n.startswith("chunk_overhead:") for n in topo.notes)
+        # The engine's own per-chunk cost, what its measured call takes beyond the model's: never negative, and
+        # 0 where other processes' load inflated the separately measured link latency past it (a timing, which
+        # a test does not assert).
+        assert 0 <= topo.chunk_overhead < 0.1 and any(n.startswith("chunk_overhead:") for n in topo.notes)
     else:
         assert topo.chunk_overhead == 0
         assert any("no pair of ranks" in n for n in topo.notes)
