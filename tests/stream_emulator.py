@@ -264,7 +264,10 @@ class Emulator:
             return not stream.queue
 
     def sync_stream(self, stream):
-        self.sync(self.record(stream))
+        """Block until ``stream``'s last operation has run, queueing nothing (as cudaStreamSynchronize)."""
+        with self.lock:
+            if stream.last is not None and not stream.last.done:
+                self._force(stream.last)
 
     def drain(self):
         """Run everything that is queued (between tests), waiting for peers' IPC events as long as

@@ -49,10 +49,11 @@ records no event after it either: ``ddlkernels.collectives.streams``), no
 stream waits for another process's event, and the bytes moved are those of
 the schedule above (past 8 ranks the fold runs in launches of 8 operands,
 the last writing 7 outputs and copies the rest: ``reduce_many``).
-reduce_scatter and allgather there keep each rank's own part (their outputs
-are the ranks' own, not exchanged) but order it the same way: each rank
-blocks until its stream has run before each exchange, and no stream waits
-for a peer's event.
+reduce_scatter and allgather there go the same way: the ranks also
+exchange where their shards lie, and each leader folds the shard of every
+rank on its GPU into that rank's shard (reduce_scatter) or writes every
+rank's shard into the outputs of the ranks on its GPU, one launch of the
+pack kernel each (allgather).
 
 Buffers.  A peer's allocation is opened once and kept (``Mapped``, least
 recently used closed past ``MAPPED``), as NCCL keeps registered buffers: a
@@ -476,29 +477,58 @@ class IpcNode:
 
         self._call(be, src, dst, deadline, "allreduce", body)
 
+    def _led(self, be) -> list:
+        """The ranks on the GPU this rank leads in the shared-GPU schedule, in rank order (none if it leads none)."""
+        return [q for q, first in enumerate(self._leaders[be.name]) if first == self.me]
+
     def reduce_scatter(self, be, src, shard, bounds, redop, avg_p=None, deadline=None, agree=None) -> None:
         """``shard`` (this rank's, a buffer apart from ``src``) = elements ``bounds[me]`` of every rank's
         ``src``, folded in rank order (``agree``: ``_call``'s)."""
         lo, hi = bounds[self.me]
+        if not any(b > a for a, b in bounds):
+            return
+        if self.shares_gpus(be):
+            def led(mine_in, mine_out, peer):  # a leader folds the shards of the ranks on its GPU into theirs
+                for q in self._led(be):
+                    a, b = bounds[q]
+                    if b > a:
+                        into = mine_out if q == self.me else peer(q, _DST, 0, b - a, mine_in.dtype)
+                        self._fold(be, mine_in, peer, a, b, redop, avg_p, into)
+
+            return self._call(be, src, shard if hi > lo else None, deadline, "reduce_scatter", led, agree,
+                              host_sync=True)
 
         def body(mine_in, mine_out, peer):
             if hi > lo:
                 self._fold(be, mine_in, peer, lo, hi, redop, avg_p, shard)
 
-        if any(b > a for a, b in bounds):
-            self._call(be, src, None, deadline, "reduce_scatter", body, agree, host_sync=self.shares_gpus(be))
+        self._call(be, src, None, deadline, "reduce_scatter", body, agree)
 
     def allgather(self, be, shard, dst, bounds, deadline=None, agree=None) -> None:
         """Every rank's ``shard`` into its ``bounds`` of every rank's ``dst`` (``shard`` apart from ``dst``;
         ``agree``: ``_call``'s)."""
         lo, hi = bounds[self.me]
+        if not any(b > a for a, b in bounds):
+            return
+        if self.shares_gpus(be):
+            def led(mine_in, mine_out, peer):  # a leader writes every shard into the outputs of the ranks on its GPU
+                ranks, dt = self._led(be), dst.dtype
+                if not ranks:
+                    return  # not a leader: it maps nobody's memory
+                shards = [(mine_in if r == self.me else peer(r, _SRC, 0, b - a, dt), a * dt.itemsize)
+                          for r, (a, b) in enumerate(bounds) if b > a]
+                for q in ranks:  # one launch of the pack kernel per output
+                    out = mine_out if q == self.me else peer(q, _DST, 0, dst.shape[0], dt)
+                    be.pack([t for t, _ in shards], out, [at for _, at in shards])
+
+            return self._call(be, shard if hi > lo else None, dst, deadline, "allgather", led, agree,
+                              host_sync=True)
 
         def body(mine_in, mine_out, peer):
             if hi > lo:
                 self._push(be, shard, mine_out, peer, lo, hi)
 
-        if any(b > a for a, b in bounds):
-            self._call(be, None, dst, deadline, "allgather", body, agree, host_sync=self.shares_gpus(be))
+        self._call(be, None, dst, deadline, "allgather", body, agree)
 
     def mapped(self, now=False) -> int:
         """How many peers' allocations this rank has opened so far, or with ``now`` holds open in use, over

@@ -243,9 +243,9 @@ def ipc_workload(be, c):
 
 
 def ipc_shared_gpus_workload(be, c):
-    """The CUDA IPC allreduce where ranks share GPUs (the lowest rank on each folds its part for all, the ranks
-    block on their own streams): each input written on the caller's stream right before its call, each result
-    read right after it through that stream, the input overwritten at once."""
+    """The CUDA IPC allreduce, then reduce_scatter and allgather, where ranks share GPUs (the lowest rank on each
+    does its part for all, the ranks block on their own streams): each input written on the caller's stream
+    right before its call, each result read right after it through that stream, the input overwritten at once."""
     c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
     s, bad = be.new_stream(), 0
     if R % 2:  # odd ranks' hosts are slow to wait for their streams: their late work stays late
@@ -264,6 +264,13 @@ def ipc_shared_gpus_workload(be, c):
                 if out is not d:
                     be.write(d, np.zeros_like(x))
                 bad += not np.array_equal(got, c.allreduce(x, "sum"))
+                # reduce_scatter, then allgather of the shard: the leaders fold and write for their GPU's ranks
+                be.write(d, x)
+                shard = c.reduce_scatter(d, "sum")
+                be.write(d, np.zeros_like(x))
+                whole = c.allgather(shard, count=n)
+                be.write(shard, np.zeros(shard.shape[0], x.dtype))
+                bad += not np.array_equal(be.to_host(whole, s), c.allreduce(x, "sum"))
     finally:
         be.__dict__.pop("sync_stream", None)
     c.free()
