@@ -105,6 +105,39 @@ def test_any_offset_and_memory_peers_cannot_map(policy):
     assert wrong_anywhere(len(bad)) == 0, f"rank {R}: {bad}"
 
 
+@pytest.mark.parametrize("layout", ["one", "two"])
+def test_shared_gpus_sharded_collectives_with_memory_peers_cannot_map(layout):
+    """Where ranks share GPUs the leaders write the other ranks' shards (reduce_scatter) and outputs
+    (allgather): those at odd offsets and in memory CUDA IPC cannot export go through the owner's stage and
+    back, and inputs there too; the same bits, every mix on every rank, inputs unchanged."""
+    if len(gpu_leaders(layout, P)) == P:
+        pytest.skip(f"{P} ranks on the {layout} layout's GPUs: no GPU serves two")
+    bad = []
+    with emulated_device(seed=11 + R, policy="random", ipc=True, gpu=GPU_LAYOUTS[layout](R)) as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=True)
+        for n in (P + 1, 1001):
+            x = rank_data(n, R, P, np.float32, salt=5)
+            xs = COMM.allgather(x)
+            lo, hi = c.shard_range(n)
+            want = fold([v[lo:hi] for v in xs], "sum")
+            whole = np.concatenate([xs[q][slice(*c.shard_range(n, rank=q))] for q in range(P)])
+            for k, (src_ok, dst_ok) in enumerate(((True, False), (False, True), (False, False))):
+                src_ok, dst_ok = (src_ok, dst_ok) if (R + k) % 2 == 0 else (dst_ok, src_ok)  # mixes differ by rank
+                d = placed(be, x, 1 + R, shareable=src_ok)
+                out = placed(be, np.zeros(hi - lo, x.dtype), 3, shareable=dst_ok)
+                c.reduce_scatter(d, "sum", out=out)
+                assert c.last_algorithm == "ipc"
+                bad += [] if same_bits(be.to_host(out), want) else [f"reduce_scatter {n} {src_ok},{dst_ok}"]
+                bad += [] if same_bits(be.to_host(d), x) else [f"reduce_scatter {n}: input modified"]
+                mine = placed(be, x[lo:hi], 2, shareable=src_ok)
+                got = placed(be, np.zeros_like(x), 1, shareable=dst_ok)
+                c.allgather(mine, count=n, out=got)
+                bad += [] if same_bits(be.to_host(got), whole) else [f"allgather {n} {src_ok},{dst_ok}"]
+        assert c.algorithms["ipc"].staged() > 0
+        c.free()
+    assert wrong_anywhere(len(bad)) == 0, f"rank {R}: {bad}"
+
+
 def test_peers_allocations_are_opened_once_and_the_least_recent_closed(monkeypatch):
     """Calls on the same buffers open each peer allocation once; with a cap of 2 open mappings and new
     buffers every call, older mappings are closed and every result is still right."""
