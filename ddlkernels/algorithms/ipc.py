@@ -1,6 +1,6 @@
 """"ipc": the ranks of one node reduce each other's device memory where it lies, over CUDA IPC.
 
-Worked example, allreduce of 8 float32 on 2 ranks (one GPU or two), shards [0, 4) and [4, 8)::
+Worked example, allreduce of 8 float32 on 2 ranks, a GPU each, shards [0, 4) and [4, 8)::
 
     both    record "ready" on the caller's stream, then exchange where their x and out
             lie (IPC handle of the allocation, offset): one small allgather (barrier 1)
