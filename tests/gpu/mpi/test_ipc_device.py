@@ -250,6 +250,28 @@ def test_close_peer_memory_then_the_pool_frees_its_blocks():
     c.free()
 
 
+def test_ranks_sharing_the_gpu_leave_no_event_between_calls(comm):
+    """Where ranks share a GPU, each IPC call ends with its stream run (cudaStreamQuery says so): no rank keeps
+    an event for its next call to wait on, so the ranks that only wait queue nothing on the GPU."""
+    if len(set(COMM.allgather(cp.cuda.Device().pci_bus_id))) == P:
+        pytest.skip("every rank drives a GPU of its own: the two-shot schedule leaves its events to the next call")
+    x = data(100003, np.float32, salt=40)
+    want = rank_order_fold(COMM.allgather(x), "sum")
+    for collective in ("allreduce", "reduce_scatter", "allgather"):
+        d = cp.asarray(x)
+        cp.cuda.get_current_stream().synchronize()  # the copy in has run: the call starts on an idle stream
+        if collective == "allreduce":
+            got, wanted = comm.allreduce(d, "sum"), want
+        elif collective == "reduce_scatter":
+            got, wanted = comm.reduce_scatter(d, "sum"), want[slice(*comm.shard_range(x.size))]
+        else:
+            got, wanted = comm.allgather(d[slice(*comm.shard_range(x.size))], count=x.size), \
+                np.concatenate([xq[slice(*comm.shard_range(x.size, rank=q))] for q, xq in enumerate(COMM.allgather(x))])
+        assert comm.last_algorithm == "ipc" and not comm._tails, (collective, comm._tails)
+        check(cp.asnumpy(got), wanted, collective, same_everywhere=collective != "reduce_scatter")
+    CALLS[0] += 1
+
+
 #: ranks per made-up node: a divisor 2 <= k < P (4 ranks: 2 nodes of 2), else None (each rank a node)
 K = node_size(P)
 
