@@ -22,7 +22,7 @@ host), and where the rank count has a divisor 2 <= k < p, "hier" (node
 labels make nodes of k ranks, consecutive or round robin: CUDA IPC inside
 each, the ring staged or CUDA-aware across them; its allreduces settled on
 it where it serves them, the other collectives the tuner's); the ranks'
-devices are one GPU, one each, or two dealt out round robin (CUDA IPC's allreduce differs).  Calls:
+devices are one GPU, one each, or two dealt out round robin (CUDA IPC's schedule differs).  Calls:
 allreduce, reduce_scatter then allgather of its shard, mpi4py's Allreduce,
 allreduce_many of two tensors, and allreduce_many_async (the progress
 thread; in place, the DDP hook's call; waited for on the current stream, or
@@ -112,7 +112,7 @@ cases = st.fixed_dictionaries(
         "policy": st.sampled_from(["lazy", "random"]),
         "nodes": st.sampled_from(["block", "round robin"]),  # "hier": the made-up nodes' ranks
         "aware": st.booleans(),  # "hier": CUDA-aware MPI across its nodes, else staged
-        # which GPU each rank drives (CUDA IPC's allreduce: where ranks share one, its lowest rank folds for them)
+        # which GPU each rank drives (CUDA IPC: where ranks share one, its lowest rank does their part)
         "gpus": st.sampled_from(sorted(GPU_LAYOUTS)),
         "seed": st.integers(0, 2**20),
         "calls": st.lists(calls, min_size=1, max_size=4),
