@@ -20,6 +20,10 @@ stream waits for the peers' "done".  They differ only in who runs the kernel:
                   the schedules above, with what a call of it costs besides
     library pool  the same call on arrays of CuPy's memory pool (``cupy.asarray``, ``cupy.empty``), as
                   the device sweep's lines have, where the lines above have allocations of their own
+    library tails the library's call with the event a device call leaves for the next one recorded at
+                  every call (``DeviceBackend.idle`` made False), as before calls that end with their
+                  stream run stopped leaving one: the ranks that only wait queue a record and a wait on
+                  the GPU again; on a Communicator of its own
     protocol      the events and the two allgathers with no kernel: what a call costs beside its bytes
     device copy   every rank copies its input once on its GPU (the sweep's floor line)
 
@@ -62,6 +66,7 @@ def main(argv=None):
 
     be = get_backend("cupy")
     lib = ddlkernels.Communicator(comm, shm=False, ipc=True)
+    lib_tails = ddlkernels.Communicator(comm, shm=False, ipc=True)
     node = lib.algorithms["ipc"].node
     why = node.check(be)  # collective; the library's calls then find its verdict made
     if why is not None:
@@ -123,12 +128,19 @@ def main(argv=None):
             s.synchronize()
             comm.allgather(None)
 
+        def with_tails():
+            be.idle = lambda stream: False  # this instance only, for this call: the tail is recorded as it was
+            try:
+                lib_tails.allreduce(x, "sum", out=out)
+            finally:
+                del be.idle
+
         copy_dst = cp.empty_like(x)
         x_pool, out_pool = cp.asarray(x), cp.empty_like(x)
         lines = {"two-shot": lambda: protocol(two_shot), "one kernel": lambda: protocol(one_kernel),
                  "host sync": host_sync, "ipc node": lambda: node.allreduce(be, x, out, "sum"),
                  "library": lambda: lib.allreduce(x, "sum", out=out),
-                 "library pool": lambda: lib.allreduce(x_pool, "sum", out=out_pool),
+                 "library pool": lambda: lib.allreduce(x_pool, "sum", out=out_pool), "library tails": with_tails,
                  "protocol": lambda: protocol(lambda: None), "device copy": lambda: cp.copyto(copy_dst, x)}
 
         def timed(fn):
@@ -163,8 +175,10 @@ def main(argv=None):
         for m in maps:
             be.ipc_close(m)
         lib.close_peer_memory()
+        lib_tails.close_peer_memory()
         comm.Barrier()
     lib.free()  # wrong: the harness summed every rank's already
+    lib_tails.free()
     gpus = len(set(comm.allgather(cp.cuda.Device().pci_bus_id)))
     if me == 0:
         dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["name"]
