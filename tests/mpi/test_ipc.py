@@ -479,8 +479,9 @@ def test_ranks_sharing_gpus_fold_by_leader_after_their_streams_ran(monkeypatch, 
         the shared GPU, and no event (a call that ends with its stream run leaves no tail for the next one to
         wait on; one of 0 elements returns at once, its caller's work still queued, and leaves one, which the
         call after it waits for)."""
-        launches.clear(), events.clear(), queued.clear()
-        got = fn(*args, **kwargs)
+        for log in (launches, events, queued):
+            log.clear()
+        got = fn(*args, **kwargs)  # c and n: the Communicator and the size of the loop below
         assert c.last_algorithm == "ipc" or n == 0
         if n and call.last_n:
             bad.extend([f"{what}: {events}"] if events else [])
