@@ -164,7 +164,8 @@ def test_device_benchmarks_time_nothing_without_a_gpu(tmp_path):
                           ("bench/studies/chunk_cost.py", "--device", "cuda", "--bytes", "4K"),
                           ("bench/studies/ipc_schedules.py", "--sizes", "4K"),
                           ("bench/studies/ipc_profile.py", "--sizes", "4K"),
-                          ("bench/studies/reduce_launch.py", "--sizes", "4K")):
+                          ("bench/studies/reduce_launch.py", "--sizes", "4K"),
+                          ("bench/studies/staged_pieces.py", "--sizes", "4K")):
         proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2, script + proc.stdout + proc.stderr

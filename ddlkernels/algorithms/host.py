@@ -8,8 +8,11 @@ buffers: copy a piece to pinned memory, reduce it there with the host
 Communicator's own tuned choice, copy it back.  The copies of the neighbouring
 pieces run meanwhile, on two copy streams (the GPU copies both ways at once),
 so a call costs about the host's allreduce plus one piece down and one up.
+Those two are short: the pieces grow from an eighth of ``PIECE_BYTES`` (8 MiB),
+doubling, and shrink back at the end (``piece_cuts``; 64 MiB of float32:
+1, 2, 4, 7.1 x 7, 4, 2, 1 MiB).
 
-Worked example, 20 MiB in pieces of 8 MiB (A, B, C), 2 pinned slots (3 by default, ``SLOTS``)::
+Worked example, 4 MiB in pieces of 1, 2 and 1 MiB (A, B, C), 2 pinned slots (3 by default, ``SLOTS``)::
 
     D2H stream   waits for the caller's stream (the kernels that wrote src)
                  A -> slot 0, B -> slot 1 ........ wait up(A); C -> slot 0
@@ -20,11 +23,12 @@ Worked example, 20 MiB in pieces of 8 MiB (A, B, C), 2 pinned slots (3 by defaul
                  (each queued after the host saw a copy down end: after the caller's kernels)
     caller's stream waits for the last H2D copy: no host block at the end
 
-reduce_scatter and allgather run the same pipeline on pieces that take ``s``
-elements of every rank's shard (``s`` from ``PIECE_BYTES`` over the ranks):
-piece k holds elements ``[k s, (k + 1) s)`` of each shard, each at its rank's
-shard of the piece for the inner Communicator, which reduce_scatters (or
-allgathers) the piece.  2 ranks, shards [0, 5) and [5, 9), s = 3::
+reduce_scatter and allgather run the same pipeline on pieces that take
+elements ``[a, b)`` of every rank's shard (the longest shard cut as above,
+``PIECE_BYTES`` over the ranks): ``s = b - a`` elements of each shard, each
+at its rank's shard of the piece for the inner Communicator, which
+reduce_scatters (or allgathers) the piece.  2 ranks, shards [0, 5) and
+[5, 9), cut at [0, 3) and [3, 5)::
 
     piece 0   x[0:3] | x[5:8]        -> rank 0 gets its [0:3], rank 1 its [5:8]
     piece 1   x[3:5] 0 | x[8:9] 0 0  -> rank 0 gets its [3:5], rank 1 its [8:9]
@@ -54,13 +58,48 @@ from __future__ import annotations
 from ..safety.deadline import complete
 from .base import Algorithm, pack_segments
 
-__all__ = ["Host", "PIECE_BYTES", "SLOTS"]
+__all__ = ["Host", "PIECE_BYTES", "RAMP", "SLOTS", "piece_cuts"]
 
-#: bytes per piece: the host's allreduce runs near its large-message speed from a few MiB, and the copies
-#: that do not overlap (the first piece down, the last up) stay a small part of a large call.
+#: bytes per piece: the host's allreduce runs near its large-message speed from a few MiB.
 PIECE_BYTES = 8 << 20
+#: the first and the last piece are PIECE_BYTES / RAMP: the first piece's copy down and the last one's copy up
+#: overlap nothing.  With pieces of 8 MiB alike, the "ddlkernels staged" lines of
+#: bench/results/device_allreduce_np{2,4}_h200.txt at 64 and 256 MiB, extrapolated to 0 bytes, leave 2.3 ms
+#: (2 ranks) and 3.4 ms (4 ranks) a call beside 0.22 and 0.32 ms a MiB: about one piece down and up.
+RAMP = 8
 #: pinned slots: one being reduced, one being copied down, one being copied up.
 SLOTS = 3
+
+
+def piece_cuts(n: int, per: int, ramp: int = RAMP) -> list:
+    """``[(a, b), ...]``: ``n`` elements cut into pieces of at most ``per``, which grow from ``per // ramp``,
+    doubling, and shrink back the same way at the end, so that the copies that overlap nothing (the first
+    piece down, the last up) are short.  A piece is at most twice the one before it (the copy of the next piece
+    down has about the host's time for this one) and a ramp step is taken only where the middle keeps at least
+    twice that step.  ``ramp=1``: pieces of ``per``, the last one short.
+
+    >>> [b - a for a, b in piece_cuts(64, 8)]
+    [1, 2, 4, 8, 7, 7, 7, 7, 7, 7, 4, 2, 1]
+    >>> [b - a for a, b in piece_cuts(20, 8, ramp=1)]
+    [8, 8, 4]
+    """
+    per = max(1, per)
+    head, rest, s = [], n, max(1, per // max(1, ramp))
+    while s < per and rest - 2 * s >= 2 * s:
+        head.append(s)
+        rest -= 2 * s
+        s *= 2
+    if not head:
+        sizes = [per] * (n // per) + ([n % per] if n % per else [])
+    else:
+        most = min(per, 2 * head[-1])
+        k = -(-rest // most)
+        sizes = head + [rest // k + (i < rest % k) for i in range(k)] + head[::-1]
+    cuts, a = [], 0
+    for m in sizes:
+        cuts.append((a, a + m))
+        a += m
+    return cuts
 
 
 class _Copies:
@@ -93,6 +132,7 @@ class Host(Algorithm):
     device = True
     #: the cut of a call (tests make it small, so that slots are reused within a call)
     piece_bytes = PIECE_BYTES
+    ramp = RAMP
 
     def __init__(self, comm, placement):
         super().__init__(comm, placement)
@@ -176,9 +216,8 @@ class Host(Algorithm):
         inner = self._host_comm(w)
         store = w.dst.dtype  # the storage type (bfloat16 as uint16 bits on a device backend)
         item = store.itemsize
-        per = max(1, self.piece_bytes // item)
-        cuts = [(a, min(a + per, n)) for a in range(0, n, per)]
-        cp = self._copies_for(be, min(per, n) * item)
+        cuts = piece_cuts(n, self.piece_bytes // item, self.ramp)
+        cp = self._copies_for(be, max(b - a for a, b in cuts) * item)
 
         def view(slot, m):
             return slot[:m * item].view(store).view(w.dtype)
@@ -209,11 +248,11 @@ class Host(Algorithm):
         self._sharded(w)
 
     def _sharded(self, w):
-        """reduce_scatter and allgather, in pieces that take ``s`` elements of every rank's shard: piece k
-        holds elements ``[k * s, (k + 1) * s)`` of each, at that rank's shard of the piece's ``p * s`` for the
-        inner Communicator (``at``), and the inner collective runs on the piece.  A shard shorter than that
-        leaves padding in the piece, which no result is read from (zeros where it is reduced).  A slot
-        holds the piece, then this rank's ``s``."""
+        """reduce_scatter and allgather, in pieces that take elements ``[a, b)`` of every rank's shard (the
+        longest shard's ``piece_cuts``): piece k's ``s = b - a`` elements of each shard lie at that rank's shard
+        of the piece's ``p * s`` for the inner Communicator (``at[s]``), and the inner collective runs on the
+        piece.  A shard shorter than that leaves padding in the piece, which no result is read from (zeros
+        where it is reduced).  A slot holds the piece, then this rank's ``s``."""
         be, p, me = w.be, self.comm.size, self.comm.rank
         if w.count == 0:
             return
@@ -221,58 +260,63 @@ class Host(Algorithm):
         gather = w.kind == "allgather"
         store = w.src.dtype  # the storage type, as in allreduce
         item = store.itemsize
-        longest = max(hi - lo for lo, hi in w.bounds)
-        s = max(1, min(longest, self.piece_bytes // (item * p)))
-        at = [inner.shard_range(p * s, rank=q)[0] for q in range(p)]
-        lengths = [[max(0, min(s, hi - lo - k * s)) for lo, hi in w.bounds] for k in range(-(-longest // s))]
-        cp = self._copies_for(be, (p + 1) * s * item)
+        cuts = piece_cuts(max(hi - lo for lo, hi in w.bounds), self.piece_bytes // (item * p), self.ramp)
+        at = {s: [inner.shard_range(p * s, rank=q)[0] for q in range(p)] for s in {b - a for a, b in cuts}}
+        lengths = [[max(0, min(b, hi - lo) - a) for lo, hi in w.bounds] for a, b in cuts]
+        cp = self._copies_for(be, (p + 1) * max(at) * item)
         dst = be.flat(w.dst)
 
-        def piece(slot):
+        def piece(slot, s):
             return slot[:p * s * item].view(store).view(w.dtype)
 
-        def mine(slot):
+        def mine(slot, s):
             return slot[p * s * item:(p + 1) * s * item].view(store).view(w.dtype)
 
-        def run(slot):
+        def run(slot, s):
             if gather:
-                inner.allgather(mine(slot), count=p * s, out=piece(slot), timeout=self._timeout(w))
+                inner.allgather(mine(slot, s), count=p * s, out=piece(slot, s), timeout=self._timeout(w))
             else:
-                inner.reduce_scatter(piece(slot), w.op, out=mine(slot), timeout=self._timeout(w))
+                inner.reduce_scatter(piece(slot, s), w.op, out=mine(slot, s), timeout=self._timeout(w))
 
-        self._settle_inner(inner, cp, w.kind, "sum" if gather else w.op, piece(cp.slots[0]),
-                           lambda: run(cp.slots[0]))
+        for s in sorted(at):
+            self._settle_inner(inner, cp, w.kind, "sum" if gather else w.op, piece(cp.slots[0], s),
+                               lambda s=s: run(cp.slots[0], s))
 
         def ranges(k):
             """(rank, its first element of the whole buffer in piece k, how many) for the ranks with any."""
-            return [(q, w.bounds[q][0] + k * s, m) for q, m in enumerate(lengths[k]) if m]
+            return [(q, w.bounds[q][0] + cuts[k][0], m) for q, m in enumerate(lengths[k]) if m]
 
         def down(k, slot, stream):
+            a, b = cuts[k]
             if gather:
                 m = lengths[k][me]
                 if m:
-                    be.d2h(slot[p * s * item:(p * s + m) * item], w.src[k * s:k * s + m], stream)
+                    be.d2h(slot[p * (b - a) * item:(p * (b - a) + m) * item], w.src[a:a + m], stream)
                 return
             for q, lo, m in ranges(k):
-                be.d2h(slot[at[q] * item:(at[q] + m) * item], w.src[lo:lo + m], stream)
+                o = at[b - a][q]
+                be.d2h(slot[o * item:(o + m) * item], w.src[lo:lo + m], stream)
 
         def host(k, slot):
+            s = cuts[k][1] - cuts[k][0]
             if not gather:
-                x = piece(slot)
+                x = piece(slot, s)
                 for q, m in enumerate(lengths[k]):
-                    x[at[q] + m:at[q] + s] = 0
-            run(slot)
+                    x[at[s][q] + m:at[s][q] + s] = 0
+            run(slot, s)
 
         def up(k, slot, stream):
+            a, b = cuts[k]
             if gather:
                 for q, lo, m in ranges(k):
-                    be.h2d(dst[lo:lo + m], slot[at[q] * item:(at[q] + m) * item], stream)
+                    o = at[b - a][q]
+                    be.h2d(dst[lo:lo + m], slot[o * item:(o + m) * item], stream)
                 return
             m = lengths[k][me]
             if m:
-                be.h2d(dst[k * s:k * s + m], slot[p * s * item:(p * s + m) * item], stream)
+                be.h2d(dst[a:a + m], slot[p * (b - a) * item:(p * (b - a) + m) * item], stream)
 
-        self._pipeline(be, cp, len(lengths), down, host, up)
+        self._pipeline(be, cp, len(cuts), down, host, up)
 
     def free(self):
         for cp in self._copies.values():

@@ -15,7 +15,9 @@
 #   in no group: sharded-n2 times device reduce_scatter and allgather at 2 ranks; ipc-schedules-nN the CUDA IPC
 #   allreduce's schedules (bench/studies/ipc_schedules.py) at N ranks; ipc-profile-nN the library's IPC allreduce
 #   under torch's profiler at N ranks (bench/studies/ipc_profile.py: CUDA calls and kernels per rank, Chrome
-#   traces beside the logs); reduce-launch the reduce kernel's launch shapes (bench/studies/reduce_launch.py)
+#   traces beside the logs); reduce-launch the reduce kernel's launch shapes (bench/studies/reduce_launch.py);
+#   staged-pieces-nN the "host" algorithm's cuts of a call beside the host arrays' allreduce at N ranks
+#   (bench/studies/staged_pieces.py)
 # MPS=1 runs every step under CUDA's Multi-Process Service where nvidia-cuda-mps-control exists (started here with
 # its pipes under $TMPDIR, stopped at exit): the ranks that share a GPU then share one context instead of taking
 # turns on it (no card setting changes).
@@ -125,6 +127,8 @@ run_step() {  # run_step NAME: the command of each step
             step "$name" "$MPIRUN" -n "$n" "$PY" bench/studies/ipc_profile.py --sizes 1M,256M \
                 --trace-dir "$LOGDIR/ipc_profile_np$n" ;;
         reduce-launch) step reduce-launch "$PY" bench/studies/reduce_launch.py ;;
+        staged-pieces-n*) n=${name#staged-pieces-n}
+            step "$name" "$MPIRUN" -n "$n" "$PY" bench/studies/staged_pieces.py --sizes 64M,256M ;;
         sharded-n2) step sharded-n2 "$MPIRUN" -n 2 "$PY" -m ddlkernels bench --device cuda \
             --collective reduce_scatter,allgather -b 1M -e 256M -f 16 -n 5 -w 2 --json "$LOGDIR/device_sharded_np2.json" ;;
         *) echo "run_on_device: no step named $name"; FAILED=1; SUMMARY+=("$name: no such step") ;;

@@ -72,6 +72,27 @@ class DroppingDevice(EmuDevice):
         self.be.write(d, bad)
 
 
+def study(name):
+    """bench/studies/NAME.py as a module: the studies are scripts, not a package."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "bench" / "studies"
+                                                  / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class MisreadDevice(EmuDevice):
+    """Reads of device memory lose their first element: every staged line's results must come out wrong."""
+
+    def to_host(self, d):
+        got = self.be.to_host(d).copy()
+        got[:1] = 99
+        return got
+
+
 @pytest.fixture(autouse=True)
 def small_host_pieces(monkeypatch):
     from ddlkernels.algorithms import host
@@ -177,17 +198,11 @@ def test_bench_device_cuda_refuses_without_a_gpu_and_what_it_cannot_time(capsys)
 def test_chunk_cost_study_lines_right():
     """bench/studies/chunk_cost.py's lines (the host ring, the staged device ring) at several chunk sizes:
     every result exact, the chunks a call sends growing as the chunk shrinks."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "bench" / "studies" / "chunk_cost.py"
-    spec = importlib.util.spec_from_file_location("chunk_cost", path)
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    cost = study("chunk_cost")
     n, dt = 3001, np.dtype(np.float32)
     want = expected(n, P, dt, "sum")
     with emulated_device(seed=R, policy="random") as be:
-        found, missing, comms = study.lines(COMM, EmuDevice(be), n, dt)
+        found, missing, comms = cost.lines(COMM, EmuDevice(be), n, dt)
         try:
             assert "staged" in found and ("cuda-aware" in found) != bool(missing.get("cuda-aware"))
             for chunk in (64, 1024, 1 << 20):
@@ -195,11 +210,29 @@ def test_chunk_cost_study_lines_right():
                     run(chunk)
                     sync()
                     assert np.array_equal(result(), want), (name, chunk)
-            m = [study.chunks_per_call(comms[0], n, dt.itemsize, c) for c in (64, 1024)]
+            m = [cost.chunks_per_call(comms[0], n, dt.itemsize, c) for c in (64, 1024)]
             assert (m[0] > m[1] >= 2 * (P - 1)) if P > 1 else m == [0, 0]  # one rank sends nothing
         finally:
             for c in comms:
                 c.free()
+
+
+@pytest.mark.parametrize("device", [EmuDevice, MisreadDevice])
+def test_staged_pieces_study_lines_right(device):
+    """bench/studies/staged_pieces.py's lines: the host arrays' allreduce and "host" under several cuts of
+    the call (the even cut and the ramp, small pieces so that a call ramps), each line's result checked."""
+    pieces = study("staged_pieces")
+    cuts = {"ramp 64": (64, 8), "even 64": (64, 1), "ramp 256": (256, 16)}
+    with emulated_device(seed=R, policy="random") as be:
+        rows, wrong = pieces.measure(COMM, device(be), [4 * 1031], cuts, iters=2, warmup=1)
+    assert [set(r) for r in rows] == [{"bytes", "host arrays", *cuts}]
+    assert all(rows[0][k] > 0 for k in ("host arrays", *cuts))
+    if device is EmuDevice:
+        assert wrong == 0
+    else:  # the first element, on every rank, in every checked call (warmup and timed) of each staged line
+        assert wrong >= len(cuts) * P * 2
+    text = pieces.table(rows, cuts)
+    assert "ramp 64" in text and "( 1.00)" in text and "# pieces at 0M: ramp 64 " in text  # host arrays: x 1
 
 
 def test_a_line_another_library_refuses_is_left_out_with_its_reason(monkeypatch):

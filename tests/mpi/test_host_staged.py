@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 import ddlkernels
 from ddlkernels._dtypes import SUPPORTED_DTYPES, dtype_name
+from ddlkernels.algorithms.host import piece_cuts
 from ddlkernels.select.tuner import tuning_calls
 from helpers import rank_data
 from stream_emulator import emulated_device
@@ -45,9 +46,10 @@ def host_on_ring(c):
 
 
 def piecewise(ring, x, op):
-    """What "host" promises: every piece reduced on its own by the inner Communicator."""
-    per = max(1, PIECE // x.dtype.itemsize)
-    return np.concatenate([ring.allreduce(x[a:a + per], op) for a in range(0, x.size, per)]) if x.size else x.copy()
+    """What "host" promises: every piece (``piece_cuts``, tested in tests/test_piece_cuts.py) reduced on its own
+    by the inner Communicator."""
+    cuts = piece_cuts(x.size, PIECE // x.dtype.itemsize)
+    return np.concatenate([ring.allreduce(x[a:b], op) for a, b in cuts]) if x.size else x.copy()
 
 
 @pytest.mark.sweep
@@ -195,30 +197,24 @@ def test_empty_calls_odd_offsets_nan_and_subnormals(policy):
 # -- reduce_scatter and allgather: pieces of every rank's shard ------------------------------------------
 
 
-def shard_pieces(ring, n, dtype):
-    """What "host" promises for a whole buffer of ``n``: pieces of ``s`` elements of every rank's shard,
-    ``s`` from PIECE bytes over the ranks, each at its rank's shard of the piece (``at``) for the inner
-    Communicator.  Returns (every rank's bounds, s, at, how many pieces)."""
-    bounds = [ring.shard_range(n, rank=q) for q in range(P)]
-    longest = max(hi - lo for lo, hi in bounds)
-    s = max(1, min(longest, PIECE // (np.dtype(dtype).itemsize * P)))
-    return bounds, s, [ring.shard_range(P * s, rank=q)[0] for q in range(P)], -(-longest // s)
-
-
 def piecewise_reduce_scatter(ring, x, op):
-    """This rank's shard as "host" reduces it: each piece (zeros where a shard is short) reduce_scattered by
-    the inner ring on its own."""
-    bounds, s, at, count = shard_pieces(ring, x.size, x.dtype)
+    """This rank's shard as "host" reduces it, for a whole buffer ``x``: the longest shard cut (``piece_cuts``
+    of PIECE bytes over the ranks); piece ``[a, b)`` takes those elements of every rank's shard, each at its
+    rank's shard of the piece's ``P (b - a)`` for the inner ring (zeros where a shard is short), and is
+    reduce_scattered on its own."""
+    bounds = [ring.shard_range(x.size, rank=q) for q in range(P)]
     lo, hi = bounds[R]
     out = np.empty(hi - lo, x.dtype)
-    for k in range(count):
+    for a, b in piece_cuts(max(e - s for s, e in bounds), PIECE // (x.dtype.itemsize * P)):
+        s = b - a
         piece = np.zeros(P * s, x.dtype)
-        for q, (a, b) in enumerate(bounds):
-            m = max(0, min(s, b - a - k * s))
-            piece[at[q]:at[q] + m] = x[a + k * s:a + k * s + m]
+        for q, (first, last) in enumerate(bounds):
+            m = max(0, min(b, last - first) - a)
+            at = ring.shard_range(P * s, rank=q)[0]
+            piece[at:at + m] = x[first + a:first + a + m]
         got = ring.reduce_scatter(piece, op)
-        m = max(0, min(s, hi - lo - k * s))
-        out[k * s:k * s + m] = got[:m]
+        m = max(0, min(b, hi - lo) - a)
+        out[a:a + m] = got[:m]
     return out
 
 

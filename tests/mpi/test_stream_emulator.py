@@ -279,7 +279,8 @@ def ipc_shared_gpus_workload(be, c):
 
 def host_workload(be, c):
     """The "host" algorithm in pieces of 16 bytes (its 3 pinned slots reused within each call and across
-    calls, its inner tuner settling new piece sizes between calls), then of 64 (new slots, while the last
+    calls; the first call cut evenly, the next ones ramped from 1 element (``piece_cuts``), so that its inner
+    tuner settles new piece sizes between calls), then of 64 (new slots, while the last
     calls' copies up from the old ones are still queued: the pinned pool's next owner scribbles on them as
     they are dropped): in and out of place on two caller streams, the output's old contents written on the
     caller's stream just before each call, the input overwritten right after it, results read at the end
@@ -289,11 +290,12 @@ def host_workload(be, c):
     algo.piece_bytes = 16
     a, b = be.new_stream(), be.new_stream()
     pending = []
-    # 37 first: the slots take 4 elements at once, so later calls' new piece sizes (the inner tuner's trials,
-    # in slot 0) meet copies up of earlier calls still queued.
+    # 37 first, in pieces of 4 and 1: later calls' new piece sizes (the inner tuner's trials, in slot 0) meet
+    # copies up of earlier calls still queued.
     for k, n in enumerate([37] + SIZES + [2 * P + 3, 38, 41]):
         s = a if k % 2 else b
         x = data(n, np.float32, salt=k)
+        algo.ramp = 1 if k == 0 else _host.RAMP
         if n == 41:
             algo.piece_bytes = 64
         with be.current(s):

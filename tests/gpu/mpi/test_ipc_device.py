@@ -22,6 +22,7 @@ import gpu_env as G
 from helpers import node_size, rank_order_fold
 import ddlkernels
 from ddlkernels._dtypes import BFLOAT16, SUPPORTED_DTYPES, dtype_name
+from ddlkernels.algorithms.host import piece_cuts
 
 pytestmark = [G.needs_device, pytest.mark.skipif(MPI.COMM_WORLD.Get_size() < 2, reason="IPC needs 2 ranks or more")]
 cp = G.cp
@@ -166,9 +167,10 @@ def test_the_tuner_chooses_between_ring_ipc_and_host():
 
 @pytest.mark.parametrize("op", OPS)
 def test_host_algorithm_piece_by_piece(op):
-    """"host" (ddlkernels.algorithms.host) on device memory: pieces of 1 MiB through 3 pinned slots, each
-    reduced by an inner Communicator fixed to the ring; its bits are the ring's on each piece of the host
-    copy, on every rank, in and out of place, the input of an out-of-place call kept."""
+    """"host" (ddlkernels.algorithms.host) on device memory: pieces of up to 1 MiB (from 128 KiB at either
+    end: ``piece_cuts``) through 3 pinned slots, each reduced by an inner Communicator fixed to the ring; its
+    bits are the ring's on each piece of the host copy, on every rank, in and out of place, the input of an
+    out-of-place call kept."""
     c = ddlkernels.Communicator(COMM, shm=False, cuda_aware=False, ipc=False)
     algo = c.algorithms["host"]
     algo.piece_bytes = 1 << 20
@@ -177,7 +179,7 @@ def test_host_algorithm_piece_by_piece(op):
         per = algo.piece_bytes // np.dtype(dtype).itemsize
         for n in SIZES:
             x = data(n, dtype, salt=7)
-            want = np.concatenate([ring.allreduce(x[a:a + per], op) for a in range(0, n, per)])
+            want = np.concatenate([ring.allreduce(x[a:b], op) for a, b in piece_cuts(n, per)])
             for inplace in (False, True):
                 d = cp.asarray(x)
                 c.settle(d, "host", op)
