@@ -44,7 +44,7 @@ def test_the_ends_are_short_where_the_call_has_room(n, per, ramp):
         assert got == [per] * (n // per) + ([n % per] if n % per else [])
 
 
-def test_ramp_one_and_small_calls_are_the_even_cut():
+def test_small_calls_and_ramp_one_by_hand():
     assert sizes(20, 8, ramp=1) == [8, 8, 4]
     assert sizes(3, 8) == [3] and sizes(0, 8) == [] and sizes(1, 8) == [1]
     assert sizes(8, 8) == [1, 2, 2, 2, 1]
