@@ -51,6 +51,8 @@ def measure(comm, dev, sizes, cuts=CUTS, iters=10, warmup=3):
     import ddlkernels
 
     p, me = comm.Get_size(), comm.Get_rank()
+    if p < 2:  # one rank reduces nothing: no "host" algorithm (ddlkernels.algorithms.host.Host.probe)
+        raise ValueError("staged_pieces: one rank has nothing to reduce; run it under mpirun -n 2 or more")
     host = ddlkernels.Communicator(comm)
     staged = {}
     for name, (piece, ramp) in cuts.items():
@@ -108,8 +110,13 @@ def main(argv=None):
         if me == 0:
             print(f"staged_pieces: no GPU to measure on ({why}); nothing was timed")
         return 2
-    rows, wrong = measure(comm, CupyDevice(cp), [parse_size(s) for s in args.sizes.split(",")], CUTS,
-                          args.iters, args.warmup)
+    try:
+        rows, wrong = measure(comm, CupyDevice(cp), [parse_size(s) for s in args.sizes.split(",")], CUTS,
+                              args.iters, args.warmup)
+    except ValueError as exc:  # before any call, on every rank alike
+        if me == 0:
+            print(exc)
+        return 2
     gpus = len(set(comm.allgather(cp.cuda.Device().pci_bus_id)))
     if me == 0:
         print(f"# {p} ranks on {gpus} GPU(s), {gpu_name(cp)}, float32 allreduce of device buffers through pinned "

@@ -223,6 +223,10 @@ def test_staged_pieces_study_lines_right(device):
     the call (the even cut and the ramp, small pieces so that a call ramps), each line's result checked."""
     pieces = study("staged_pieces")
     cuts = {"ramp 64": (64, 8), "even 64": (64, 1), "ramp 256": (256, 16)}
+    if P == 1:
+        with emulated_device(seed=R, policy="random") as be, pytest.raises(ValueError, match="mpirun -n 2"):
+            pieces.measure(COMM, device(be), [4 * 1031], cuts)
+        return
     with emulated_device(seed=R, policy="random") as be:
         rows, wrong = pieces.measure(COMM, device(be), [4 * 1031], cuts, iters=2, warmup=1)
     assert [set(r) for r in rows] == [{"bytes", "host arrays", *cuts}]

@@ -205,7 +205,7 @@ def piecewise_reduce_scatter(ring, x, op):
     bounds = [ring.shard_range(x.size, rank=q) for q in range(P)]
     lo, hi = bounds[R]
     out = np.empty(hi - lo, x.dtype)
-    for a, b in piece_cuts(max(e - s for s, e in bounds), PIECE // (x.dtype.itemsize * P)):
+    for a, b in piece_cuts(max(last - first for first, last in bounds), PIECE // (x.dtype.itemsize * P)):
         s = b - a
         piece = np.zeros(P * s, x.dtype)
         for q, (first, last) in enumerate(bounds):
