@@ -34,7 +34,7 @@ from mpi4py import MPI  # noqa: E402
 
 from ddlkernels.algorithms.host import piece_cuts  # noqa: E402
 from ddlkernels.tools.bench import parse_size  # noqa: E402
-from ddlkernels.tools.bench.device import CupyDevice, gpu_everywhere, gpu_name  # noqa: E402
+from ddlkernels.tools.bench.device import CupyDevice, gpu_name, gpu_or_say_why  # noqa: E402
 from ddlkernels.tools.bench.impls import Collective  # noqa: E402
 from ddlkernels.tools.bench.runner import run_sweep  # noqa: E402
 
@@ -105,10 +105,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     p, me = comm.Get_size(), comm.Get_rank()
-    cp, why = gpu_everywhere(comm)  # collective; each rank on its local_device
+    cp = gpu_or_say_why(comm, "staged_pieces")  # collective; each rank on its local_device
     if cp is None:
-        if me == 0:
-            print(f"staged_pieces: no GPU to measure on ({why}); nothing was timed")
         return 2
     try:
         rows, wrong = measure(comm, CupyDevice(cp), [parse_size(s) for s in args.sizes.split(",")], CUTS,

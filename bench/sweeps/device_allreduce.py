@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mpi4py import MPI  # noqa: E402
 
 from ddlkernels.tools.bench import parse_size  # noqa: E402
-from ddlkernels.tools.bench.device import CupyDevice, gpu_everywhere, gpu_name, sweep, table  # noqa: E402
+from ddlkernels.tools.bench.device import CupyDevice, gpu_name, gpu_or_say_why, sweep, table  # noqa: E402
 
 
 def main(argv=None):
@@ -30,10 +30,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     rank0 = comm.Get_rank() == 0
-    cp, why = gpu_everywhere(comm)
+    cp = gpu_or_say_why(comm, "device_allreduce")  # collective; each rank on its local_device
     if cp is None:
-        if rank0:
-            print(f"device_allreduce: no GPU to measure on ({why}); nothing was timed", flush=True)
         return 2
     gpu = gpu_name(cp)
     rows, missing = sweep(comm, CupyDevice(cp), [parse_size(s) for s in args.sizes.split(",")], args.dtype,

@@ -49,7 +49,7 @@ import numpy as np
 from .buffers import expected, pattern
 from .runner import run_sweep
 
-__all__ = ["gpu_everywhere", "gpu_name", "CupyDevice", "sweep", "table", "report", "COLLECTIVES"]
+__all__ = ["gpu_everywhere", "gpu_or_say_why", "gpu_name", "CupyDevice", "sweep", "table", "report", "COLLECTIVES"]
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 #: lines of other libraries, left out (with the reason) where they refuse a call
@@ -120,6 +120,15 @@ def gpu_everywhere(comm):
         return None, next(w for w in whys if w is not None)
     cp.cuda.Device(ddlkernels.local_device(cp.cuda.runtime.getDeviceCount(), comm)).use()
     return cp, None
+
+
+def gpu_or_say_why(comm, script: str):
+    """CuPy, each rank on its GPU (``gpu_everywhere``; collective), or None once rank 0 has printed why
+    ``script`` timed nothing: the benchmarks' and studies' first step, before any line of numbers."""
+    cp, why = gpu_everywhere(comm)
+    if cp is None and comm.Get_rank() == 0:
+        print(f"{script}: no GPU to measure on ({why}); nothing was timed", flush=True)
+    return cp
 
 
 def gpu_name(cp) -> str:
