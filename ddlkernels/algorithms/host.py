@@ -216,8 +216,11 @@ class Host(Algorithm):
         inner = self._host_comm(w)
         store = w.dst.dtype  # the storage type (bfloat16 as uint16 bits on a device backend)
         item = store.itemsize
-        cuts = piece_cuts(n, self.piece_bytes // item, self.ramp)
-        cp = self._copies_for(be, max(b - a for a, b in cuts) * item)
+        per = max(1, self.piece_bytes // item)
+        cuts = piece_cuts(n, per, self.ramp)
+        # Slots of a whole piece, not of this call's largest (the ramp's middle pieces vary with the size):
+        # pinning is slow, and a call that grows the slots frees them first.
+        cp = self._copies_for(be, min(per, n) * item)
 
         def view(slot, m):
             return slot[:m * item].view(store).view(w.dtype)
@@ -260,10 +263,11 @@ class Host(Algorithm):
         gather = w.kind == "allgather"
         store = w.src.dtype  # the storage type, as in allreduce
         item = store.itemsize
-        cuts = piece_cuts(max(hi - lo for lo, hi in w.bounds), self.piece_bytes // (item * p), self.ramp)
+        longest, per = max(hi - lo for lo, hi in w.bounds), max(1, self.piece_bytes // (item * p))
+        cuts = piece_cuts(longest, per, self.ramp)
         at = {s: [inner.shard_range(p * s, rank=q)[0] for q in range(p)] for s in {b - a for a, b in cuts}}
         lengths = [[max(0, min(b, hi - lo) - a) for lo, hi in w.bounds] for a, b in cuts]
-        cp = self._copies_for(be, (p + 1) * max(at) * item)
+        cp = self._copies_for(be, (p + 1) * min(per, longest) * item)  # a whole piece, as in allreduce
         dst = be.flat(w.dst)
 
         def piece(slot, s):

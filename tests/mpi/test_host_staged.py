@@ -113,6 +113,24 @@ def test_slots_are_reused_across_calls_and_grow(policy):
     assert wrong_anywhere(bad) == 0
 
 
+def test_calls_of_a_piece_or_more_keep_their_slots():
+    """Pinning memory is slow: every call of a whole piece or more takes slots of a whole piece, whatever
+    its ramp's middle pieces (here 4 elements at 13, 12 at 97), so no later call frees and pins them again."""
+    with emulated_device(seed=3 + R, policy="lazy") as be:
+        c = ddlkernels.Communicator(COMM, shm=False, ipc=False)
+        ring = host_on_ring(c)
+        algo, held, bad = c.algorithms["host"], [], 0
+        for k, n in enumerate((13, 25, 40, 97)):  # float32: pieces of at most 12
+            x = rank_data(n, R, P, np.float32, salt=k)
+            d = be.to_device(x)
+            c.settle(d, "host")
+            bad += not same_bits(be.to_host(c.allreduce(d, "sum")), piecewise(ring, x, "sum"))
+            held.append(list(algo._copies.values()))
+        c.free()
+    assert wrong_anywhere(bad) == 0
+    assert len(held[0]) == 1 and all(h == held[0] for h in held), held
+
+
 def test_a_tuner_candidate_for_device_arrays():
     """``host`` is measured beside the ring (and "ipc" where the backend offers it) for device allreduce and
     never for host arrays; the trials compute right results and the size settles alike on every rank."""
