@@ -5,11 +5,11 @@ peers through CUDA IPC handles; the result must be the rank-order fold
 (``((x0 op x1) op x2) ...``, "avg" scaling in the last step) computed on the
 host by the numpy backend, bit for bit, and the same on every rank.  Edge
 sizes, every op and dtype, in and out of place, misaligned views, memory of
-CuPy's asynchronous pool (which legacy IPC cannot export: the algorithm
-stages it), torch's caching allocator, the tuner's choice among the ring,
-IPC and "host", "host" itself (pieces through pinned memory), and nodes made
-up by node labels ("hier": IPC inside each, the ring across).  Never the
-simulator (tests/gpu/gpu_env.py).
+CuPy's asynchronous pool and torch's expandable segments (which legacy IPC
+cannot export: the algorithm stages them), torch's caching allocator, the
+tuner's choice among the ring, IPC and "host", "host" itself (pieces through
+pinned memory), and nodes made up by node labels ("hier": IPC inside each,
+the ring across).  Never the simulator (tests/gpu/gpu_env.py).
 """
 
 from __future__ import annotations
@@ -144,6 +144,35 @@ def test_torch_tensors_on_a_stream_of_their_own(comm, tdtype):
         check(bits(g), want.view(np.int16) if tdtype == "bfloat16" else want, f"torch {tdtype} n={n}")
         CALLS[0] += 1
     assert comm.algorithms["ipc"].staged() == staged, "torch's caching allocator's memory went through a stage"
+
+
+def test_torch_expandable_segments_are_staged(comm):
+    """torch's expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, common in training
+    jobs) map memory with the driver's virtual memory API, which legacy CUDA IPC cannot export: each such
+    tensor goes through the algorithm's stage, with the same bits."""
+    torch = G.torch_cuda()
+    settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if settings is None:
+        pytest.skip(f"torch {torch.__version__} cannot switch to expandable segments at run time")
+    x = data(300007, np.float32, salt=5)
+    want = rank_order_fold(COMM.allgather(x), "sum")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no cached block of an ordinary segment left to serve the tensor below
+    settings("expandable_segments:True")
+    try:
+        t = torch.from_numpy(x).to("cuda")
+    finally:
+        settings("expandable_segments:False")
+    staged = comm.algorithms["ipc"].staged()
+    got = comm.allreduce(t, "sum")  # the output comes from CuPy's pool: only the input is staged
+    check(got.cpu().numpy(), want, "expandable-segment input")
+    comm.allreduce(t, "sum", out=t)
+    check(t.cpu().numpy(), want, "expandable-segment tensor in place")
+    CALLS[0] += 2
+    assert comm.last_algorithm == "ipc"
+    assert comm.algorithms["ipc"].staged() - staged == 2, "expandable-segment memory was not staged as counted"
+    del t, got
+    torch.cuda.empty_cache()
 
 
 def test_the_tuner_chooses_between_ring_ipc_and_host():
