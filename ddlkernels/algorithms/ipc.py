@@ -269,7 +269,8 @@ class IpcNode:
         self.p, self.me = comm.Get_size(), comm.Get_rank()
         self._devices: dict = {}  # (backend name, device) -> _Device
         self._verdicts: dict = {}  # backend name -> None where CUDA IPC works, else why not (``check``)
-        self._leaders: dict = {}  # backend name -> per rank, the lowest rank driving its GPU (``check``)
+        self._leader_of: dict = {}  # backend name -> per rank, the lowest rank driving its GPU (``check``)
+        self._leaders: dict = {}  # backend name -> those lowest ranks, sorted (``check``)
         self.staged = 0  # buffers this rank passed through an exportable stage (CUDA IPC could not export them)
 
     def _device(self, be) -> _Device:
@@ -323,14 +324,16 @@ class IpcNode:
             idents = np.empty((self.p, IDENT_BYTES), np.uint8)
             complete(self.comm.Iallgather(ident, idents), deadline, "the CUDA IPC check's GPUs (MPI_Iallgather)")
             first = {}
-            self._leaders[be.name] = tuple(first.setdefault(row.tobytes(), q) for q, row in enumerate(idents))
+            of = self._leader_of[be.name] = tuple(first.setdefault(row.tobytes(), q) for q, row in enumerate(idents))
+            self._leaders[be.name] = tuple(sorted(set(of)))
         self._verdicts[be.name] = verdict
         return verdict
 
-    def leaders(self, be) -> list:
+    def leaders(self, be) -> tuple:
         """The ranks that fold for their GPU where a GPU serves several ranks (the lowest rank on each GPU, in
         rank order), else every rank; known once ``check`` has passed on ``be``."""
-        return sorted(set(self._leaders.get(be.name, range(self.p))))
+        got = self._leaders.get(be.name)
+        return tuple(range(self.p)) if got is None else got
 
     def shares_gpus(self, be) -> bool:
         """Whether some GPU serves several ranks (then the host-blocking schedule of the module comment)."""
@@ -479,7 +482,7 @@ class IpcNode:
 
     def _led(self, be) -> list:
         """The ranks on the GPU this rank leads in the shared-GPU schedule, in rank order (none if it leads none)."""
-        return [q for q, first in enumerate(self._leaders[be.name]) if first == self.me]
+        return [q for q, first in enumerate(self._leader_of[be.name]) if first == self.me]
 
     def reduce_scatter(self, be, src, shard, bounds, redop, avg_p=None, deadline=None, agree=None) -> None:
         """``shard`` (this rank's, a buffer apart from ``src``) = elements ``bounds[me]`` of every rank's

@@ -531,7 +531,7 @@ def test_ranks_sharing_gpus_fold_by_leader_after_their_streams_ran(monkeypatch, 
                     got = call(f"allgather n={n}", c.allgather, mine, count=n, out=out)
                     be.write(mine, np.zeros(hi - lo, x.dtype))
                     bad += [] if same_bits(be.to_host(got), whole) else [f"allgather n={n} out={into}"]
-        assert c.algorithms["ipc"].node.leaders(be) == leaders
+        assert list(c.algorithms["ipc"].node.leaders(be)) == leaders
         assert (c.algorithms["ipc"].mapped() > 0) == (R in leaders)  # only leaders open their peers' memory
         c.free()
     assert wrong_anywhere(len(bad)) == 0, f"rank {R}: {bad[:5]}"
