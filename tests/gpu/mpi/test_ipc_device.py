@@ -163,16 +163,18 @@ def test_torch_expandable_segments_are_staged(comm):
         t = torch.from_numpy(x).to("cuda")
     finally:
         settings("expandable_segments:False")
-    staged = comm.algorithms["ipc"].staged()
-    got = comm.allreduce(t, "sum")  # the output comes from CuPy's pool: only the input is staged
-    check(got.cpu().numpy(), want, "expandable-segment input")
-    comm.allreduce(t, "sum", out=t)
-    check(t.cpu().numpy(), want, "expandable-segment tensor in place")
-    CALLS[0] += 2
-    assert comm.last_algorithm == "ipc"
-    assert comm.algorithms["ipc"].staged() - staged == 2, "expandable-segment memory was not staged as counted"
-    del t, got
-    torch.cuda.empty_cache()
+    try:
+        staged = comm.algorithms["ipc"].staged()
+        got = comm.allreduce(t, "sum")  # the output comes from CuPy's pool: only the input is staged
+        check(got.cpu().numpy(), want, "expandable-segment input")
+        comm.allreduce(t, "sum", out=t)
+        check(t.cpu().numpy(), want, "expandable-segment tensor in place")
+        CALLS[0] += 2
+        assert comm.last_algorithm == "ipc"
+        assert comm.algorithms["ipc"].staged() - staged == 2, "expandable-segment memory was not staged as counted"
+    finally:
+        del t
+        torch.cuda.empty_cache()  # the later tests' tensors come from ordinary segments again
 
 
 def test_the_tuner_chooses_between_ring_ipc_and_host():
