@@ -49,6 +49,16 @@ def data(n, dtype, salt=0):
     return (((key * 37) % 251 - 125) / 16.0).astype(dt)
 
 
+def exact_sums(n, dtype, salt=0):
+    """``data``, but with every partial sum of up to 16 ranks' elements exact in ``dtype``, so that any order of
+    the sum gives the same bits: bfloat16 (8 significant bits) takes multiples of 1/16 up to 15/16 (``data``'s
+    own, up to 125/16, overflow 8 bits from 3 ranks on); float16's 11 bits hold ``data``'s sums to 16 ranks."""
+    if np.dtype(dtype) != BFLOAT16:
+        return data(n, dtype, salt)
+    key = np.arange(n, dtype=np.int64) * P + R + 7919 * salt
+    return (((key * 37) % 31 - 15) / 16.0).astype(BFLOAT16)
+
+
 def to_device(x):
     # numba-cuda cannot copy an ml_dtypes array (on a GPU, to_device raises "cannot include dtype 'E' in a
     # buffer"): a user copies the bits and views them, and the backend reduces those uint16 bits.
@@ -355,7 +365,7 @@ def test_numba_arrays_through_the_host_algorithm():
     c.algorithms["host"].piece_bytes = 64
     for dt in SUPPORTED_DTYPES:
         for n in (1, P + 1, 100, 1001):
-            x = data(n, dt, salt=n)
+            x = exact_sums(n, dt, salt=n)
             d = to_device(x)
             c.settle(d, "host")
             got = c.allreduce(d, "sum")

@@ -519,12 +519,12 @@ def test_a_shard_out_over_the_input_raises_before_communicating():
         c = comm_for(False)
         n = 4 * P + 1
         lo, hi = c.shard_range(n)
-        mem = be.to_device(data(n + P, np.float32))
+        mem = be.to_device(data(2 * n, np.float32))
         x = mem[:n]
         with pytest.raises(ValueError, match="out overlaps the input"):
             c.reduce_scatter(x, "sum", out=mem[lo + 1:hi + 1])
-        with pytest.raises(ValueError, match="out overlaps the input"):
-            c.allgather(x[lo:hi], count=n, out=mem[P:P + n])
+        with pytest.raises(ValueError, match="out overlaps the input"):  # over this rank's shard, on every rank
+            c.allgather(x[lo:hi], count=n, out=mem[lo + 1:lo + 1 + n])
         COMM.Barrier()  # nobody entered a collective
         c.free()
 
