@@ -97,7 +97,7 @@ def soak(comm, steps: int, checkpoints, seed: int = 2026, log=None, max_n: int =
             rss[step] = rss_bytes()
             if log:
                 log(f"step {step}: rss {rss[step] / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f} s, "
-                    f"plans {len(comm._plans)}, schedules {len(comm._schedules)}, buffers {len(comm._buffers)}")
+                    f"plans and schedules {len(comm.ring_plans)}, buffers {len(comm._buffers)}")
     from mpi4py import MPI
 
     total_wrong = comm.mpi_comm.allreduce(wrong, op=MPI.SUM)

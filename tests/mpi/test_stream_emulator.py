@@ -37,9 +37,11 @@ COMM = MPI.COMM_WORLD
 P, R = COMM.Get_size(), COMM.Get_rank()
 pytestmark = pytest.mark.skipif(P < 2, reason="one rank exchanges nothing: the transports are not used")
 
-# 16-byte chunks and 2 receive slots: every block is several chunks, so slots are reused within a step.
+# 16-byte chunks and 2 receive slots: the largest size gives every rank's block 3 chunks of float32 or more at any
+# rank count, so slots are reused within a step (37 alone gave 2 from 5 ranks on, and a receive that did not wait
+# for the reduction still reading its slot went unnoticed).
 CHUNK = 16
-SIZES = sorted({1, 3, P + 1, 37})
+SIZES = sorted({1, 3, P + 1, max(37, 3 * (CHUNK // 4) * P + 1)})
 SEEDS = {"lazy": (1, 2), "random": (3,)}
 
 
