@@ -82,7 +82,7 @@ import weakref
 import numpy as np
 
 from ddlkernels._dtypes import BFLOAT16
-from ddlkernels.backends import _REGISTRY
+from ddlkernels.backends import _REGISTRY, torch_result
 from ddlkernels.backends._device import DeviceBackend, pack_layout, storage_dtype
 
 __all__ = ["Emulator", "EmuArray", "EmuBackend", "emulated_device", "POLICIES"]
@@ -738,8 +738,8 @@ class EmuBackend(DeviceBackend):
             import torch
 
             if x.dtype == torch.bfloat16:
-                return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).reshape(shape)
-            return torch.from_numpy(a).reshape(shape)
+                return torch_result(torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).reshape(shape))
+            return torch_result(torch.from_numpy(a).reshape(shape))
         if np.dtype(x.dtype) == BFLOAT16:
             a = a.view(BFLOAT16)
         return EmuArray(a.reshape(shape))

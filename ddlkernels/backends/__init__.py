@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Backend", "register_backend", "get_backend", "backend_for", "available_backends", "BackendUnavailable"]
+__all__ = ["Backend", "register_backend", "get_backend", "backend_for", "available_backends", "BackendUnavailable",
+           "torch_result"]
 
 
 class BackendUnavailable(ImportError):
@@ -95,6 +96,17 @@ class Backend(abc.ABC):
 
 _REGISTRY: dict[str, tuple[str, Callable[[Any], bool]]] = {}
 _INSTANCES: dict[str, Backend] = {}
+
+
+def torch_result(t):
+    """``t``, a torch tensor a backend's ``like`` made of its own array; where it holds no element, a new empty
+    tensor of its shape, dtype and device instead: numpy gives an empty array zero strides, torch keeps them, and
+    ``.view(dtype)`` to another element size then refuses the caller's result."""
+    if t.numel():
+        return t
+    import torch
+
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def register_backend(name: str, target: str, recognises: Callable[[Any], bool]) -> None:

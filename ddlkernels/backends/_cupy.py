@@ -35,7 +35,7 @@ import numpy as np
 
 from .._dtypes import BFLOAT16
 from ..kernels.sources import compile_source
-from . import BackendUnavailable
+from . import BackendUnavailable, torch_result
 from ._device import DeviceBackend, pack_layout, storage_dtype
 
 __all__ = ["CupyBackend"]
@@ -318,8 +318,8 @@ class CupyBackend(DeviceBackend):
             import torch
 
             if x.dtype == torch.bfloat16:
-                return torch.from_dlpack(flat.view(np.int16)).view(torch.bfloat16).reshape(shape)
-            return torch.from_dlpack(flat).reshape(shape)
+                return torch_result(torch.from_dlpack(flat.view(np.int16)).view(torch.bfloat16).reshape(shape))
+            return torch_result(torch.from_dlpack(flat).reshape(shape))
         return flat.reshape(shape)
 
     def _ptr(self, buf):

@@ -24,7 +24,7 @@ import numpy as np
 
 from .._dtypes import BFLOAT16
 from ..kernels.numba_cuda import launch_config, pack_kernel, reduce_kernel, unpack_kernel
-from . import BackendUnavailable
+from . import BackendUnavailable, torch_result
 from ._device import DeviceBackend, pack_layout, storage_dtype
 
 __all__ = ["NumbaBackend"]
@@ -173,8 +173,9 @@ class NumbaBackend(DeviceBackend):
             import torch
 
             if x.dtype == torch.bfloat16:
-                return torch.as_tensor(flat.view(np.int16), device=x.device).view(torch.bfloat16).reshape(shape)
-            return torch.as_tensor(flat, device=x.device).reshape(shape)
+                return torch_result(torch.as_tensor(flat.view(np.int16), device=x.device).view(torch.bfloat16)
+                                    .reshape(shape))
+            return torch_result(torch.as_tensor(flat, device=x.device).reshape(shape))
         out = flat
         if BFLOAT16 is not None and np.dtype(x.dtype) == BFLOAT16:
             out = out.view(BFLOAT16)

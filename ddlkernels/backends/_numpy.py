@@ -18,7 +18,7 @@ import numpy as np
 
 from ..kernels import half as _half
 from .._dtypes import BFLOAT16, acc_dtype, is_half
-from . import Backend
+from . import Backend, torch_result
 
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 #: (op, dtype) -> ufunc for the sums and products whose reduction is numpy's own loop with nothing
@@ -108,8 +108,8 @@ class NumpyBackend(Backend):
             import torch
 
             if a.dtype == BFLOAT16:
-                return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-            return torch.from_numpy(a)
+                return torch_result(torch.from_numpy(a.view(np.int16)).view(torch.bfloat16))
+            return torch_result(torch.from_numpy(a))
         return a
 
     def wire(self, buf):

@@ -478,6 +478,26 @@ def test_all_reduce_is_in_place_as_torch_distributed_all_reduce():
     COMM.Barrier()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_empty_results_have_torchs_own_strides(dtype):
+    """A result with no element (an empty tensor reduced, a shard of a buffer shorter than the ranks) has the
+    strides of ``torch.empty``: numpy gives empty arrays zero strides, and ``.view(torch.uint8)`` of a
+    bfloat16 tensor with those raised in the caller's code."""
+    import ddlkernels
+
+    dt = getattr(torch, dtype)
+    got = {"allreduce (0, 3)": ddlkernels.allreduce(torch.ones(0, 3, dtype=dt), "sum")}
+    c = ddlkernels.Communicator(COMM)
+    lo, hi = c.shard_range(1)
+    got["reduce_scatter of 1"] = c.reduce_scatter(torch.ones(1, dtype=dt), "sum")  # empty past rank 0
+    got["allgather of 0"] = c.allgather(torch.ones(0, dtype=dt), count=0)
+    for what, t in got.items():
+        assert t.dtype == dt and t.stride() == torch.empty(t.shape).stride(), f"{what}: strides {t.stride()}"
+        t.view(torch.uint8)
+    assert got["reduce_scatter of 1"].shape == (hi - lo,)
+    c.free()
+
+
 def test_set_device_pins_the_local_ranks_gpu(monkeypatch):
     import ddlkernels
 
