@@ -323,17 +323,27 @@ class Emulator:
                 self._run(self.rng.choice(ready))
 
     def _needed(self, target):
-        """The pending operations ``target`` depends on, itself included."""
-        need, todo = set(), [target]
+        """The pending operations ``target`` depends on, itself included (id -> operation)."""
+        need, todo = {}, [target]
         while todo:
             op = todo.pop()
             if op.done or id(op) in need:
                 continue
-            need.add(id(op))
+            need[id(op)] = op
             if op.prev is not None:
                 todo.append(op.prev)
             todo.extend(op.deps)
         return need
+
+    def _stuck(self, need) -> str:
+        """What ``_force`` waits for, where it sits: each pending operation's stream, whether that stream is
+        one the emulator runs, and the operation at its queue's head."""
+        rows = []
+        for op in list(need.values())[:8]:
+            q = op.stream.queue
+            head = "empty queue" if not q else "itself" if q[0] is op else f"{q[0].what} (done {q[0].done})"
+            rows.append(f"{op.what} on {op.stream.name} (listed {op.stream in self.streams}, head: {head})")
+        return "; ".join(rows)
 
     def _advance(self, target):
         """Run, in a random legal order, what ``target`` needs that is ready, without waiting for peers."""
@@ -355,7 +365,8 @@ class Emulator:
             mine = [op for op in ready if id(op) in need]
             if not mine:
                 external = [op for s in self.streams for op in s.queue[:1] if op.ext and id(op) in need]
-                assert external, f"{target.what} on {target.stream.name} waits for work that can never run"
+                assert external, (f"{target.what} on {target.stream.name} waits for work that can never run: "
+                                  + self._stuck(need))
                 t0 = time.monotonic() if t0 is None else t0
                 assert time.monotonic() - t0 < SPIN_SECONDS, (
                     f"{target.what} on {target.stream.name} waited {SPIN_SECONDS:.0f} s for a peer's event "
