@@ -24,7 +24,7 @@ train_mod = importlib.import_module("ddlkernels.examples.train")
 TOLERANCE = 0.005
 # The global batch: 48 where the ranks divide it (1, 2, 3, 4, 6, 8 ...), else the nearest multiple of their count
 # (5 ranks: 50), so that every rank takes an equal share of the batch the 1-rank run takes whole.  2 epochs at 48;
-# 4 at the others, where 2 left the 1-rank run itself anywhere from 72 to 90 % (batches 40 to 56).
+# 4 at the others, where 2 left the 1-rank run itself anywhere from 72 to 91 % (batches 40 to 56).
 BATCH, EPOCHS = (48, 2) if 48 % P == 0 else (P * round(48 / P), 4)
 
 
