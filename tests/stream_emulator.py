@@ -224,9 +224,12 @@ class Emulator:
         with self.lock:
             if stream not in self.streams:  # a stream of an earlier configuration
                 self.streams.append(stream)
-            prev = stream.last if stream.last is not None and not stream.last.done else None
-            op = _Op(fn, stream, prev, tuple(d for d in deps if d is not None and not d.done), what, tuple(ext))
-            stream.queue.append(op)
+            op = _Op(fn, stream, None, tuple(d for d in deps if d is not None and not d.done), what, tuple(ext))
+            # Its predecessor is read once it is in line, with nothing allocated in between: a collection
+            # while the operation is built may free a block whose next owner's write joins this stream first.
+            q = stream.queue
+            q.append(op)
+            op.prev = q[-2] if len(q) > 1 else None
             stream.last = op
             if progress:
                 self._progress()

@@ -31,7 +31,7 @@ from ddlkernels.collectives import streams as _streams
 from ddlkernels.transport import direct as _transport, staged as _staged
 from ddlkernels._dtypes import SUPPORTED_DTYPES
 from helpers import GPU_LAYOUTS
-from stream_emulator import emulated_device
+from stream_emulator import Event, emulated_device
 
 COMM = MPI.COMM_WORLD
 P, R = COMM.Get_size(), COMM.Get_rank()
@@ -458,6 +458,28 @@ def test_drain_runs_what_a_pool_finalizer_queues_while_it_drains():
             del be.emu._ready
         assert freed and be.device_pool.freed >= 1
         assert not [op for s in be.emu.streams for op in s.queue]
+
+
+def test_a_block_freed_while_an_operation_is_queued_goes_in_line_before_it():
+    """A collection inside ``enqueue`` (while the new operation is built) may free a block taken on the same
+    stream: its next owner's write joins that stream first, and the new operation must wait for it in line,
+    not skip it (then forcing the operation found "work that can never run"; test_ipc's hierarchical failure
+    case met it once in some dozens of suite runs, in the staged ring across nodes)."""
+    with emulated_device(seed=R, policy="lazy") as be:
+        s = be.current_stream()
+        held = [be.to_device(np.arange(5.0) + R)]
+        be.sync(be.record(s))
+        freed = be.device_pool.freed
+
+        class Collecting:  # the operation's dependencies, read while it is built: the block goes then
+            def __iter__(self):
+                held.clear()
+                return iter(())
+
+        op = be.emu.enqueue(s, None, "marker", deps=Collecting())
+        assert be.device_pool.freed == freed + 1
+        be.sync(Event(op))
+        assert not s.queue
 
 
 def test_bfloat16_and_torch_tensors_keep_their_type_through_every_path():
