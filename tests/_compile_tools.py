@@ -71,8 +71,10 @@ def parse_ptxas(log: str) -> dict:
     return out
 
 
-def nvrtc(source: str, arch: str) -> tuple[bool, str, bytes]:
-    """Compile kernels/<source> with NVRTC: ``arch`` "sm_XX" -> cubin (log has ptxas -v), "compute_XX" -> PTX."""
+def nvrtc(source: str, arch: str, ptx: bool = False) -> tuple:
+    """Compile kernels/<source> with NVRTC: ``arch`` "sm_XX" -> cubin (log has ptxas -v), "compute_XX" -> PTX;
+    (ok, log, that output), and with ``ptx`` the PTX of the same compile after them (NVRTC keeps it for a
+    real architecture too)."""
     from cuda.bindings import nvrtc as N
 
     src = (kernel_dir() / source).read_bytes()
@@ -87,17 +89,18 @@ def nvrtc(source: str, arch: str) -> tuple[bool, str, bytes]:
         log = bytearray(n)
         N.nvrtcGetProgramLog(prog, log)
         ok = err == N.nvrtcResult.NVRTC_SUCCESS
-        out = b""
+        out = text = b""
         if ok:
+            _, size = N.nvrtcGetPTXSize(prog)
+            text = bytearray(size)
+            N.nvrtcGetPTX(prog, text)
+            out = text
             if arch.startswith("sm_"):
                 _, size = N.nvrtcGetCUBINSize(prog)
                 out = bytearray(size)
                 N.nvrtcGetCUBIN(prog, out)
-            else:
-                _, size = N.nvrtcGetPTXSize(prog)
-                out = bytearray(size)
-                N.nvrtcGetPTX(prog, out)
-        return ok, log.decode(errors="replace").rstrip("\x00 "), bytes(out)
+        got = (ok, log.decode(errors="replace").rstrip("\x00 "), bytes(out))
+        return got + (bytes(text),) if ptx else got
     finally:
         N.nvrtcDestroyProgram(prog)
 
@@ -107,16 +110,17 @@ def nvcc_path():
 
 
 def nvcc(source: str, arch: int, ptx: bool = False) -> tuple[bool, str, str]:
-    """``nvcc -std=c++17 -arch=sm_<arch> -cubin kernels/<source>`` (with ``-Xptxas -v``), or ``-ptx``."""
+    """``nvcc -std=c++17 -arch=sm_<arch> -cubin kernels/<source>`` with ``-Xptxas -v``: (ok, its output, the
+    PTX it compiled when ``ptx``, kept from that same compile (``--keep``), else "")."""
     with tempfile.TemporaryDirectory() as td:
-        out = Path(td) / ("k.ptx" if ptx else "k.cubin")
-        cmd = [nvcc_path(), "-std=c++17", f"-arch=sm_{arch}", "-ptx" if ptx else "-cubin",
-               str(kernel_dir() / source), "-o", str(out)]
-        if not ptx:
-            cmd[4:4] = ["-Xptxas", "-v"]
+        cmd = [nvcc_path(), "-std=c++17", f"-arch=sm_{arch}", "-Xptxas", "-v", "-cubin",
+               str(kernel_dir() / source), "-o", str(Path(td) / "k.cubin")]
+        if ptx:
+            cmd[1:1] = ["--keep", "--keep-dir", td]
         res = subprocess.run(cmd, capture_output=True, text=True)
-        text = out.read_text(errors="replace") if (ptx and res.returncode == 0) else ""
-        return res.returncode == 0, res.stdout + res.stderr, text
+        ok = res.returncode == 0
+        text = (Path(td) / source).with_suffix(".ptx").read_text(errors="replace") if ok and ptx else ""
+        return ok, res.stdout + res.stderr, text
 
 
 def ptxas_path():

@@ -27,3 +27,5 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "sweep: a grid of cases shared out among the rank counts 2, 3 and 4 "
                                        "(tests/mpi/conftest.py); --every-rank-count runs them all")
+    config.addinivalue_line("markers", "one_rank: a test under mpirun that exchanges nothing, run at 1 rank only "
+                                       "(tests/mpi/conftest.py); --every-rank-count runs it at every count")

@@ -16,39 +16,57 @@ pytestmark = [
 
 
 def run(*args):
+    return run_all(args)[0]
+
+
+def run_all(*arglists, at_once=4):
+    """Each of ``arglists`` under ``mpirun -n 2``, ``at_once`` jobs at a time (most of a short run is starting
+    up); their outputs, after asserting that every one succeeded."""
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe", MPIEXEC_TIMEOUT="120")
-    proc = subprocess.run([MPIRUN, "-n", "2", sys.executable, "-m", "mpi4py", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    outs = []
+    for k in range(0, len(arglists), at_once):
+        wave = arglists[k:k + at_once]
+        procs = [subprocess.Popen([MPIRUN, "-n", "2", sys.executable, "-m", "mpi4py", *args], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in wave]
+        try:
+            for args, proc in zip(wave, procs):
+                out, err = proc.communicate(timeout=300)
+                assert proc.returncode == 0, f"{args}: {out}{err}"
+                outs.append(out)
+        finally:
+            for proc in procs:
+                proc.kill()
+    return outs
 
 
 def test_shm_pieces_compares_every_setting_with_mpi():
-    out = run("bench/studies/shm_pieces.py", "--sizes", "64K,200K", "--pieces", "16K,64K", "--rounds", "2")
-    lines = [ln for ln in out.splitlines() if not ln.startswith("#")]
+    S = "bench/studies/shm_pieces.py"
+    outs = run_all((S, "--sizes", "64K,200K", "--pieces", "16K,64K", "--rounds", "2"),
+                   (S, "--small", "--sizes", "4K", "--rounds", "2"),
+                   (S, "--small", "--spins", "0,100", "--sizes", "4K", "--rounds", "2"),
+                   (S, "--small", "--shards", "--sizes", "4K,1000", "--rounds", "2"),
+                   (S, "--stream", "--sizes", "64K", "--rounds", "2"),
+                   (S, "--stream", "--shards", "--sizes", "64K", "--rounds", "2"),
+                   (S, "--spill", "--sizes", "64K", "--rounds", "2"),
+                   (S, "--cma", "--pages", "huge", "--sizes", "64K,3M", "--pieces", "4K,1M", "--rounds", "2"))
+    pieces, small, spins, shards, stream, stream_shards, spill, cma = outs
+    lines = [ln for ln in pieces.splitlines() if not ln.startswith("#")]
     assert [ln.split()[0] for ln in lines] == ["64K", "200K"]
     assert all("MPI_Allreduce" in ln and "piece 16K" in ln and "piece 64K" in ln for ln in lines)
-    out = run("bench/studies/shm_pieces.py", "--small", "--sizes", "4K", "--rounds", "2")
-    assert "whole" in out and "pieces" in out
-    out = run("bench/studies/shm_pieces.py", "--small", "--spins", "0,100", "--sizes", "4K", "--rounds", "2")
-    assert "spin 0 " in out and "spin 100 " in out
-    # The shard lines check their results once (a wrong one exits non-zero, failing run()).
-    out = run("bench/studies/shm_pieces.py", "--small", "--shards", "--sizes", "4K,1000", "--rounds", "2")
-    rows = [ln for ln in out.splitlines() if not ln.startswith("#")]
+    assert "whole" in small and "pieces" in small
+    assert "spin 0 " in spins and "spin 100 " in spins
+    # The shard lines check their results once (a wrong one exits non-zero, failing run_all()).
+    rows = [ln for ln in shards.splitlines() if not ln.startswith("#")]
     assert len(rows) == 2 and all(f" {k} " in ln for ln in rows for k in
                                   ("MPI_Reduce_scatter_block", "reduce_scatter", "MPI_Allgather", "allgather"))
     # Non-temporal stores or not: both lines' results are checked against MPI's.
-    out = run("bench/studies/shm_pieces.py", "--stream", "--sizes", "64K", "--rounds", "2")
-    assert " cached " in out and " streamed " in out and "cached/streamed" in out
-    out = run("bench/studies/shm_pieces.py", "--stream", "--shards", "--sizes", "64K", "--rounds", "2")
-    assert " allgather cached " in out and " allgather streamed " in out and "allgather cached/streamed" in out
-    out = run("bench/studies/shm_pieces.py", "--spill", "--sizes", "64K", "--rounds", "2")
-    assert " kept " in out and " spilled " in out and "kept/spilled" in out
+    assert " cached " in stream and " streamed " in stream and "cached/streamed" in stream
+    assert (" allgather cached " in stream_shards and " allgather streamed " in stream_shards
+            and "allgather cached/streamed" in stream_shards)
+    assert " kept " in spill and " spilled " in spill and "kept/spilled" in spill
     # The single copy by piece size beside the window, on placed buffers (each line's result checked).
-    out = run("bench/studies/shm_pieces.py", "--cma", "--pages", "huge", "--sizes", "64K,3M", "--pieces", "4K,1M",
-              "--rounds", "2")
-    assert " cma 4K " in out and " cma 1M " in out and "shm/cma 1M" in out
+    assert " cma 4K " in cma and " cma 1M " in cma and "shm/cma 1M" in cma
 
 
 def test_shm_costs_prints_every_line_and_checks_the_allreduce():
@@ -159,21 +177,34 @@ def test_device_benchmarks_time_nothing_without_a_gpu(tmp_path):
             pytest.skip("a CUDA device is here: tests/gpu/run_on_device.sh runs the sweep")
     except Exception:  # noqa: BLE001 -- no CuPy or no driver: the case under test
         pass
-    for script, *args in (("bench/sweeps/device_allreduce.py", "--sizes", "4K"),
-                          ("bench/kernels/device_kernels.py", "--sizes", "4K"),
-                          ("bench/studies/chunk_cost.py", "--device", "cuda", "--bytes", "4K"),
-                          ("bench/studies/ipc_schedules.py", "--sizes", "4K"),
-                          ("bench/studies/ipc_profile.py", "--sizes", "4K"),
-                          ("bench/studies/reduce_launch.py", "--sizes", "4K"),
-                          ("bench/studies/staged_pieces.py", "--sizes", "4K")):
-        proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 2, script + proc.stdout + proc.stderr
-        assert "no GPU to measure on" in proc.stdout and "nothing was timed" in proc.stdout, script
-        assert "GB/s" not in proc.stdout and "##" not in proc.stdout, script
-    # The GPU session's script: its MPI and device probes run here too, and it stops before any step.
-    proc = subprocess.run(["bash", "tests/gpu/run_on_device.sh"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, PYTHON=sys.executable, TMPDIR=str(tmp_path)))
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "device: none: " in proc.stdout and "no CUDA device: nothing was tested" in proc.stdout, proc.stdout
-    assert "===" not in proc.stdout, proc.stdout
+    scripts = (("bench/sweeps/device_allreduce.py", "--sizes", "4K"),
+               ("bench/kernels/device_kernels.py", "--sizes", "4K"),
+               ("bench/studies/chunk_cost.py", "--device", "cuda", "--bytes", "4K"),
+               ("bench/studies/ipc_schedules.py", "--sizes", "4K"),
+               ("bench/studies/ipc_profile.py", "--sizes", "4K"),
+               ("bench/studies/reduce_launch.py", "--sizes", "4K"),
+               ("bench/studies/staged_pieces.py", "--sizes", "4K"))
+    # All at once (each is mostly its imports); then the GPU session's script, whose MPI and device probes run
+    # here too and which stops before any step.
+    procs = [(script, subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)) for script, *args in scripts]
+    procs.append(("tests/gpu/run_on_device.sh", subprocess.Popen(
+        ["bash", "tests/gpu/run_on_device.sh"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHON=sys.executable, TMPDIR=str(tmp_path)))))
+    done = {}
+    try:
+        for script, proc in procs:
+            out, err = proc.communicate(timeout=180)
+            done[script] = (out, err, proc.returncode)
+    finally:
+        for _, proc in procs:
+            proc.kill()
+    for script, _ in procs[:-1]:
+        out, err, rc = done[script]
+        assert rc == 2, script + out + err
+        assert "no GPU to measure on" in out and "nothing was timed" in out, script
+        assert "GB/s" not in out and "##" not in out, script
+    out, err, rc = done["tests/gpu/run_on_device.sh"]
+    assert rc == 2, out + err
+    assert "device: none: " in out and "no CUDA device: nothing was tested" in out, out
+    assert "===" not in out, out

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -47,6 +48,12 @@ needs_nvcc = pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc is not on PA
 needs_ptxas = pytest.mark.skipif(C.ptxas_path() is None, reason="ptxas (nvidia-cuda-nvcc-cu12) is not installed")
 
 
+@functools.lru_cache(maxsize=None)
+def _nvcc(source, arch):
+    """One nvcc compile of ``source`` for sm_``arch``: its ptxas report and its PTX (the tests below share it)."""
+    return C.nvcc(source, arch, ptx=True)
+
+
 def _check_ptxas(log, source, target):
     info = C.parse_ptxas(log)
     assert set(info) == EXPECTED[source], f"{source} {target}: kernels seen by ptxas: {sorted(info)}"
@@ -60,12 +67,10 @@ def _check_ptxas(log, source, target):
 @pytest.mark.parametrize("arch", C.NVRTC_ARCHS)
 @pytest.mark.parametrize("source", SOURCES)
 def test_nvrtc(source, arch):
-    ok, log, cubin = C.nvrtc(source, f"sm_{arch}")
+    ok, log, cubin, ptx = C.nvrtc(source, f"sm_{arch}", ptx=True)
     assert ok, log
     assert cubin[:4] == b"\x7fELF", "NVRTC did not return a cubin"
     _check_ptxas(log, source, f"sm_{arch} (NVRTC)")
-    ok, log, ptx = C.nvrtc(source, f"compute_{arch}")
-    assert ok, log
     entries = C.ptx_entries(ptx.decode())
     assert set(entries) == EXPECTED[source]
     unvectorized = [n for n, body in entries.items() if not C.vectorized(body)]
@@ -76,11 +81,9 @@ def test_nvrtc(source, arch):
 @pytest.mark.parametrize("arch", C.NVCC_ARCHS)
 @pytest.mark.parametrize("source", SOURCES)
 def test_nvcc(source, arch):
-    ok, log, _ = C.nvcc(source, arch)
+    ok, log, ptx = _nvcc(source, arch)
     assert ok, log
     _check_ptxas(log, source, f"sm_{arch} (nvcc)")
-    ok, log, ptx = C.nvcc(source, arch, ptx=True)
-    assert ok, log
     entries = C.ptx_entries(ptx)
     assert set(entries) == EXPECTED[source]
     assert all(C.vectorized(b) for b in entries.values())
@@ -99,7 +102,7 @@ def test_each_cu_compiles_on_its_own(source, tmp_path):
 
 @needs_nvcc
 def test_f32_reduce_uses_128_bit_loads():
-    ok, log, ptx = C.nvcc("reduce.cu", 90, ptx=True)
+    ok, log, ptx = _nvcc("reduce.cu", 90)
     assert ok, log
     body = C.ptx_entries(ptx)["ddl_reduce_sum_f32"]
     assert "ld.global.v4.f32" in body or "ld.global.nc.v4" in body
@@ -111,7 +114,7 @@ def test_f32_reduce_uses_128_bit_loads():
 def test_every_reduce_realigns_with_128_bit_loads():
     """The realigned path (an operand at another offset modulo 16 than dst) is in every reduce kernel, moving
     128-bit words: cache-all loads of a (``__ldca``), funnel shifts of each word's two halves."""
-    ok, log, ptx = C.nvcc("reduce.cu", 90, ptx=True)
+    ok, log, ptx = _nvcc("reduce.cu", 90)
     assert ok, log
     entries = C.ptx_entries(ptx)
     for op in K.OPS:

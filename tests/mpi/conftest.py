@@ -14,6 +14,10 @@ group, or a group seen only at one count might run at none.
 ``--every-rank-count`` runs the whole grid at this count
 (``bash tests/run_all.sh --every-rank-count``); at 1 rank and at 5 or more
 the whole grid runs anyway.
+
+A test marked ``one_rank`` exchanges nothing (a backend's kernels in the
+Numba simulator, say): at N ranks it would only run N times at once, so it
+runs at 1 rank alone (at every count with ``--every-rank-count``).
 """
 
 import os
@@ -60,7 +64,8 @@ def pytest_collection_modifyitems(config, items):
     size = MPI.COMM_WORLD.Get_size()
     if config.getoption("--every-rank-count"):
         return
-    keep = [it for it in items if it.get_closest_marker("sweep") is None or share(group(it), size)]
+    keep = [it for it in items if (it.get_closest_marker("sweep") is None or share(group(it), size))
+            and (it.get_closest_marker("one_rank") is None or size == 1)]
     if len(keep) < len(items):
         kept = set(map(id, keep))
         config.hook.pytest_deselected(items=[it for it in items if id(it) not in kept])

@@ -217,6 +217,7 @@ def _pack_case(layout):
     return hosts, offsets, 1, 1
 
 
+@pytest.mark.one_rank  # one process's pack and unpack, the slowest test of tests/mpi in the simulator
 @pytest.mark.parametrize("layout", ["wide", "mixed", "odd"])
 def test_numba_pack_unpack_many_tensors(layout):
     be = get_backend("numba")
