@@ -29,15 +29,20 @@ def run_all(*arglists, at_once=4):
         wave = arglists[k:k + at_once]
         procs = [subprocess.Popen([MPIRUN, "-n", "2", sys.executable, "-m", "mpi4py", *args], cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in wave]
-        try:
-            for args, proc in zip(wave, procs):
-                out, err = proc.communicate(timeout=300)
-                assert proc.returncode == 0, f"{args}: {out}{err}"
-                outs.append(out)
-        finally:
-            for proc in procs:
-                proc.kill()
+        for args, (out, err, rc) in zip(wave, finish(procs)):
+            assert rc == 0, f"{args}: {out}{err}"
+            outs.append(out)
     return outs
+
+
+def finish(procs, timeout=300):
+    """(stdout, stderr, exit status) of each of ``procs`` (started together); any still running on an error is
+    killed."""
+    try:
+        return [(*proc.communicate(timeout=timeout), proc.returncode) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
 
 
 def test_shm_pieces_compares_every_setting_with_mpi():
@@ -184,27 +189,18 @@ def test_device_benchmarks_time_nothing_without_a_gpu(tmp_path):
                ("bench/studies/ipc_profile.py", "--sizes", "4K"),
                ("bench/studies/reduce_launch.py", "--sizes", "4K"),
                ("bench/studies/staged_pieces.py", "--sizes", "4K"))
-    # All at once (each is mostly its imports); then the GPU session's script, whose MPI and device probes run
-    # here too and which stops before any step.
-    procs = [(script, subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)) for script, *args in scripts]
-    procs.append(("tests/gpu/run_on_device.sh", subprocess.Popen(
-        ["bash", "tests/gpu/run_on_device.sh"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHON=sys.executable, TMPDIR=str(tmp_path)))))
-    done = {}
-    try:
-        for script, proc in procs:
-            out, err = proc.communicate(timeout=180)
-            done[script] = (out, err, proc.returncode)
-    finally:
-        for _, proc in procs:
-            proc.kill()
-    for script, _ in procs[:-1]:
-        out, err, rc = done[script]
-        assert rc == 2, script + out + err
-        assert "no GPU to measure on" in out and "nothing was timed" in out, script
-        assert "GB/s" not in out and "##" not in out, script
-    out, err, rc = done["tests/gpu/run_on_device.sh"]
+    # All at once (each is mostly its imports), the GPU session's script too: its MPI and device probes run
+    # here, and it stops before any step.
+    procs = [subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for script, *args in scripts]
+    procs.append(subprocess.Popen(["bash", "tests/gpu/run_on_device.sh"], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env=dict(os.environ, PYTHON=sys.executable, TMPDIR=str(tmp_path))))
+    *done, (out, err, rc) = finish(procs, timeout=180)
+    for (script, *_), (sout, serr, src) in zip(scripts, done):
+        assert src == 2, script + sout + serr
+        assert "no GPU to measure on" in sout and "nothing was timed" in sout, script
+        assert "GB/s" not in sout and "##" not in sout, script
     assert rc == 2, out + err
     assert "device: none: " in out and "no CUDA device: nothing was tested" in out, out
     assert "===" not in out, out
