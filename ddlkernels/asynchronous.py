@@ -503,6 +503,7 @@ def _start_on(eng, job: FusionJob, single, caller) -> Handle:
     # then the whole job (agreement check + every bucket) is one unit of work.
     device = None
     with caller:  # device: the packs run on the caller's stream, and the work waits for them
+        job.make_outputs()
         for b in job.buckets:
             buf = base = None
             # Only a tensor too large for a fusion buffer is reduced from its own

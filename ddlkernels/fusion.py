@@ -196,35 +196,28 @@ class FusionJob:
             shapes_dtypes.append((tuple(int(s) for s in t.shape), dt))
         self.shapes_dtypes = shapes_dtypes
         self.buckets = plan_buckets(shapes_dtypes, self.fusion_bytes)
+        #: the outputs; None until ``make_outputs`` where they are new device arrays
         self.outs = self._outputs(out)
         for b in self.buckets:
             if len(b.entries) == 1:
                 e = b.entries[0]
                 b.direct = self._flat_or_none(self.tensors[e.index]) is not None and (
-                    self._flat_or_none(self.outs[e.index]) is not None
+                    self.outs is None or self._flat_or_none(self.outs[e.index]) is not None
                 )
+
+    def make_outputs(self) -> None:
+        """New device outputs, made on the stream the call writes them on (the caller enters it first): a pool
+        hands out memory per stream, so a block another stream's pending work still uses is never among them
+        (made on the caller's current stream, a block freed there with work still queued was reused, and that
+        late work overwrote the result written on ``stream=``)."""
+        if self.outs is None:
+            self.outs = self._new_outputs()
 
     # -- local checks ------------------------------------------------------------
     def _outputs(self, out):
         be = self.backend
         if out is None:
-            # Tensors packed together get their results as views of one new
-            # buffer per bucket: packing copies into it, the reduction runs in
-            # place, and no copy back is needed.
-            # (Host only for now: the device path keeps pack -> reduce ->
-            # unpack kernels, which tests/mpi/test_device_allreduce.py checks.)
-            outs = [None] * len(self.tensors)
-            for b in self.buckets:
-                if len(b.entries) > 1 and not be.device:
-                    b.home = _home_buffer(be, b.dtype, b.count)
-                    for e in b.entries:
-                        t = self.tensors[e.index]
-                        view = b.home[e.offset : e.offset + e.count]
-                        outs[e.index] = view.reshape(e.shape) if type(t) is np.ndarray else be.like(view, t)
-            return [
-                o if o is not None else be.like(be.empty(_count(shape), dt), t)
-                for o, t, (shape, dt) in zip(outs, self.tensors, self.shapes_dtypes)
-            ]
+            return None if be is not None and be.device else self._new_outputs()
         if isinstance(out, (str, bytes)) or not hasattr(out, "__iter__"):
             raise TypeError(f"{self.what}: out must be a list of arrays like tensors")
         out = list(out)
@@ -247,6 +240,26 @@ class FusionJob:
             if _shares_memory(o, t):
                 raise ValueError(f"{self.what}: out[{i}] overlaps tensor {i}; pass the tensor itself for in place")
         return out
+
+    def _new_outputs(self):
+        be = self.backend
+        # Tensors packed together get their results as views of one new
+        # buffer per bucket: packing copies into it, the reduction runs in
+        # place, and no copy back is needed.
+        # (Host only for now: the device path keeps pack -> reduce ->
+        # unpack kernels, which tests/mpi/test_device_allreduce.py checks.)
+        outs = [None] * len(self.tensors)
+        for b in self.buckets:
+            if len(b.entries) > 1 and not be.device:
+                b.home = _home_buffer(be, b.dtype, b.count)
+                for e in b.entries:
+                    t = self.tensors[e.index]
+                    view = b.home[e.offset : e.offset + e.count]
+                    outs[e.index] = view.reshape(e.shape) if type(t) is np.ndarray else be.like(view, t)
+        return [
+            o if o is not None else be.like(be.empty(_count(shape), dt), t)
+            for o, t, (shape, dt) in zip(outs, self.tensors, self.shapes_dtypes)
+        ]
 
     def _flat_or_none(self, x):
         try:
@@ -432,6 +445,7 @@ def allreduce_many(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None,
         # Device: the packs, reductions and unpacks on the caller's stream, after the last call of this
         # Communicator, whose fusion buffers these are (ddlkernels.collectives.streams).
         with scope:
+            job.make_outputs()
             bufs = {dt: c.reusable_buffer("fusion", job.backend, dt, n) for dt, n in need.items()}
             for b in job.buckets:
                 buf = None if b.direct or b.home is not None else bufs[b.dtype][: b.count]

@@ -622,6 +622,28 @@ def test_stream_argument_orders_the_call_on_that_stream():
         c.free()
 
 
+@pytest.mark.parametrize("kind", ["many", "async"])
+def test_new_outputs_of_a_fused_call_are_made_on_its_stream(kind):
+    """allreduce_many and allreduce_many_async with ``stream=`` make their new outputs on that stream, where they
+    write them.  Made on the caller's current stream, an output took a block just freed there whose late work
+    (its old owner's copy, its next owner's write) overwrote the result once that stream ran (the device fuzz
+    found it through torch tensors, where an empty tensor's output block is dropped at once)."""
+    with emulated_device(seed=13 + R, policy="lazy") as be:
+        c = comm_for(False)
+        s = be.new_stream()
+        x = data(7, np.float32, salt=5)
+        d = be.to_device(x, stream=s)
+        tmp = be.to_device(np.zeros(7, np.float32))  # on the current stream, which runs nothing yet ...
+        del tmp  # ... and dropped: its block is free again, that work still queued
+        if kind == "many":
+            outs = ddlkernels.allreduce_many([d], "sum", comm=c, stream=s)
+        else:
+            outs = ddlkernels.allreduce_many_async([d], "sum", comm=c, stream=s).wait(stream=s)
+        be.sync_stream(be.current_stream())  # the current stream's late work runs
+        assert np.array_equal(be.to_host(outs[0], s), c.allreduce(x, "sum"))
+        c.free()
+
+
 # -- every wait is needed: remove one, and some workload gives wrong results -----------------------------
 
 def _mutated(obj, name, line, nth=0):
