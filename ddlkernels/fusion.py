@@ -418,7 +418,8 @@ def allreduce_many(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None,
                   a tensor larger than this is reduced on its own, without a copy.
     chunk_bytes   pipeline chunk of the ring, as for ``allreduce``.
     stream        device tensors: the stream the packs, reductions and unpacks are
-                  ordered on, as for ``allreduce`` (default the caller's current one).
+                  ordered on, as for ``allreduce`` (default the caller's current one);
+                  new outputs are allocated on it (CuPy's and torch's pools hand out memory per stream).
 
     Collective: every rank must pass the same number of tensors with the same
     dtypes and shapes, in the same order; a rank that does not makes every rank
