@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-import functools
+import concurrent.futures
 import re
 import subprocess
 import sys
@@ -48,10 +48,31 @@ needs_nvcc = pytest.mark.skipif(C.nvcc_path() is None, reason="nvcc is not on PA
 needs_ptxas = pytest.mark.skipif(C.ptxas_path() is None, reason="ptxas (nvidia-cuda-nvcc-cu12) is not installed")
 
 
-@functools.lru_cache(maxsize=None)
+#: (source, arch) -> the nvcc compile of ``source`` for sm_``arch``, under way (``nvcc_ahead``)
+_NVCC: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nvcc_ahead():
+    """Every nvcc compile the tests below read, started in one background thread when the module's first test
+    runs: nvcc is a process of its own, so it compiles on the other core while NVRTC's tests run here."""
+    if C.nvcc_path() is None:
+        yield
+        return
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    wanted = sorted(((s, a) for s in SOURCES for a in C.NVCC_ARCHS), key=lambda k: k != ("reduce.cu", 90))
+    _NVCC.update({k: pool.submit(C.nvcc, *k, True) for k in wanted})  # first the one three tests read
+    try:
+        yield
+    finally:
+        _NVCC.clear()
+        pool.shutdown(cancel_futures=True)  # a run of some tests only: the compiles none of them read
+
+
 def _nvcc(source, arch):
-    """One nvcc compile of ``source`` for sm_``arch``: its ptxas report and its PTX (the tests below share it)."""
-    return C.nvcc(source, arch, ptx=True)
+    """The nvcc compile of ``source`` for sm_``arch``: ok, its ptxas report and its PTX (tests share it)."""
+    ahead = _NVCC.get((source, arch))
+    return ahead.result() if ahead is not None else C.nvcc(source, arch, ptx=True)
 
 
 def _check_ptxas(log, source, target):
