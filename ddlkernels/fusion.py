@@ -437,17 +437,19 @@ def allreduce_many(tensors, op="sum", *, comm=None, out=None, fusion_bytes=None,
             check_same_on_all_ranks(c, job.signature(), "allreduce_many")  # through c: under its timeout
         return job.outs
     scope = c._device_call(job.backend, job.tensors[0], stream)  # checks stream= before any communication
+    need: dict = {}  # largest packed bucket per dtype: the reusable buffer is sized once
+    for b in job.buckets:
+        if not b.direct and b.home is None:
+            need[b.dtype] = max(need.get(b.dtype, 0), b.count)
     with c._exclusive("allreduce_many"):  # its collectives in a row, no other thread's between them
-        check_same_on_all_ranks(c, job.signature(), "allreduce_many")  # through c: under its timeout
-        need: dict = {}  # largest packed bucket per dtype: the reusable buffer is sized once
-        for b in job.buckets:
-            if not b.direct and b.home is None:
-                need[b.dtype] = max(need.get(b.dtype, 0), b.count)
         # Device: the packs, reductions and unpacks on the caller's stream, after the last call of this
         # Communicator, whose fusion buffers these are (ddlkernels.collectives.streams).
         with scope:
+            # Everything allocated first: a rank that cannot fails before the agreement, not alone inside a
+            # reduction its peers have entered.
             job.make_outputs()
             bufs = {dt: c.reusable_buffer("fusion", job.backend, dt, n) for dt, n in need.items()}
+            check_same_on_all_ranks(c, job.signature(), "allreduce_many")  # through c: under its timeout
             for b in job.buckets:
                 buf = None if b.direct or b.home is not None else bufs[b.dtype][: b.count]
                 job.reduce_bucket(c, b, buf, chunk_bytes)
