@@ -33,7 +33,7 @@ def runs():
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    # 2 epochs of 29 steps at 48 a batch.
+    # EPOCHS epochs of 1438 // BATCH steps (2 of 29 at 48 a batch).
     args = train_mod.parse_args(["--epochs", str(EPOCHS), "--hidden", "32", "--batch", str(BATCH), "--lr", "0.2",
                                  "--solo-iters", "0"])
     data = train_mod.load_data(datasets.load_digits, args.seed)
