@@ -196,11 +196,6 @@ template <class T> struct OpMin<T, true> {
 };
 
 // ---- the grid-stride driver ----------------------------------------------------
-// Words per operand each thread keeps in flight: 4 (2 where the operator's registers would otherwise pass
-// 64 a thread, the 64-bit integer division of avg on sm_70, and cut occupancy).
-template <class Op> struct Unroll { static const int value = 4; };
-template <> struct Unroll<OpAvg<long long> > { static const int value = 2; };
-
 template <class T> union Vec16 {
     uint4 u;
     T v[16 / sizeof(T)];
@@ -288,30 +283,13 @@ __device__ __forceinline__ void reduce_grid(T* dst, const T* a, const T* __restr
     const uint4* av = reinterpret_cast<const uint4*>(a + head);
     const uint4* bv = reinterpret_cast<const uint4*>(b + head);
     uint4* dv = reinterpret_cast<uint4*>(dst + head);
-    // Rounds of UNROLL words per operand per thread: all loads of a round are issued before its first
-    // store (a word is loaded and stored by one thread only, so a == dst stays safe), then the rest one
-    // word at a time.
-    const int UNROLL = Unroll<Op>::value;
-    u64 i = tid;
-    for (; i + (UNROLL - 1) * stride < nvec; i += UNROLL * stride) {
-        Vec16<T> x[UNROLL], y[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            x[u].u = av[i + u * stride];          // a may be dst: an ordinary load
-            y[u].u = __ldg(bv + i + u * stride);  // b is read-only for the kernel: ld.global.nc
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            Vec16<T> r;
-#pragma unroll
-            for (int k = 0; k < V; ++k) r.v[k] = Op::apply(x[u].v[k], y[u].v[k], arg);
-            dv[i + u * stride] = r.u;
-        }
-    }
-    for (; i < nvec; i += stride) {
+    // One word at a time per thread: the CuPy backend launches a thread per word, and rounds of several words
+    // in flight (unused at that launch) took 8 registers more on sm_90, 40 against 32, so 6 blocks of 256 an SM
+    // instead of 8 (bench/results/kernel_report.md).
+    for (u64 i = tid; i < nvec; i += stride) {
         Vec16<T> x, y, r;
-        x.u = av[i];
-        y.u = __ldg(bv + i);
+        x.u = av[i];          // a may be dst: an ordinary load
+        y.u = __ldg(bv + i);  // b is read-only for the kernel: ld.global.nc
 #pragma unroll
         for (int k = 0; k < V; ++k) r.v[k] = Op::apply(x.v[k], y.v[k], arg);
         dv[i] = r.u;

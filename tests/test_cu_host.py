@@ -95,7 +95,7 @@ def test_reduce_matches_numpy(harness, dtype, op):
 def test_reduce_in_place_two_operand(harness, dtype, op):
     """dst = op(dst, src): the kernel called with a == dst."""
     name = f"ddl_reduce_{op}_{K.SUFFIX[dtype]}"
-    for n in (0, 1, 67, 257, 3001):  # 3001: rounds of the unrolled vector loop on every thread, then the rest
+    for n in (0, 1, 67, 257, 3001):  # 3001: several vector words on every thread, then the rest
         for off in (0, 1):
             a0, b0 = K.make_pair(dtype, n, seed=11, op=op)
             ref = a0.copy()
@@ -114,9 +114,9 @@ def test_reduce_in_place_two_operand(harness, dtype, op):
 
 @pytest.mark.parametrize("op", K.OPS)
 @pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
-def test_reduce_unrolled_rounds(harness, dtype, op):
-    """Lengths where every thread of a multi-block grid runs rounds of the unrolled vector loop (4 words a
-    round, 4 x the grid's stride apart) and then single words: out of place, aligned and with a head."""
+def test_reduce_grid_stride_rounds(harness, dtype, op):
+    """Lengths where every thread of a multi-block grid runs several rounds of the grid-stride vector loop,
+    some threads one more than others: out of place, aligned and with a head."""
     name = f"ddl_reduce_{op}_{K.SUFFIX[dtype]}"
     v = 16 // dtype.itemsize
     for grid, block, rev in ((2, 32, True), (3, 16, False)):

@@ -107,7 +107,7 @@ def test_reduce_matches_numpy(be, dtype, op, align):
 @pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
 def test_cupy_kernels_on_a_small_grid(monkeypatch, dtype):
     """The CuPy launches give each thread about one 128-bit word; on a grid of 8 blocks every thread runs the
-    reduce's unrolled rounds, the realigned loop's wrap and the fold's, at every alignment, bit for bit."""
+    reduce's grid-stride rounds, the realigned loop's wrap and the fold's, at every alignment, bit for bit."""
     from ddlkernels.backends import _cupy, get_backend
 
     be = get_backend("cupy")
