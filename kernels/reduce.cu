@@ -7,7 +7,11 @@
 //                           unsigned long long n, ARG arg)
 //
 //   computing dst[i] = op(a[i], b[i]) for i in [0, n).  The 2-operand form
-//   dst = op(dst, src) is the call with a == dst.
+//   dst = op(dst, src) is the call with a == dst.  ddl_realign_<op>_<t>, of
+//   the same signature, computes the same where a or b lies at another
+//   offset modulo 16 than dst (a view one element in, say); each kernel is
+//   correct for any of them, but fast only for its own case, and keeping
+//   the two paths apart keeps the common one's registers low.
 //     op : sum, prod, max, min, avg      (avg = sum with the fused 1/p scale)
 //     t  : f16 (__half), bf16 (__nv_bfloat16), f32, f64, i32, i64
 //     ARG: the accumulation type (float for f16/bf16/f32, double for f64,
@@ -35,9 +39,11 @@
 //     either exactly dst or does not overlap it.
 //   * All three pointers are aligned to sizeof(T).  The bulk is moved with
 //     128-bit loads/stores (a scalar head reaches dst's first 16-byte
-//     boundary, a scalar tail ends it); an operand at another offset modulo
-//     16 than dst is read as aligned 128-bit words too, each word it needs
-//     cut from the two it straddles (reduce_realigned).
+//     boundary, a scalar tail ends it).  In ddl_reduce all three pointers
+//     share one offset modulo 16 (else it goes one element at a time); in
+//     ddl_realign an operand at another offset than dst is read as aligned
+//     128-bit words too, each word it needs cut from the two it straddles
+//     (reduce_realigned).
 //   * 1-D grid of any size: the loops are grid-stride, so correctness does
 //     not depend on the launch shape; no shared memory, no __syncthreads.
 //
@@ -68,7 +74,7 @@
 // Use
 //   Loaded by the CuPy backend (ddlkernels/backends/_cupy.py): one reduction
 //   per received chunk of a ring step, the fused avg scale on the owner's last
-//   step; the fold kernels by the CUDA IPC allreduce (reduce_many).  The same file compiles on its own with
+//   step, ddl_reduce or ddl_realign by the pointers' offsets (_device.py); the fold kernels by the CUDA IPC allreduce (reduce_many).  The same file compiles on its own with
 //       nvcc -std=c++17 -arch=sm_90 -cubin kernels/reduce.cu
 //   and, through tests/cuda_host/cuda_host.h, with g++ for the host test
 //   harness, which runs every (block, thread) of the grid on the CPU.
@@ -264,15 +270,21 @@ __device__ __forceinline__ void reduce_realigned(T* dst, const T* a, const T* __
 }
 
 template <class T, class Op>
+__device__ __forceinline__ void realign_grid(T* dst, const T* a, const T* __restrict__ b, u64 n,
+                                             typename Traits<T>::acc arg) {
+    reduce_realigned<T, Op>(dst, a, b, n, arg, (u64)blockIdx.x * blockDim.x + threadIdx.x,
+                            (u64)gridDim.x * blockDim.x);
+}
+
+template <class T, class Op>
 __device__ __forceinline__ void reduce_grid(T* dst, const T* a, const T* __restrict__ b, u64 n,
                                             typename Traits<T>::acc arg) {
     const int V = 16 / sizeof(T);
     const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     const u64 off = (u64)dst & 15;
-    const bool vec = ((u64)a & 15) == off && ((u64)b & 15) == off;
-    if (!vec) {
-        reduce_realigned<T, Op>(dst, a, b, n, arg, tid, stride);
+    if (((u64)a & 15) != off || ((u64)b & 15) != off) {  // correct, not fast: the host launches ddl_realign here
+        for (u64 i = tid; i < n; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
         return;
     }
     // Elements before the first 16-byte boundary.
@@ -283,9 +295,8 @@ __device__ __forceinline__ void reduce_grid(T* dst, const T* a, const T* __restr
     const uint4* av = reinterpret_cast<const uint4*>(a + head);
     const uint4* bv = reinterpret_cast<const uint4*>(b + head);
     uint4* dv = reinterpret_cast<uint4*>(dst + head);
-    // One word at a time per thread: the CuPy backend launches a thread per word, and rounds of several words
-    // in flight (unused at that launch) took 8 registers more on sm_90, 40 against 32, so 6 blocks of 256 an SM
-    // instead of 8 (bench/results/kernel_report.md).
+    // One word at a time per thread: the CuPy backend launches a thread per word (rounds of several words in
+    // flight, unused at that launch, cost registers and so blocks an SM).
     for (u64 i = tid; i < nvec; i += stride) {
         Vec16<T> x, y, r;
         x.u = av[i];          // a may be dst: an ordinary load
@@ -394,14 +405,18 @@ __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, T* c
 
 #define DDL_REDUCE_KERNELS(X) DDL_OPS(X, Op)
 
-#define DDL_DEFINE_REDUCE(OPNAME, OPF, SUF, T, ARG)                                          \
-    extern "C" __global__ void ddl_reduce_##OPNAME##_##SUF(T* dst, const T* a,                \
-                                                            const T* __restrict__ b,          \
-                                                            unsigned long long n, ARG arg) {  \
-        ddl::reduce_grid<T, ddl::OPF<T> >(dst, a, b, n, arg);                                 \
+// KIND: reduce or realign, the kernel ddl_KIND_<op>_<t> running ddl::KIND_grid.
+#define DDL_DEFINE_PAIRWISE(KIND, OPNAME, OPF, SUF, T, ARG)                                    \
+    extern "C" __global__ void ddl_##KIND##_##OPNAME##_##SUF(T* dst, const T* a,                \
+                                                              const T* __restrict__ b,          \
+                                                              unsigned long long n, ARG arg) {  \
+        ddl::KIND##_grid<T, ddl::OPF<T> >(dst, a, b, n, arg);                                   \
     }
+#define DDL_DEFINE_REDUCE(OPNAME, OPF, SUF, T, ARG) DDL_DEFINE_PAIRWISE(reduce, OPNAME, OPF, SUF, T, ARG)
+#define DDL_DEFINE_REALIGN(OPNAME, OPF, SUF, T, ARG) DDL_DEFINE_PAIRWISE(realign, OPNAME, OPF, SUF, T, ARG)
 
 DDL_REDUCE_KERNELS(DDL_DEFINE_REDUCE)
+DDL_REDUCE_KERNELS(DDL_DEFINE_REALIGN)
 
 #define DDL_FOLD_KERNELS(X) DDL_OPS(X, Fold)
 

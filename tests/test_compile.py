@@ -30,7 +30,7 @@ import _kernel_ref as K  # noqa: E402
 from ddlkernels.kernels import numba_cuda as N  # noqa: E402
 from ddlkernels.kernels.sources import SOURCES, kernel_dir  # noqa: E402
 
-REDUCE = {f"ddl_{kind}_{op}_{K.SUFFIX[dt]}" for kind in ("reduce", "fold") for op in K.OPS for dt in K.DTYPES}
+REDUCE = {f"ddl_{kind}_{op}_{K.SUFFIX[dt]}" for kind in ("reduce", "realign", "fold") for op in K.OPS for dt in K.DTYPES}
 EXPECTED = {"reduce.cu": REDUCE, "pack.cu": {"ddl_pack", "ddl_unpack"}}
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,16 +132,19 @@ def test_f32_reduce_uses_128_bit_loads():
 
 
 @needs_nvcc
-def test_every_reduce_realigns_with_128_bit_loads():
-    """The realigned path (an operand at another offset modulo 16 than dst) is in every reduce kernel, moving
-    128-bit words: cache-all loads of a (``__ldca``), funnel shifts of each word's two halves."""
+def test_every_realign_kernel_moves_128_bit_words_and_no_reduce_kernel_realigns():
+    """ddl_realign (an operand at another offset modulo 16 than dst) moves 128-bit words: cache-all loads of a
+    (``__ldca``), funnel shifts of each word's two halves.  ddl_reduce has none of that path, whose registers
+    it would carry on every call."""
     ok, log, ptx = _nvcc("reduce.cu", 90)
     assert ok, log
     entries = C.ptx_entries(ptx)
     for op in K.OPS:
         for dt in K.DTYPES:
-            body = entries[f"ddl_reduce_{op}_{K.SUFFIX[dt]}"]
-            assert "ld.global.ca.v4" in body and "shf.r" in body, f"ddl_reduce_{op}_{K.SUFFIX[dt]}"
+            name = f"{op}_{K.SUFFIX[dt]}"
+            body = entries[f"ddl_realign_{name}"]
+            assert "ld.global.ca.v4" in body and "shf.r" in body and C.vectorized(body), f"ddl_realign_{name}"
+            assert "shf.r" not in entries[f"ddl_reduce_{name}"], f"ddl_reduce_{name}"
 
 
 @needs_ptxas

@@ -2,9 +2,9 @@
 
 g++ compiles kernels/reduce.cu and kernels/pack.cu, unmodified, after
 tests/cuda_host/cuda_host.h, which defines the CUDA built-ins and runs every
-(block, thread) of a launch.  Every kernel (op x dtype) is checked bitwise
-against the numpy backend on the 128-bit vector path, the scalar head and
-tail, the realigned path for pointers at different offsets modulo 16 (every
+(block, thread) of a launch.  Every kernel (op x dtype, ddl_reduce and
+ddl_realign) is checked bitwise against the numpy backend on the 128-bit vector
+path, the scalar head and tail, pointers at different offsets modulo 16 (every
 combination, and no load outside an operand), the in-place
 2-operand form and several grid shapes (forward and backward thread order),
 with guard elements around the output to catch stray writes.
@@ -33,6 +33,9 @@ GUARD = 5
 # (grid, block, reverse): a single thread does everything; fewer threads than
 # elements (grid-stride loops wrap); more threads than elements.
 LAUNCHES = ((1, 1, False), (3, 32, True), (4, 128, False))
+# The two pairwise kernels of each op x dtype: ddl_reduce (pointers at one offset modulo 16) and ddl_realign
+# (an operand at another); each must be right for any pointers.
+KINDS = ("reduce", "realign")
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +62,15 @@ def lengths(dtype):
 
 
 def test_every_kernel_is_listed(harness):
-    expected = {f"ddl_reduce_{op}_{K.SUFFIX[dt]}" for op in K.OPS for dt in K.DTYPES}
+    expected = {f"ddl_{kind}_{op}_{K.SUFFIX[dt]}" for kind in KINDS for op in K.OPS for dt in K.DTYPES}
     assert set(harness.reduce_kernels()) == expected
 
 
 @pytest.mark.parametrize("op", K.OPS)
 @pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
-def test_reduce_matches_numpy(harness, dtype, op):
-    name = f"ddl_reduce_{op}_{K.SUFFIX[dtype]}"
+@pytest.mark.parametrize("kind", KINDS)
+def test_reduce_matches_numpy(harness, kind, dtype, op):
+    name = f"ddl_{kind}_{op}_{K.SUFFIX[dtype]}"
     v = 16 // dtype.itemsize
     for n in lengths(dtype):
         for p in (3, 7):
@@ -92,9 +96,10 @@ def test_reduce_matches_numpy(harness, dtype, op):
 
 @pytest.mark.parametrize("op", K.OPS)
 @pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
-def test_reduce_in_place_two_operand(harness, dtype, op):
+@pytest.mark.parametrize("kind", KINDS)
+def test_reduce_in_place_two_operand(harness, kind, dtype, op):
     """dst = op(dst, src): the kernel called with a == dst."""
-    name = f"ddl_reduce_{op}_{K.SUFFIX[dtype]}"
+    name = f"ddl_{kind}_{op}_{K.SUFFIX[dtype]}"
     for n in (0, 1, 67, 257, 3001):  # 3001: several vector words on every thread, then the rest
         for off in (0, 1):
             a0, b0 = K.make_pair(dtype, n, seed=11, op=op)
@@ -114,10 +119,11 @@ def test_reduce_in_place_two_operand(harness, dtype, op):
 
 @pytest.mark.parametrize("op", K.OPS)
 @pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
-def test_reduce_grid_stride_rounds(harness, dtype, op):
+@pytest.mark.parametrize("kind", KINDS)
+def test_reduce_grid_stride_rounds(harness, kind, dtype, op):
     """Lengths where every thread of a multi-block grid runs several rounds of the grid-stride vector loop,
     some threads one more than others: out of place, aligned and with a head."""
-    name = f"ddl_reduce_{op}_{K.SUFFIX[dtype]}"
+    name = f"ddl_{kind}_{op}_{K.SUFFIX[dtype]}"
     v = 16 // dtype.itemsize
     for grid, block, rev in ((2, 32, True), (3, 16, False)):
         stride = grid * block
@@ -138,14 +144,15 @@ def test_reduce_grid_stride_rounds(harness, dtype, op):
 
 
 @pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
-def test_reduce_every_offset_of_dst_a_and_b(harness, dtype):
-    """Every (dst, a, b) offset modulo 16 bytes, lengths up to a few words: the aligned path where all three
-    agree, else the realigned one (each operand word cut from the two aligned words it straddles), against
+@pytest.mark.parametrize("kind", KINDS)
+def test_reduce_every_offset_of_dst_a_and_b(harness, kind, dtype):
+    """Every (dst, a, b) offset modulo 16 bytes, lengths up to a few words (ddl_realign: each operand word cut
+    from the two aligned words it straddles; ddl_reduce: 128-bit words only where all three agree), against
     numpy, dst's guards intact, and no load outside the three arrays, which the harness counts (on a GPU the
     bytes past an operand are a neighbour's, or past an allocation's end fault)."""
     v = 16 // dtype.itemsize
     for op, lengths in (("sum", range(0, 3 * v + 2)), ("max", (1, v + 1, 3 * v + 2, 67))):
-        name = f"ddl_reduce_{op}_{K.SUFFIX[dtype]}"
+        name = f"ddl_{kind}_{op}_{K.SUFFIX[dtype]}"
         for n in lengths:
             a0, b0 = K.make_pair(dtype, n, seed=n, op=op)
             ref = K.reference(op, a0, b0, 3)

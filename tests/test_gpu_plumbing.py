@@ -261,6 +261,54 @@ def test_reduce_many_refuses_outputs_that_overlap():
     assert be.launched == [(2, 1)]
 
 
+def test_reduce_launches_the_realigned_kernel_only_where_an_operand_is_at_another_offset():
+    """``reduce`` picks ``ddl_reduce`` where dst, a and b share one offset modulo 16 bytes (views one element
+    in, all three, included), else ``ddl_realign``; an operand that overlaps dst is copied first, and then the
+    copy's offset counts."""
+    from ddlkernels.backends._device import DeviceBackend
+
+    class Launches:  # what reduce asks before its launch
+        def __init__(self):
+            self.names = []
+
+        _ptr = staticmethod(lambda x: x.ctypes.data)
+
+        def _dup(self, x):
+            out = _aligned(len(x), x.dtype, 0)
+            out[:] = x
+            return out
+
+        def _launch_reduce(self, name, dst, a, b, n, arg):
+            self.names.append(name)
+
+    def kinds(*cases):
+        be = Launches()
+        for d, a, b in cases:
+            DeviceBackend.reduce(be, "sum", d, a, b)
+        return [name.split("_")[1] for name in be.names]
+
+    def at(offset):  # 10 float32 from ``offset`` elements past a 64-byte boundary
+        return _aligned(10, np.float32, offset)
+
+    assert kinds((at(0), at(0), at(0)), (at(1), at(1), at(1)), (at(3), at(7), at(11))) == ["reduce"] * 3
+    assert kinds((at(0), at(1), at(1)), (at(1), at(0), at(1)), (at(2), at(2), at(0))) == ["realign"] * 3
+    d = at(1)
+    assert kinds((d, d, at(1)), (d, d, at(2))) == ["reduce", "realign"]
+    # b overlaps dst: it is copied into a fresh (aligned) buffer first, and that copy's offset is the one compared
+    whole = at(1)
+    assert kinds((whole[:8], whole[:8], whole[2:10])) == ["realign"]
+    whole = _aligned(12, np.float32, 0)
+    assert kinds((whole[4:12], _aligned(8, np.float32, 0), whole[1:9])) == ["reduce"]
+
+
+def _aligned(n, dtype, offset):
+    """``n`` elements of ``dtype`` starting ``offset`` elements past a 64-byte boundary."""
+    dtype = np.dtype(dtype)
+    raw = np.zeros((n + offset) * dtype.itemsize + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset * dtype.itemsize
+    return raw[start:start + n * dtype.itemsize].view(dtype)
+
+
 def test_host_costs_study_times_what_it_means_to():
     """``bench/studies/host_costs.py`` runs without a GPU, and exits non-zero where a call took another path
     than the one launch (or fold) it means to time."""

@@ -2,7 +2,7 @@
 
     python bench/kernels/kernel_report.py [--out FILE.md]
 
-One row per kernel x dtype, for both implementations (the fold kernels are .cu only):
+One row per kernel x dtype, for both implementations (the realign and fold kernels are .cu only):
 
 * kernels/*.cu (what the CuPy backend loads): compiled with NVRTC (CUDA 12.9)
   for sm_70, sm_80, sm_90 and with nvcc (the machine's, sm_75/80/90);
@@ -23,6 +23,7 @@ by this script.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -71,12 +72,12 @@ def host_harness_results(harness):
     import test_cu_host as T
 
     res = {}
-    for dtype in K.DTYPES:
+    for dtype, kind in itertools.product(K.DTYPES, ("reduce", "realign")):
         v = 16 // dtype.itemsize
         for op in K.OPS:
-            name = f"ddl_reduce_{op}_{K.SUFFIX[dtype]}"
+            name = f"ddl_{kind}_{op}_{K.SUFFIX[dtype]}"
             ok, err, cases = True, 0.0, 0
-            stride = 2 * 32  # the (2, 32) launch: lengths past 4 rounds of its stride run the unrolled loop
+            stride = 2 * 32  # the (2, 32) launch: lengths past 4 rounds of its stride run several on every thread
             for n in T.lengths(dtype) + [4 * stride * v + 3, 13 * stride * v + 5]:
                 for p in (3, 7):
                     a0, b0 = K.make_pair(dtype, n, seed=n + p, op=op)
@@ -173,12 +174,15 @@ def numba_sim_results():
     return {k: (v["ok"], v["max_err"], v["cases"]) for k, v in json.loads(res.stdout).items()}
 
 
+_TYPED = ("ddl_reduce_", "ddl_realign_", "ddl_fold_")  # kernels named ..._<dtype>
+
+
 def _dtype_of(name):
-    return name.rsplit("_", 1)[1] if name.startswith(("ddl_reduce_", "ddl_fold_")) else "bytes"
+    return name.rsplit("_", 1)[1] if name.startswith(_TYPED) else "bytes"
 
 
 def _kernel_of(name):
-    return name.rsplit("_", 1)[0] if name.startswith(("ddl_reduce_", "ddl_fold_")) else name
+    return name.rsplit("_", 1)[0] if name.startswith(_TYPED) else name
 
 
 def _yn(b):
@@ -208,8 +212,9 @@ def main(argv=None):
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = [f"ddl_reduce_{op}_{suf}" for op in N.OPS for suf in N.SUFFIXES] + ["ddl_pack", "ddl_unpack"]
-    folds = [f"ddl_fold_{op}_{suf}" for op in N.OPS for suf in N.SUFFIXES]  # .cu only: the IPC fold
-    for name in order[:-2] + folds + order[-2:]:
+    # .cu only: the kernel for operands at another offset modulo 16 than dst, and the IPC fold
+    only_cu = [f"ddl_{kind}_{op}_{suf}" for kind in ("realign", "fold") for op in N.OPS for suf in N.SUFFIXES]
+    for name in order[:-2] + only_cu + order[-2:]:
         c = cu.get(name, {"nvrtc": {}, "nvcc": {}, "vec": False})
         regs = "/".join(str(c["nvrtc"][a]["regs"]) if c["nvrtc"].get(a) else "-" for a in ARCHS)
         spills = sum(i["spill_stores"] + i["spill_loads"] for i in c["nvrtc"].values() if i)

@@ -337,9 +337,14 @@ class DeviceBackend(Backend):
         at, pa, pb, size = self._ptr(dst), self._ptr(a), self._ptr(b), n * dst.dtype.itemsize
         if pb < at + size and at < pb + size:
             b = self._dup(b)
+            pb = self._ptr(b)
         if pa != at and pa < at + size and at < pa + size:
             a = self._dup(a)
-        self._launch_reduce(f"ddl_reduce_{kop}_{suf}", dst, a, b, n, arg)
+            pa = self._ptr(a)
+        # An operand at another offset modulo 16 than dst (a view one element in) goes to the kernel that cuts
+        # its 128-bit words from aligned loads: in the other kernel that path cost every call registers.
+        kind = "reduce" if (pa - at) & 15 == 0 and (pb - at) & 15 == 0 else "realign"
+        self._launch_reduce(f"ddl_{kind}_{kop}_{suf}", dst, a, b, n, arg)
 
     def reduce_many(self, op, dst, srcs, *, avg_p=None, also=()):
         """``dst = ((srcs[0] op srcs[1]) op srcs[2]) ...`` ("avg": ``op`` "sum" and ``avg_p``, scaling in the

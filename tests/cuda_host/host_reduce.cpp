@@ -13,18 +13,20 @@ struct HostReduceEntry {
     host_reduce_fn run;
 };
 
-// One entry per kernel of reduce.cu, from the file's own X-macro list.  The
+// One entry per kernel of reduce.cu (ddl_reduce and ddl_realign), from the file's own X-macro list.  The
 // argument travels as a double (exact for a float scale and for any divisor p
 // the tests use) and is cast to the kernel's argument type.
-#define DDL_HOST_ENTRY(OPNAME, OPF, SUF, T, ARG)                                                       \
-    {"ddl_reduce_" #OPNAME "_" #SUF,                                                                   \
+#define DDL_HOST_KERNEL(KIND, OPNAME, SUF, T, ARG)                                                      \
+    {"ddl_" #KIND "_" #OPNAME "_" #SUF,                                                                \
      [](unsigned gx, unsigned bx, bool rev, void* d, const void* a, const void* b, unsigned long long n, \
         double arg) {                                                                                  \
-         ddl_host_launch(ddl_reduce_##OPNAME##_##SUF, dim3(gx), dim3(bx), rev, (T*)d, (const T*)a,    \
+         ddl_host_launch(ddl_##KIND##_##OPNAME##_##SUF, dim3(gx), dim3(bx), rev, (T*)d, (const T*)a,  \
                          (const T*)b, n, (ARG)arg);                                                    \
      }},
+#define DDL_HOST_REDUCE(OPNAME, OPF, SUF, T, ARG) DDL_HOST_KERNEL(reduce, OPNAME, SUF, T, ARG)
+#define DDL_HOST_REALIGN(OPNAME, OPF, SUF, T, ARG) DDL_HOST_KERNEL(realign, OPNAME, SUF, T, ARG)
 
-static const HostReduceEntry kEntries[] = {DDL_REDUCE_KERNELS(DDL_HOST_ENTRY)};
+static const HostReduceEntry kEntries[] = {DDL_REDUCE_KERNELS(DDL_HOST_REDUCE) DDL_REDUCE_KERNELS(DDL_HOST_REALIGN)};
 
 extern "C" int host_reduce_count() { return (int)(sizeof(kEntries) / sizeof(kEntries[0])); }
 
