@@ -5,8 +5,8 @@
 * reduce ``dst = a + b`` (ddlkernels' CuPy backend, kernels/reduce.cu) against ``torch.add(out=)``,
   ``cupy.add(out=)`` and a device copy (``cupy.copyto``), for float32, float16 and bfloat16 (CuPy has
   no bfloat16: torch only), out of place and in place (``dst`` is ``a``), aligned and "+1" (``a`` and
-  ``b`` one element off a 16-byte boundary: out of place into an aligned output, the kernel's realigned
-  path; in place, its aligned path after a scalar head); GB/s of bytes moved, as STREAM counts them
+  ``b`` one element off a 16-byte boundary: out of place into an aligned output, ``ddl_realign``; in
+  place, ``ddl_reduce`` after a scalar head); GB/s of bytes moved, as STREAM counts them
   (reduce 3 x size, copy 2 x size), median of ``-n`` runs timed with CUDA events, the lines taken in
   turn within each run, each run queued behind a kernel that holds the GPU until the host has launched
   it (the events time the device's work, not the host's launch, which the next line times);
