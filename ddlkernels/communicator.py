@@ -161,11 +161,11 @@ class Communicator:
             # Nonblocking, so that a rank that never comes is a timeout; once it completes every rank is here.
             dup, nodes = duplicate(comm, _deadline), None
             try:  # the errors here (a label joining MPI's nodes, a host missing from the rack map) are every rank's
-                nodes = node_split(dup, node)
+                nodes, where = node_split(dup, node)
                 # Nodes from shared memory or the labels, racks from the rack map, link parameters from a
                 # calibrated topology file (``python -m ddlkernels calibrate``) or the documented defaults.
                 topo = detect(dup, rack_map=env.rack_map if rack_map is None else rack_map, params=params,
-                              nodes=nodes)
+                              where=where)
             except BaseException:
                 if nodes is not None:
                     nodes.Free()

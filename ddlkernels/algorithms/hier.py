@@ -40,6 +40,8 @@ operand (x + -0 is x, bit for bit, -0 included).
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 
 from .._dtypes import is_half, scale_inplace
@@ -82,8 +84,12 @@ def node_colors(rows) -> list | None:
 
 
 def node_split(comm, node=None):
-    """``comm`` split into nodes (collective): ranks that share memory (MPI's ``COMM_TYPE_SHARED``), or, where
-    every rank gives a ``node`` label, the ranks with equal labels (which must share memory).
+    """``(nodes, where)``: ``comm`` split into nodes (collective), and every rank's ``(node id, host name)``.
+
+    Nodes are ranks that share memory (MPI's ``COMM_TYPE_SHARED``), or, where every rank gives a ``node``
+    label, the ranks with equal labels (which must share memory).  A node's id is its lowest rank in
+    ``comm``, the same on each of its ranks; ``where`` is what ``topology.detect`` builds the job's topology
+    from, so that it asks nothing again.
 
     Labels are for ranks that MPI puts on one node but that should act as
     several: containers that cannot map each other's memory, or the
@@ -95,16 +101,17 @@ def node_split(comm, node=None):
     rank = comm.Get_rank()
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     try:
-        # The lowest rank of the node names it: the same name on each of its ranks.
-        lowest = shared.bcast(rank, root=0)
-        colors = node_colors(comm.allgather((node, lowest)))  # the same answer, or error, on every rank
+        lowest = shared.bcast(rank, root=0)  # the shared-memory node's lowest rank
+        rows = comm.allgather((node, lowest, socket.gethostname()))
+        colors = node_colors([(label, low) for label, low, _ in rows])  # the same answer, or error, everywhere
     except BaseException:
         shared.Free()
         raise
+    where = [(low if colors is None else colors[r], host) for r, (_, low, host) in enumerate(rows)]
     if colors is None:
-        return shared
+        return shared, where
     shared.Free()
-    return comm.Split(color=colors[rank], key=rank)
+    return comm.Split(color=colors[rank], key=rank), where
 
 
 def uniform_nodes(comm, node) -> bool:

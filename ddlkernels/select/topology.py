@@ -470,35 +470,33 @@ def _is_uniform_identity(placement, levels) -> bool:
 
 
 def detect(comm, rack_map: str | Mapping[str, str] | None = None, params: Topology | str | None = None,
-           nodes=None) -> Topology:
-    """The topology of the running job (collective over ``comm``).
+           where: Sequence[tuple[int, str]] | None = None) -> Topology:
+    """The topology of the running job (collective over ``comm`` unless ``where`` is given).
 
-    Nodes come from ``nodes``, this rank's part of a split of ``comm`` into
-    nodes (``ddlkernels.algorithms.hier.node_split``: node labels may split
-    MPI's nodes), or else from ``comm.Split_type(COMM_TYPE_SHARED)`` (ranks
-    that share memory); host names name them.  Racks come from ``rack_map``
-    (a path or a ``{host: rack}`` dict) when given -- hosts missing from it
-    are an error.
+    ``where``: every rank's ``(node id, host name)``, as
+    ``ddlkernels.algorithms.hier.node_split`` returns them (node labels may
+    split MPI's nodes); else nodes are the ranks that share memory
+    (``comm.Split_type(COMM_TYPE_SHARED)``), asked here.  Host names name them.
+    Racks come from ``rack_map`` (a path or a ``{host: rack}`` dict) when
+    given -- hosts missing from it are an error.
     Link parameters are copied level by level from ``params`` (a calibrated
     topology, as written by ``python -m ddlkernels calibrate``) when given, or
     else are the documented defaults ``_DETECT_DEFAULTS``.  Ranks may be placed
     unevenly or round robin; the result then carries a ``placement`` and the
     planner's ring order (``Topology.topology_order``) follows it.
     """
-    from mpi4py import MPI
+    if where is None:
+        from mpi4py import MPI
 
-    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank()) if nodes is None else nodes
-    try:
-        # The lowest world rank on the node names the node: ids agree on every rank.
-        node_id = comm.Get_rank() if node_comm.Get_rank() == 0 else None
-        node_id = node_comm.bcast(node_id, root=0)
-    finally:
-        if nodes is None:
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        try:
+            # The lowest rank of the node names it: ids agree on every rank.
+            node_id = node_comm.bcast(comm.Get_rank(), root=0)
+        finally:
             node_comm.Free()
-    host = socket.gethostname()
-    rows = comm.allgather((node_id, host))
-    node_of = [r[0] for r in rows]
-    hostnames = [r[1] for r in rows]
+        where = comm.allgather((node_id, socket.gethostname()))
+    node_of = [r[0] for r in where]
+    hostnames = [r[1] for r in where]
     rack_of = None
     if rack_map is not None:
         m = read_rack_map(rack_map) if isinstance(rack_map, str) else dict(rack_map)

@@ -33,8 +33,8 @@ def forced():
 
 @needs_peers
 def test_this_job_is_on_one_node():
-    node = node_split(COMM)
-    assert node.Get_size() == P
+    node, where = node_split(COMM)
+    assert node.Get_size() == P and where == [(0, where[0][1])] * P
     node.Free()
     x = np.zeros(1000)
     with ddlkernels.Communicator(COMM) as dc:
