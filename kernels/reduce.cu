@@ -74,7 +74,9 @@
 // Use
 //   Loaded by the CuPy backend (ddlkernels/backends/_cupy.py): one reduction
 //   per received chunk of a ring step, the fused avg scale on the owner's last
-//   step, ddl_reduce or ddl_realign by the pointers' offsets (_device.py); the fold kernels by the CUDA IPC allreduce (reduce_many).  The same file compiles on its own with
+//   step, ddl_reduce or ddl_realign by the pointers' offsets (_device.py);
+//   the fold kernels by the CUDA IPC allreduce (reduce_many).  The same file
+//   compiles on its own with
 //       nvcc -std=c++17 -arch=sm_90 -cubin kernels/reduce.cu
 //   and, through tests/cuda_host/cuda_host.h, with g++ for the host test
 //   harness, which runs every (block, thread) of the grid on the CPU.
