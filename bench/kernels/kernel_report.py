@@ -46,12 +46,17 @@ from ddlkernels.kernels import numba_cuda as N  # noqa: E402
 ARCHS = C.NVRTC_ARCHS
 
 
-def cu_compile_info():
-    """{kernel: {"nvrtc": {arch: info|None}, "nvcc": {arch: bool}, "vec": bool}} for both .cu files."""
+def cu_compile_info(seconds=None):
+    """{kernel: {"nvrtc": {arch: info|None}, "nvcc": {arch: bool}, "vec": bool}} for both .cu files;
+    ``seconds``, a dict, gets each NVRTC compile's wall time by (source, arch): the first launch's wait on a
+    GPU whose kernels are not in the cache yet."""
     out = {}
     for source in ("reduce.cu", "pack.cu"):
         for arch in ARCHS:
+            t = time.perf_counter()
             ok, log, _ = C.nvrtc(source, f"sm_{arch}")
+            if seconds is not None:
+                seconds[(source, arch)] = time.perf_counter() - t
             for name, info in (C.parse_ptxas(log) if ok else {}).items():
                 out.setdefault(name, {"nvrtc": {}, "nvcc": {}, "vec": False})["nvrtc"][arch] = info
         ok, log, ptx = C.nvrtc(source, "compute_90")
@@ -200,7 +205,8 @@ def main(argv=None):
     ap.add_argument("--out", help="also write the markdown table to this file")
     args = ap.parse_args(argv)
     t0 = time.time()
-    cu = cu_compile_info()
+    compile_s = {}
+    cu = cu_compile_info(compile_s)
     with tempfile.TemporaryDirectory() as td:
         host = host_harness_results(H.build(td))
     nb = numba_compile_info()
@@ -239,6 +245,10 @@ def main(argv=None):
     head = (f"Kernel report ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
             f"NVRTC 12.9 for sm_70/80/90, nvcc {'found' if C.nvcc_path() else 'absent'}; "
             f"generated in {time.time() - t0:.0f} s by bench/kernels/kernel_report.py)\n")
+    head += ("\nNVRTC compile of each file, wall time here (a first launch waits for it where the kernel cache "
+             "has no image yet), sm_" + "/".join(str(a) for a in ARCHS) + ": "
+             + "; ".join(f"{src} " + " / ".join(f"{compile_s[(src, a)]:.1f}" for a in ARCHS) + " s"
+                         for src in ("reduce.cu", "pack.cu")) + "\n")
     print(head)
     print(table)
     if args.out:
