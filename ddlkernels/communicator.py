@@ -164,8 +164,7 @@ class Communicator:
                 nodes, where = node_split(dup, node)
                 # Nodes from shared memory or the labels, racks from the rack map, link parameters from a
                 # calibrated topology file (``python -m ddlkernels calibrate``) or the documented defaults.
-                topo = detect(dup, rack_map=env.rack_map if rack_map is None else rack_map, params=params,
-                              where=where)
+                topo = detect(where, rack_map=env.rack_map if rack_map is None else rack_map, params=params)
             except BaseException:
                 if nodes is not None:
                     nodes.Free()

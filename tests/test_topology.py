@@ -153,7 +153,11 @@ def test_detect_params_copied_from_calibrated():
 def test_detect_on_this_process():
     from mpi4py import MPI
 
-    topo = T.detect(MPI.COMM_WORLD)
+    from ddlkernels.algorithms.hier import node_split
+
+    nodes, where = node_split(MPI.COMM_WORLD)
+    nodes.Free()
+    topo = T.detect(where)
     assert topo.ranks == MPI.COMM_WORLD.Get_size()
     assert topo.hostnames is not None and len(topo.hostnames) == topo.ranks
 

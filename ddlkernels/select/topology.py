@@ -51,7 +51,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -469,14 +468,12 @@ def _is_uniform_identity(placement, levels) -> bool:
     return True
 
 
-def detect(comm, rack_map: str | Mapping[str, str] | None = None, params: Topology | str | None = None,
-           where: Sequence[tuple[int, str]] | None = None) -> Topology:
-    """The topology of the running job (collective over ``comm`` unless ``where`` is given).
+def detect(where: Sequence[tuple[int, str]], rack_map: str | Mapping[str, str] | None = None,
+           params: Topology | str | None = None) -> Topology:
+    """The topology of the running job from ``where``, every rank's ``(node id, host name)`` as
+    ``ddlkernels.algorithms.hier.node_split`` gathers them (ranks that share memory, or node labels, which
+    may split MPI's nodes); no communication.
 
-    ``where``: every rank's ``(node id, host name)``, as
-    ``ddlkernels.algorithms.hier.node_split`` returns them (node labels may
-    split MPI's nodes); else nodes are the ranks that share memory
-    (``comm.Split_type(COMM_TYPE_SHARED)``), asked here.  Host names name them.
     Racks come from ``rack_map`` (a path or a ``{host: rack}`` dict) when
     given -- hosts missing from it are an error.
     Link parameters are copied level by level from ``params`` (a calibrated
@@ -485,16 +482,6 @@ def detect(comm, rack_map: str | Mapping[str, str] | None = None, params: Topolo
     unevenly or round robin; the result then carries a ``placement`` and the
     planner's ring order (``Topology.topology_order``) follows it.
     """
-    if where is None:
-        from mpi4py import MPI
-
-        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        try:
-            # The lowest rank of the node names it: ids agree on every rank.
-            node_id = node_comm.bcast(comm.Get_rank(), root=0)
-        finally:
-            node_comm.Free()
-        where = comm.allgather((node_id, socket.gethostname()))
     node_of = [r[0] for r in where]
     hostnames = [r[1] for r in where]
     rack_of = None

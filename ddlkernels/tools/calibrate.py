@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from ..algorithms.hier import node_split
 from ..select.topology import Level, Topology, detect, _replace
 
 __all__ = ["calibrate", "pingpong", "fit_alpha_beta"]
@@ -203,7 +204,9 @@ def calibrate(comm, *, rack_map=None, structure: Topology | None = None, sizes=D
             raise ValueError(f"structure describes {structure.ranks} ranks but the communicator has {p}")
         topo = structure
     else:
-        topo = detect(comm, rack_map=rack_map)
+        nodes, where = node_split(comm)
+        nodes.Free()
+        topo = detect(where, rack_map=rack_map)
     ids = topo.group_ids()
     levels = []
     stamp = comm.bcast(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), root=0)  # same file on every rank
