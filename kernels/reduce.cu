@@ -43,7 +43,7 @@
 //     share one offset modulo 16 (else it goes one element at a time); in
 //     ddl_realign an operand at another offset than dst is read as aligned
 //     128-bit words too, each word it needs cut from the two it straddles
-//     (reduce_realigned).
+//     (realign_grid).
 //   * 1-D grid of any size: the loops are grid-stride, so correctness does
 //     not depend on the launch shape; no shared memory, no __syncthreads.
 //
@@ -239,9 +239,11 @@ __device__ __forceinline__ uint4 realign(uint4 lo, uint4 hi, unsigned sh) {
 // the neighbour's word mostly hits the cache its neighbour thread's load filled, so DRAM moves each
 // byte once, as on the aligned path.
 template <class T, class Op>
-__device__ __forceinline__ void reduce_realigned(T* dst, const T* a, const T* __restrict__ b, u64 n,
-                                                 typename Traits<T>::acc arg, u64 tid, u64 stride) {
+__device__ __forceinline__ void realign_grid(T* dst, const T* a, const T* __restrict__ b, u64 n,
+                                             typename Traits<T>::acc arg) {
     const int V = 16 / sizeof(T);
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
     u64 body = ((16 - ((u64)dst & 15)) & 15) / sizeof(T);  // dst's first 16-byte boundary
     const unsigned sa = (unsigned)(((u64)a + body * sizeof(T)) & 15);
     const unsigned sb = (unsigned)(((u64)b + body * sizeof(T)) & 15);
@@ -269,13 +271,6 @@ __device__ __forceinline__ void reduce_realigned(T* dst, const T* a, const T* __
         dw[i] = r.u;
     }
     for (u64 i = head + words * V + tid; i < n; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
-}
-
-template <class T, class Op>
-__device__ __forceinline__ void realign_grid(T* dst, const T* a, const T* __restrict__ b, u64 n,
-                                             typename Traits<T>::acc arg) {
-    reduce_realigned<T, Op>(dst, a, b, n, arg, (u64)blockIdx.x * blockDim.x + threadIdx.x,
-                            (u64)gridDim.x * blockDim.x);
 }
 
 template <class T, class Op>
