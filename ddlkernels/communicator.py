@@ -105,6 +105,7 @@ class Communicator:
     allreduce = _allreduce.allreduce
     Allreduce = _allreduce.Allreduce
     allreduce_buffer = _allreduce.allreduce_buffer
+    tuning_buffer = _allreduce.tuning_buffer
     reduce_scatter = _reduce_scatter.reduce_scatter
     allgather = _allgather.allgather
     tuning = _decisions.tuning

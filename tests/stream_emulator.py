@@ -745,6 +745,11 @@ class EmuBackend(DeviceBackend):
     def empty(self, n, dtype):
         return EmuArray(self._new((int(n),), dtype, self.compute_stream()))
 
+    def zeros(self, n, dtype):
+        out = self.empty(n, dtype)
+        self.write(out, np.zeros(int(n), out.dtype), self.compute_stream())
+        return out
+
     def like(self, flat, x, shape=None):
         shape = x.shape if shape is None else shape
         a = flat._a

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ..ring.segments import Segments
 
-__all__ = ["Algorithm", "Work", "pack_segments", "run_instead"]
+__all__ = ["Algorithm", "Work", "finish_trials", "pack_segments", "run_instead"]
 
 
 def pack_segments(w) -> None:
@@ -35,6 +35,22 @@ def pack_segments(w) -> None:
     if w.src.__class__ is Segments:
         w.src.copy_to(w.dst, 0, w.count)
         w.src = w.dst
+
+
+def finish_trials(measuring, zeros, run) -> None:
+    """Let a Communicator an algorithm runs part of its call on ("host"'s pieces, "hier"'s step across nodes)
+    finish its tuner's trials for a size first, on zeros: else the outer tuner's trials of the algorithm would
+    time the inner tuner's slower candidates, not what the algorithm will run.
+
+    ``measuring()``: whether the inner call would be a trial (the same on every rank of the inner
+    Communicator, so its ranks make the same calls); ``zeros()``: the buffer the trials reduce, zeroed
+    (zeros stay zeros under every op); ``run(buf)``: one inner call on it.  Once the size is settled, only
+    the asking.
+    """
+    if measuring():
+        buf = zeros()
+        while measuring():
+            run(buf)
 
 
 class Work:

@@ -28,6 +28,11 @@ peers' memory in place, the allgather writes into it) and the device ring
 across nodes (CUDA-aware MPI or staged), where the backend offers CUDA IPC:
 the box's first dimension is the node, as PowerAI DDL's.
 
+The step across nodes is a Communicator of its own, whose tuner measures
+its candidates per shard size.  The first call of a size lets it finish
+those trials first, on zeros (``base.finish_trials``), so that the outer
+tuner's trials of "hier" time what "hier" will run.
+
 Each element is summed within a node in local-rank order, then across nodes
 by one allreduce whose result is the same bits on every rank that computes
 it; the allgather only copies, so every rank ends with the same bits.  The
@@ -47,7 +52,7 @@ import numpy as np
 from .._dtypes import is_half, scale_inplace
 from ..ring.schedule import split
 from ..safety.deadline import complete
-from .base import Algorithm, pack_segments, run_instead
+from .base import Algorithm, finish_trials, pack_segments, run_instead
 from .ipc import IpcNode, give_up
 from .shm import ShmAllreduce
 
@@ -207,6 +212,9 @@ class HierAllreduce:
         bounds = self.bounds(n)
         lo, hi = bounds[self.local]
         shard = self._shard(src.dtype, hi - lo, be)
+        cross = self.cross
+        finish_trials(lambda: cross.tuning_buffer(be, shard, dtype, op), lambda: be.zeros(hi - lo, src.dtype),
+                      lambda zeros: cross.allreduce_buffer(be, zeros, dtype, op, deadline))
         # agree=: a node whose IPC step fails raises on every rank, not only its own (ipc.IpcNode._call).
         self.ipc.reduce_scatter(be, src, shard, bounds, op, deadline=deadline, agree=self.comm)
         self.cross.allreduce_buffer(be, shard, dtype, op, deadline)
@@ -230,8 +238,17 @@ class HierAllreduce:
         bounds = self.bounds(n)
         lo, hi = bounds[self.local]
         shard = self._shard(src.dtype, hi - lo)
+
+        def across(x):
+            self.cross.allreduce(x, op, out=x, timeout=None if deadline is None else deadline.remaining())
+
+        def zeros():
+            shard[...] = 0  # the last call's allgather has read it
+            return shard
+
+        finish_trials(lambda: self.cross.tuning(shard, op), zeros, across)
         self.shm.reduce_scatter(src, shard, bounds, op, reduce, deadline=deadline)
-        self.cross.allreduce(shard, op, out=shard, timeout=None if deadline is None else deadline.remaining())
+        across(shard)
         if avg_p is not None:
             scale_inplace(shard, avg_p)
         # Nobody reads src after the reduce-scatter's last barrier: an

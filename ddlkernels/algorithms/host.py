@@ -56,7 +56,7 @@ of "host" time what "host" will run.
 from __future__ import annotations
 
 from ..safety.deadline import complete
-from .base import Algorithm, pack_segments
+from .base import Algorithm, finish_trials, pack_segments
 
 __all__ = ["Host", "PIECE_BYTES", "RAMP", "SLOTS", "piece_cuts"]
 
@@ -164,15 +164,14 @@ class Host(Algorithm):
         return cp
 
     def _settle_inner(self, inner, cp, kind, op, piece, run):
-        """Let the inner tuner finish its trials of ``kind`` for pieces like ``piece`` (a host array in a slot)
-        first, on zeros: else the outer tuner's trials of "host" would time the inner one's slower candidates.
-        ``run()`` makes one inner call.  Every rank makes the same calls (``tuning`` is the same everywhere);
-        once the size is settled, nothing but the asking."""
-        if inner.tuning(piece, op, collective=kind):
+        """``finish_trials`` of the inner Communicator's ``kind`` for pieces like ``piece`` (a host array in a
+        slot), on that slot: ``run()`` makes one inner call."""
+        def zeros():
             cp.drain()  # the slot may still be read by the last call's copies up
             piece[...] = 0
-            while inner.tuning(piece, op, collective=kind):
-                run()
+            return piece
+
+        finish_trials(lambda: inner.tuning(piece, op, collective=kind), zeros, lambda _: run())
 
     def _pipeline(self, be, cp, count, down, host, up):
         """``count`` pieces through the slots (the module comment): ``down(k, slot, stream)`` queues piece k's

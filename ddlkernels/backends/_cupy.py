@@ -312,6 +312,9 @@ class CupyBackend(DeviceBackend):
     def empty(self, n, dtype):
         return self._cp.empty(int(n), dtype=storage_dtype(dtype))
 
+    def zeros(self, n, dtype):
+        return self._cp.zeros(int(n), dtype=storage_dtype(dtype))  # a memset on CuPy's current stream: the compute one
+
     def like(self, flat, x, shape=None):
         shape = x.shape if shape is None else shape
         if type(x).__module__.startswith("torch"):

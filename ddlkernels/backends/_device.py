@@ -24,6 +24,7 @@ array library's own terms:
                            compute stream (and the library's current stream)
 ``compute_stream()``       this thread's compute stream (the caller's)
 ``new_stream(device)``     a stream for copies (does not serialize with compute)
+``zeros(n, dtype)``        a new buffer of ``n`` zeros, written on the compute stream
 ``pinned(nbytes)``         page-locked host memory, as a numpy uint8 array
 ``d2h(host, dev, s)``      async copy device -> host (same byte length) on stream s
 ``h2d(dev, host, s)``      async copy host -> device on stream s
@@ -250,6 +251,10 @@ class DeviceBackend(Backend):
     @abc.abstractmethod
     def new_stream(self, device=None):
         """A new stream on ``device`` (default: the current one) that does not serialize with others."""
+
+    @abc.abstractmethod
+    def zeros(self, n, dtype):
+        """A new 1-D buffer of ``n`` zeros in ``dtype``'s storage type, written on the compute stream."""
 
     def _on_device(self, device, stream):
         """Context of ``device`` (and of ``stream``, where the library has a current stream of its own)."""

@@ -27,7 +27,7 @@ from ..backends import backend_for, get_backend
 from .arguments import (apart, backend_input_numpy, buffer_spec, check_out, flat_input, host_overlap, in_use,
                         prepare, size)
 
-__all__ = ["allreduce", "Allreduce", "allreduce_segments", "allreduce_buffer"]
+__all__ = ["allreduce", "Allreduce", "allreduce_segments", "allreduce_buffer", "tuning_buffer"]
 
 
 def allreduce(self, x, op="sum", *, out=None, dims=None, chunk_bytes=None, backend=None, validate=None,
@@ -210,17 +210,28 @@ def allreduce_buffer(self, be, buf, dtype, op, deadline=None, chunk_bytes=None):
     progress engine and the torch optimizer; validation as this Communicator's.
     """
     opname = normalize_op(op)
-    chunk_bytes = self.chunk_bytes if chunk_bytes is None else chunk_bytes
     with self._exclusive("allreduce"):
         call = self._call("allreduce", None, None if deadline is None else deadline.remaining())
-        w = Work("allreduce", buf, buf, buf.shape[0], dtype, opname, be, max(1, chunk_bytes // dtype.itemsize),
-                 call=call)
+        w = _buffer_work(self, be, buf, dtype, opname, chunk_bytes, call)
         with self._device_call(be, buf, None):  # the calling algorithm's stream (``call_stream``)
             if call is None:
                 run(self, w)
             else:
                 with call:
                     run(self, w)
+
+
+def _buffer_work(self, be, buf, dtype, opname, chunk_bytes, call=None):
+    chunk_bytes = self.chunk_bytes if chunk_bytes is None else chunk_bytes
+    return Work("allreduce", buf, buf, buf.shape[0], dtype, opname, be, max(1, chunk_bytes // dtype.itemsize),
+                call=call)
+
+
+def tuning_buffer(self, be, buf, dtype, op, chunk_bytes=None) -> bool:
+    """``tuning`` for ``allreduce_buffer``: whether its call with these arguments would be one of the tuner's
+    trials (the same on every rank), for an algorithm that settles its inner Communicator first
+    (``ddlkernels.algorithms.base.finish_trials``)."""
+    return self.selector.measuring("allreduce", _buffer_work(self, be, buf, dtype, normalize_op(op), chunk_bytes))
 
 
 def Allreduce(self, sendbuf, recvbuf, op=None, *, validate=None, timeout=None):

@@ -274,6 +274,18 @@ def test_numba_backend_handles_overlapping_operands(dst, a, b):
     assert np.array_equal(d.copy_to_host(), ref)
 
 
+def test_numba_backend_zeros_on_its_compute_stream():
+    """``zeros``: ``n`` zeros in the storage type (bfloat16's uint16 bits), made on the compute stream."""
+    be = get_backend("numba")
+    s = cuda.stream()
+    with be.using(s):
+        for dtype, store in ((np.float32, np.float32), (np.int64, np.int64), (BFLOAT16, np.uint16)):
+            z = be.zeros(13, dtype)
+            assert z.dtype == store and z.shape == (13,)
+            assert not z.copy_to_host(stream=s).view(np.uint8).any()
+        assert be.zeros(0, np.float64).shape == (0,)
+
+
 def test_staged_transport_loopback_grows_and_reuses():
     """Self-messages over COMM_SELF: chunks larger than a slot, an empty chunk, and slot reuse."""
     be = get_backend("numba")

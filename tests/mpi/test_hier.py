@@ -102,3 +102,24 @@ def test_communicator_measures_it_across_nodes(validate):
         assert dc.last_algorithm == "ring" and h.dtype == np.float16
         every = COMM.allgather(seen)
         assert all(s == every[0] for s in every)
+
+
+@pytest.mark.parametrize("placement", ["block", "round robin"])
+def test_the_step_across_nodes_finishes_its_trials_in_the_first_call_of_a_size(placement):
+    """The first call of a size lets the Communicator across nodes finish its tuner's trials for the shard
+    (on zeros): the outer tuner's trials of "hier" then time what "hier" will run, not the inner tuner's
+    slower candidates.  Two shard sizes, each with two or more candidates across nodes, still measuring
+    before the call and no longer after it; the result right."""
+    node = _split(placement)
+    h = HierAllreduce(COMM, node, lambda cross: ddlkernels.Communicator(cross, shm=False))
+    for n, dtype, op in ((4097, np.float64, "sum"), (300_007, np.int32, "sum")):
+        x = rank_data(n, RANK, P, dtype, salt=3)
+        lo, hi = h.bounds(n)[h.local]
+        shard = np.zeros(hi - lo, dtype)
+        assert len(h.cross.candidates(shard, op)) > 1 and h.cross.tuning(shard, op), h.cross.candidates(shard, op)
+        y = np.empty_like(x)
+        h.run(x, y, op, backend_for(x).reduce)
+        assert not h.cross.tuning(shard, op)
+        assert_close(y, COMM.allgather(x), op, dtype, f"hier n={n} {op}")
+        assert_same_on_all_ranks(COMM, y, f"hier n={n} {op}")
+    h.free()

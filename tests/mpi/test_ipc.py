@@ -322,6 +322,32 @@ def test_hierarchical_over_ipc_inside_made_up_nodes(placement, policy):
 
 
 @pytest.mark.skipif(K is None, reason=f"{P} ranks cannot be split into 2+ nodes of 2+ ranks each")
+def test_hierarchical_step_across_nodes_finishes_its_trials_in_the_first_call_of_a_size():
+    """On device arrays too, the first call of a size lets the Communicator across nodes finish its tuner's
+    trials for the shard (on device zeros), bfloat16 (its uint16 bits on the device) included; the result
+    right on every rank."""
+    from ddlkernels._dtypes import BFLOAT16
+    from ddlkernels.algorithms.hier import HierAllreduce
+    from helpers import assert_close, assert_same_on_all_ranks
+
+    with emulated_device(seed=3 + R, policy="random", ipc=True) as be:
+        node = COMM.Split(color=R // K, key=R)
+        h = HierAllreduce(COMM, node, lambda cross: ddlkernels.Communicator(cross, shm=False, ipc=False))
+        for n, dtype, op in ((999, np.dtype(np.float32), "sum"), (4099, BFLOAT16, "max")):
+            x = rank_data(n, R, P, dtype, salt=8)
+            d, out = be.to_device(x), be.to_device(np.zeros_like(x))
+            lo, hi = h.bounds(n)[h.local]
+            shard = be.empty(hi - lo, dtype)
+            assert h.cross.tuning_buffer(be, shard, dtype, op)
+            h.run_device(be, be.flat(d), be.flat(out), dtype, op)
+            assert not h.cross.tuning_buffer(be, shard, dtype, op)
+            y = be.to_host(out)
+            assert_close(y, COMM.allgather(x), op, dtype, f"hier n={n} {op}")
+            assert_same_on_all_ranks(COMM, y, f"hier n={n} {op}")
+        h.free()
+
+
+@pytest.mark.skipif(K is None, reason=f"{P} ranks cannot be split into 2+ nodes of 2+ ranks each")
 def test_hierarchical_where_one_node_cannot_map_takes_the_ring_on_every_node(monkeypatch):
     """Nodes of K ranks (node labels), the last rank's unable to map its peers' memory: every rank of every
     node learns it at the first call that chose "hier" for device arrays, warns and runs the ring (a node
