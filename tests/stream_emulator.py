@@ -745,9 +745,9 @@ class EmuBackend(DeviceBackend):
     def empty(self, n, dtype):
         return EmuArray(self._new((int(n),), dtype, self.compute_stream()))
 
-    def zeros(self, n, dtype):
+    def full(self, n, dtype, value):
         out = self.empty(n, dtype)
-        self.write(out, np.zeros(int(n), out.dtype), self.compute_stream())
+        self.write(out, np.full(int(n), value, out.dtype), self.compute_stream())
         return out
 
     def like(self, flat, x, shape=None):

@@ -39,8 +39,8 @@ it; the allgather only copies, so every rank ends with the same bits.  The
 order differs from the flat ring's, as the tuner's other choices do.
 "avg" is the sum scaled once at the end (float16 and bfloat16 excepted:
 their backend scales before the one rounding, so they take the other paths);
-on the device the scale is the reduce kernel's "avg" with -0 as the other
-operand (x + -0 is x, bit for bit, -0 included).
+on the device the scale is the backend's ``scale`` (the reduce kernel's
+"avg" with -0 as the other operand: x + -0 is x, bit for bit, -0 included).
 """
 
 from __future__ import annotations
@@ -129,13 +129,6 @@ def uniform_nodes(comm, node) -> bool:
     return min(sizes) == max(sizes) >= 2 and k < comm.Get_size()
 
 
-def _negative_zero(dtype):
-    """-0 of a device backend's storage ``dtype`` (uint16 there holds bfloat16's bits), 0 for integers."""
-    if dtype == np.uint16:
-        return np.uint16(0x8000)
-    return dtype.type(-0.0) if dtype.kind == "f" else dtype.type(0)
-
-
 class HierAllreduce:
     """The hierarchical allreduce of ``comm`` whose node split is ``node`` (collective to create and free).
 
@@ -186,24 +179,13 @@ class HierAllreduce:
             self._bounds[n] = b
         return b
 
-    def _shard(self, dtype, count, be=None, fill=None):
-        """This rank's shard buffer (host, or on ``be``'s current device), grown as needed and reused; a new
-        one filled with ``fill`` (host memory copied in on the compute stream) when given."""
-        key = (dtype,) if be is None else (be.name, be.current_device(), dtype, fill)
-        got = self._shards.get(key)  # (buffer, the pinned memory it was filled from or None)
-        if got is None or got[0].shape[0] < count:
-            n = max(count, 1)
-            host = None
-            if be is None:
-                buf = np.empty(n, dtype)
-            else:
-                buf = be.empty(n, dtype)
-                if fill is not None:  # the pinned copy lives as long as the buffer: the copy is asynchronous
-                    host = be.pinned(n * dtype.itemsize)
-                    host.view(dtype)[...] = fill
-                    be.h2d(buf, host, be.compute_stream())
-            got = self._shards[key] = (buf, host)
-        return got[0][:count]
+    def _shard(self, dtype, count, be=None):
+        """This rank's shard buffer (host, or on ``be``'s current device), grown as needed and reused."""
+        key = (dtype,) if be is None else (be.name, be.current_device(), dtype)
+        buf = self._shards.get(key)
+        if buf is None or buf.shape[0] < count:
+            buf = self._shards[key] = np.empty(max(count, 1), dtype) if be is None else be.empty(max(count, 1), dtype)
+        return buf[:count]
 
     def run_device(self, be, src, dst, dtype, op, avg_p=None, deadline=None) -> None:
         """``run`` for flat device buffers of the backend ``be`` (one with CUDA IPC) holding ``dtype``, on its
@@ -213,15 +195,13 @@ class HierAllreduce:
         lo, hi = bounds[self.local]
         shard = self._shard(src.dtype, hi - lo, be)
         cross = self.cross
-        finish_trials(lambda: cross.tuning_buffer(be, shard, dtype, op), lambda: be.zeros(hi - lo, src.dtype),
+        finish_trials(lambda: cross.tuning_buffer(be, shard, dtype, op), lambda: be.full(hi - lo, src.dtype, 0),
                       lambda zeros: cross.allreduce_buffer(be, zeros, dtype, op, deadline))
         # agree=: a node whose IPC step fails raises on every rank, not only its own (ipc.IpcNode._call).
         self.ipc.reduce_scatter(be, src, shard, bounds, op, deadline=deadline, agree=self.comm)
         self.cross.allreduce_buffer(be, shard, dtype, op, deadline)
-        if avg_p is not None and hi > lo:
-            # The "avg" kernel's sum with -0 is the shard itself, then scaled as scale_inplace scales.
-            be.reduce("sum", shard, shard, self._shard(src.dtype, hi - lo, be, _negative_zero(src.dtype)),
-                      avg_p=avg_p)
+        if avg_p is not None:
+            be.scale(shard, avg_p)
         # Nobody reads src after the reduce-scatter's last barrier: an in-place call may now overwrite it.
         self.ipc.allgather(be, shard, dst, bounds, deadline=deadline, agree=self.comm)
 

@@ -312,8 +312,13 @@ class CupyBackend(DeviceBackend):
     def empty(self, n, dtype):
         return self._cp.empty(int(n), dtype=storage_dtype(dtype))
 
-    def zeros(self, n, dtype):
-        return self._cp.zeros(int(n), dtype=storage_dtype(dtype))  # a memset on CuPy's current stream: the compute one
+    def full(self, n, dtype, value):
+        # Filled as unsigned words of the value's bits: CuPy's fill of a value equal to 0 is a memset, which
+        # would turn -0 into +0.  On CuPy's current stream: the compute one.
+        out = self._cp.empty(int(n), dtype=storage_dtype(dtype))
+        bits = np.asarray(value, out.dtype).reshape(1).view(f"u{out.dtype.itemsize}")[0]
+        out.view(bits.dtype).fill(bits)
+        return out
 
     def like(self, flat, x, shape=None):
         shape = x.shape if shape is None else shape

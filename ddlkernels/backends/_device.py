@@ -24,7 +24,9 @@ array library's own terms:
                            compute stream (and the library's current stream)
 ``compute_stream()``       this thread's compute stream (the caller's)
 ``new_stream(device)``     a stream for copies (does not serialize with compute)
-``zeros(n, dtype)``        a new buffer of ``n`` zeros, written on the compute stream
+``full(n, dtype, value)``  a new buffer of ``n`` copies of ``value`` (its exact bits,
+                           -0 included), written on the compute stream
+``scale(dst, p)``          "avg"'s last step on a sum in ``dst``, on the compute stream
 ``pinned(nbytes)``         page-locked host memory, as a numpy uint8 array
 ``d2h(host, dev, s)``      async copy device -> host (same byte length) on stream s
 ``h2d(dev, host, s)``      async copy host -> device on stream s
@@ -79,7 +81,7 @@ from .._dtypes import BFLOAT16
 from ..kernels.numba_cuda import ARG_TYPES, suffix_of
 from . import Backend
 
-__all__ = ["DeviceBackend", "storage_dtype", "pack_offsets", "pack_layout", "pack_pieces", "PIECE_BYTES"]
+__all__ = ["DeviceBackend", "negative_zero", "storage_dtype", "pack_offsets", "pack_layout", "pack_pieces", "PIECE_BYTES"]
 
 _REDUCE_OPS = ("sum", "prod", "max", "min")
 _TABLES = 64  # pack tables kept per backend, one per (stream, tensors, offsets)
@@ -88,6 +90,14 @@ _TABLES = 64  # pack tables kept per backend, one per (stream, tensors, offsets)
 def storage_dtype(dtype) -> np.dtype:
     dt = np.dtype(dtype)
     return np.dtype(np.uint16) if BFLOAT16 is not None and dt == BFLOAT16 else dt
+
+
+def negative_zero(dtype):
+    """-0 of a device backend's storage ``dtype`` (uint16 there holds bfloat16's bits), 0 for integers."""
+    dt = np.dtype(dtype)
+    if dt == np.uint16:
+        return np.uint16(0x8000)
+    return dt.type(-0.0) if dt.kind == "f" else dt.type(0)
 
 
 def _disjoint(spans) -> bool:
@@ -253,8 +263,9 @@ class DeviceBackend(Backend):
         """A new stream on ``device`` (default: the current one) that does not serialize with others."""
 
     @abc.abstractmethod
-    def zeros(self, n, dtype):
-        """A new 1-D buffer of ``n`` zeros in ``dtype``'s storage type, written on the compute stream."""
+    def full(self, n, dtype, value):
+        """A new 1-D buffer of ``n`` copies of ``value`` in ``dtype``'s storage type (bfloat16: its uint16
+        bits), bit for bit (-0 stays -0), written on the compute stream."""
 
     def _on_device(self, device, stream):
         """Context of ``device`` (and of ``stream``, where the library has a current stream of its own)."""
@@ -350,6 +361,11 @@ class DeviceBackend(Backend):
         # its 128-bit words from aligned loads: in the other kernel that path cost every call registers.
         kind = "reduce" if (pa - at) & 15 == 0 and (pb - at) & 15 == 0 else "realign"
         self._launch_reduce(f"ddl_{kind}_{kop}_{suf}", dst, a, b, n, arg)
+
+    def scale(self, dst, p) -> None:
+        """``dst``, a sum over ``p`` ranks, scaled for "avg" with the bits of the numpy backend's
+        ``scale_inplace``: the "avg" kernel's sum with -0 (``x + -0`` is ``x``, -0 included)."""
+        self.reduce("sum", dst, dst, self.full(dst.shape[0], dst.dtype, negative_zero(dst.dtype)), avg_p=p)
 
     def reduce_many(self, op, dst, srcs, *, avg_p=None, also=()):
         """``dst = ((srcs[0] op srcs[1]) op srcs[2]) ...`` ("avg": ``op`` "sum" and ``avg_p``, scaling in the

@@ -166,9 +166,9 @@ class NumbaBackend(DeviceBackend):
     def empty(self, n, dtype):
         return self._cuda.device_array(int(n), dtype=storage_dtype(dtype), stream=self.compute_stream())
 
-    def zeros(self, n, dtype):
+    def full(self, n, dtype, value):
         # From pageable memory: the copy has taken the bytes before it returns (the simulator has no memset).
-        return self._cuda.to_device(np.zeros(int(n), storage_dtype(dtype)), stream=self.compute_stream())
+        return self._cuda.to_device(np.full(int(n), value, storage_dtype(dtype)), stream=self.compute_stream())
 
     def like(self, flat, x, shape=None):
         shape = tuple(x.shape if shape is None else shape)

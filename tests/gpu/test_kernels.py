@@ -179,16 +179,31 @@ def test_subnormals_survive(be):
 
 
 @pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
-def test_zeros_on_a_stream_of_its_own(be, dtype):
-    """``zeros`` (hier's trials across nodes reduce them) on a compute stream that is not the default: zero
-    bits in the storage type, over a block the pool may hand out again after a fill."""
+def test_full_and_scale_on_a_stream_of_its_own(be, dtype):
+    """``full`` (hier's trials across nodes reduce its zeros, "avg" scales with its -0) on a compute stream that
+    is not the default: the value's exact bits in the storage type, 0 and -0 alike, over a block the pool may
+    hand out again after a fill; ``scale`` with the numpy backend's bits."""
+    from ddlkernels._dtypes import scale_inplace
+    from ddlkernels.backends._device import negative_zero
+
+    store = storage(np.zeros(0, dtype)).dtype
     with be.using(be.new_stream()):
-        junk = to_dev(be.name, np.ones(4099, dtype), 0)
-        del junk
-        z = be.zeros(4099, dtype)
-        be.synchronize()
-    assert z.dtype == storage(np.zeros(0, dtype)).dtype and z.shape == (4099,)
-    assert not to_host(be.name, z, dtype).view(np.uint8).any()
+        for value in (0, negative_zero(store)):
+            junk = to_dev(be.name, np.ones(4099, dtype), 0)
+            del junk
+            z = be.full(4099, dtype, value)
+            be.synchronize()
+            assert z.dtype == store and z.shape == (4099,)
+            want = np.full(4099, value, store)
+            assert np.array_equal(storage(to_host(be.name, z, dtype)).view(np.uint8), want.view(np.uint8)), value
+        if np.dtype(dtype).itemsize > 2:  # float16 and bfloat16 "avg" scale before the rounding (not this step)
+            x, _ = pair(dtype, 1031, "sum")
+            d = to_dev(be.name, x, 1)
+            be.scale(d, 3)
+            be.synchronize()
+            want = x.copy()
+            scale_inplace(want, 3)
+            assert np.array_equal(to_host(be.name, d, dtype).view(np.uint8), want.view(np.uint8))
 
 
 def _tensors(seed):

@@ -274,16 +274,30 @@ def test_numba_backend_handles_overlapping_operands(dst, a, b):
     assert np.array_equal(d.copy_to_host(), ref)
 
 
-def test_numba_backend_zeros_on_its_compute_stream():
-    """``zeros``: ``n`` zeros in the storage type (bfloat16's uint16 bits), made on the compute stream."""
+def test_numba_backend_full_on_its_compute_stream():
+    """``full``: ``n`` copies of a value's exact bits in the storage type (bfloat16's uint16 bits), -0 and 0
+    alike, made on the compute stream; ``scale`` is "avg"'s last step with the numpy backend's bits."""
+    from ddlkernels._dtypes import scale_inplace
+    from ddlkernels.backends._device import negative_zero
+
     be = get_backend("numba")
     s = cuda.stream()
     with be.using(s):
         for dtype, store in ((np.float32, np.float32), (np.int64, np.int64), (BFLOAT16, np.uint16)):
-            z = be.zeros(13, dtype)
-            assert z.dtype == store and z.shape == (13,)
-            assert not z.copy_to_host(stream=s).view(np.uint8).any()
-        assert be.zeros(0, np.float64).shape == (0,)
+            for value in (0, negative_zero(np.dtype(store)), 7):
+                z = be.full(13, dtype, value)
+                assert z.dtype == store and z.shape == (13,)
+                want = np.full(13, value, store)
+                assert np.array_equal(z.copy_to_host(stream=s).view(np.uint8), want.view(np.uint8)), (dtype, value)
+        assert be.full(0, np.float64, 0).shape == (0,)
+        for dtype in (np.float32, np.float64, np.int32):
+            x = np.array([-0.0, 0.0, 5.0, -7.0, 1e-40, np.nan, np.inf, 3.0], np.float64).astype(dtype) \
+                if np.dtype(dtype).kind == "f" else np.array([0, 5, -7, 9, -1, 3], dtype)
+            d = cuda.to_device(x, stream=s)
+            be.scale(d, 3)
+            want = x.copy()
+            scale_inplace(want, 3)
+            assert np.array_equal(d.copy_to_host(stream=s).view(np.uint8), want.view(np.uint8)), dtype
 
 
 def test_staged_transport_loopback_grows_and_reuses():
