@@ -155,6 +155,7 @@ class Communicator:
         if _deadline is None and self.timeout is not None:
             _deadline = Deadline("Communicator creation", comm.Get_rank(), self.timeout)
         from .select.topology import detect
+        from .transport.cuda_aware import cuda_aware as detect_cuda_aware
 
         params = env.topology if topology is None else topology
 
@@ -166,18 +167,22 @@ class Communicator:
                 # Nodes from shared memory or the labels, racks from the rack map, link parameters from a
                 # calibrated topology file (``python -m ddlkernels calibrate``) or the documented defaults.
                 topo = detect(where, rack_map=env.rack_map if rack_map is None else rack_map, params=params)
+                aware = detect_cuda_aware(dup, self.cuda_aware_override)  # this rank's MPI; place() agrees
             except BaseException:
                 if nodes is not None:
                     nodes.Free()
                 dup.Free()
                 raise
-            return dup, topo, place(dup, shm, nodes)
+            return dup, topo, place(dup, shm, nodes, aware[0]), aware
 
         # One creation of communicators at a time in this process (``_gated``, as for windows): two threads
         # creating Communicators at once (two progress engines) deadlocked 1 run in 7 to 14 of
         # tests/mpi/test_threads.py, each rank's two threads in the first collectives of two new communicators
         # as if Open MPI had paired them crosswise.
-        self.comm, self.topology, placement = _gated(comm, made, _deadline, "MPI_Comm_idup's rendezvous")
+        self.comm, self.topology, placement, aware = _gated(comm, made, _deadline, "MPI_Comm_idup's rendezvous")
+        # Whether device buffers go straight to MPI: agreed at creation, for the ring's transport and "mpi".
+        self._cuda_aware = (placement.cuda_aware, aware[1] if placement.cuda_aware or not aware[0]
+                            else f"{aware[1]} here, but not on every rank")
         self.size = self.comm.Get_size()
         self.rank = self.comm.Get_rank()
         if shm is True and self.size > 1 and not placement.one_node:  # after place(): ranks may differ in shm=
@@ -382,12 +387,8 @@ class Communicator:
         return t
 
     def cuda_aware(self, backend=None):
-        """``(aware, reason)``: whether device buffers go straight to MPI."""
-        if self.cuda_aware_override is not None:
-            return self.cuda_aware_override, "set explicitly"
-        from .transport.cuda_aware import cuda_aware
-
-        return cuda_aware(self.comm)
+        """``(aware, reason)``: whether device buffers go straight to MPI (on every rank: else on none)."""
+        return self._cuda_aware
 
 
 

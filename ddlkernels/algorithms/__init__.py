@@ -13,7 +13,8 @@ Worked example, a Communicator of 4 ranks on one node, ``shm=None``::
                                   host                 2 ranks or more (device arrays)
     algos.each()                [mpi, nbc, ring, shm, shm-nt, cma, ipc, host], the order
                                 the tuner's candidates keep (the first is the incumbent;
-                                device calls ask only ring, ipc and host)
+                                device calls ask only ring, ipc and host, and mpi
+                                where MPI is CUDA-aware on every rank)
 
 Adding an algorithm is a module here with its ``Algorithm`` subclass and its
 place in ``REGISTRY``; ``ddlkernels.select.choice`` asks it ``serves`` and the
@@ -43,25 +44,30 @@ class Placement:
     ``shm``: the user's setting (None, True, False); ``one_node``: every rank shares one node (2 ranks or
     more); ``cma_pids``: every rank's pid where each pair may read the other's memory, else None;
     ``hier_node``: this rank's node communicator where the ranks span several nodes of one size (2 or more
-    each) and ``shm`` is not False, else None.
+    each) and ``shm`` is not False, else None; ``cuda_aware``: MPI takes device buffers on every rank.
     """
 
-    __slots__ = ("shm", "one_node", "cma_pids", "hier_node")
+    __slots__ = ("shm", "one_node", "cma_pids", "hier_node", "cuda_aware")
 
-    def __init__(self, shm, one_node=False, cma_pids=None, hier_node=None):
+    def __init__(self, shm, one_node=False, cma_pids=None, hier_node=None, cuda_aware=False):
         self.shm, self.one_node, self.cma_pids, self.hier_node = shm, one_node, cma_pids, hier_node
+        self.cuda_aware = cuda_aware
 
 
-def place(comm, shm, nodes) -> Placement:
+def place(comm, shm, nodes, cuda_aware=False) -> Placement:
     """The placement of the mpi4py communicator ``comm`` whose node split is ``nodes`` (``node_split``;
-    collective).  ``nodes`` becomes the placement's ``hier_node`` or is freed here.
+    collective).  ``nodes`` becomes the placement's ``hier_node`` or is freed here.  ``cuda_aware``: this
+    rank's MPI takes device buffers; the placement's is whether every rank's does (the device candidates
+    depend on it, and every rank must have the same).
 
     The collectives made here depend on nothing a rank chose alone, so that ranks that differ in ``shm``
     still finish (``validate`` then names it): the pid probe and the node check run whatever ``shm`` is.
     """
+    from mpi4py import MPI
+
     p = comm.Get_size()
     on_one_node = p > 1 and nodes.Get_size() == p
-    where = Placement(shm, on_one_node)
+    where = Placement(shm, on_one_node, cuda_aware=bool(comm.allreduce(bool(cuda_aware), op=MPI.LAND)))
     if on_one_node:
         where.cma_pids = probe_pids(comm)
     if p > 1 and not on_one_node and uniform_nodes(comm, nodes) and shm is not False:

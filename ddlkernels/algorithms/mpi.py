@@ -15,6 +15,18 @@ match.  Latency-bound messages are where MPI's recursive doubling wins
 MPI's nonblocking schedule (libnbc) is a candidate of its own.  MPI's MAX/MIN
 on floats drop a NaN depending on the operands' order, numpy's propagate it,
 so MPI computes float sums and products and every integer op only.
+
+Device arrays, where MPI is CUDA-aware on every rank (``Placement.cuda_aware``):
+"mpi" is a candidate of the device tuner at every size, since a GPU-aware MPI
+(UCX with UCC, MVAPICH2-GDR, ...) runs collectives of its own on device
+memory that may beat the ring; the tuner measures it.  MPI works outside any
+stream, so the call first blocks until the work queued on its stream has run
+(the input is written, earlier readers of the output are done); the result
+is in place when MPI returns, and "avg" is then scaled on the stream
+(``scale``: the bits of the host's ``scale_inplace``).  Only the blocking
+calls, whose device support GPU-aware MPIs document ("nbc" stays on the
+host); under a deadline the helper thread that makes the call makes the
+caller's device current first.
 """
 
 from __future__ import annotations
@@ -50,17 +62,35 @@ def computes(dtype, redop) -> bool:
     return dtype in MPI_NATIVE and (redop in ("sum", "prod") or dtype.kind in "iu")
 
 
+def _on_caller_device(be, fn):
+    """``fn`` for ``Communicator._blocking``'s helper thread, which makes the caller's current device its own
+    first: a CUDA-aware MPI reaches device memory through the calling thread's context."""
+    device = be.current_device()
+
+    def call(*args):
+        with be.using(None, device):
+            fn(*args)
+
+    return call
+
+
 class Mpi(Algorithm):
-    """MPI_Allreduce, MPI_Reduce_scatter(_block), MPI_Allgather(v)."""
+    """MPI_Allreduce, MPI_Reduce_scatter(_block), MPI_Allgather(v); on device arrays too where MPI is
+    CUDA-aware (the module comment)."""
 
     name = "mpi"
     kinds = ("allreduce", "reduce_scatter", "allgather")
+    device = True
+
+    def __init__(self, comm, placement):
+        super().__init__(comm, placement)
+        self.cuda_aware = placement.cuda_aware  # the same on every rank
 
     def computes(self, kind, w) -> bool:
         """Whether MPI's own collective computes this call with numpy's bits, whatever its size (the rule of
         a fixed ``small_bytes``)."""
         c = self.comm
-        if c.size < 2 or w.be.device:
+        if c.size < 2 or (w.be.device and not self.cuda_aware):
             return False
         if kind == "allreduce":
             return computes(w.dtype, w.redop)
@@ -69,14 +99,36 @@ class Mpi(Algorithm):
         return w.nbytes < 2**31 and c.rank_ordered(w.count)  # allgather moves bytes: any dtype
 
     def serves(self, kind, w):
-        return self.computes(kind, w) and (kind != "allreduce" or w.nbytes < RING_FROM)
+        # RING_FROM was measured on host memory; a GPU-aware MPI is measured at every size.
+        return self.computes(kind, w) and (kind != "allreduce" or w.nbytes < RING_FROM or w.be.device)
+
+    def _blocking(self, w, what, fn, *args):
+        """The blocking MPI call ``fn(*args)`` of ``w``, under its deadline if any; on device buffers after
+        the work queued on the call's stream has run (the module comment)."""
+        be = w.be
+        if be.device:
+            be.sync_stream(be.compute_stream())
+        if w.deadline is None:
+            fn(*args)
+        else:  # the same blocking call as the peers without a deadline make
+            self.comm._blocking(w.deadline, what, _on_caller_device(be, fn) if be.device else fn, *args)
+
+    def _scale(self, w, x):
+        if w.avg:
+            if w.be.device:
+                w.be.scale(x, self.comm.size)
+            else:
+                scale_inplace(x, self.comm.size)
 
     # -- allreduce -------------------------------------------------------------------------
     def allreduce(self, w):
         pack_into_dst(w)
-        self._reduce(w.dst, mpi_op(w.redop), w.deadline)
-        if w.avg:
-            scale_inplace(w.dst, self.comm.size)
+        if w.be.device:
+            self._blocking(w, "MPI_Allreduce", self.comm.comm.Allreduce, mpi_op("IN_PLACE"), w.be.wire(w.dst),
+                           mpi_op(w.redop))
+        else:
+            self._reduce(w.dst, mpi_op(w.redop), w.deadline)
+        self._scale(w, w.dst)
 
     def _reduce(self, dst, op, deadline):
         comm = self.comm
@@ -135,34 +187,26 @@ class Mpi(Algorithm):
 
     # -- reduce_scatter, allgather ---------------------------------------------------------------
     def reduce_scatter(self, w):
-        c, shard = self.comm, w.dst
+        c, be, shard = self.comm, w.be, w.dst
+        src, out = be.wire(w.src), be.wire(shard)
         counts = [b - a for a, b in w.bounds]
         mop = mpi_op(w.redop)
         # The same blocking call with or without a deadline (``Communicator._blocking``).
         if len(set(counts)) == 1:  # equal shards: the block variant, which Open MPI runs differently
-            what, fn, args = "MPI_Reduce_scatter_block", c.comm.Reduce_scatter_block, (w.src, shard, mop)
+            self._blocking(w, "MPI_Reduce_scatter_block", c.comm.Reduce_scatter_block, src, out, mop)
         else:
-            what, fn, args = "MPI_Reduce_scatter", c.comm.Reduce_scatter, (w.src, shard, counts, mop)
-        if w.deadline is None:
-            fn(*args)
-        else:
-            c._blocking(w.deadline, what, fn, *args)
-        if w.avg:
-            scale_inplace(shard, c.size)
+            self._blocking(w, "MPI_Reduce_scatter", c.comm.Reduce_scatter, src, out, counts, mop)
+        self._scale(w, shard)
 
     def allgather(self, w):
-        c, dst, item = self.comm, w.dst, w.dtype.itemsize
+        c, item = self.comm, w.dtype.itemsize
         sizes = [(b - a) * item for a, b in w.bounds]
-        send = w.src.view(np.uint8)
+        send, dst = w.be.wire(w.src).view(np.uint8), w.be.wire(w.dst).view(np.uint8)
         if len(set(sizes)) == 1:  # equal shards: MPI_Allgather, which Open MPI runs faster than Allgatherv
-            recv, what, blocking = dst.view(np.uint8), "MPI_Allgather", c.comm.Allgather
+            self._blocking(w, "MPI_Allgather", c.comm.Allgather, send, dst)
         else:
-            recv = [dst.view(np.uint8), sizes, [a * item for a, _ in w.bounds], mpi_op("BYTE")]
-            what, blocking = "MPI_Allgatherv", c.comm.Allgatherv
-        if w.deadline is None:
-            blocking(send, recv)
-        else:  # the same blocking call as the peers without a deadline make
-            c._blocking(w.deadline, what, blocking, send, recv)
+            recv = [dst, sizes, [a * item for a, _ in w.bounds], mpi_op("BYTE")]
+            self._blocking(w, "MPI_Allgatherv", c.comm.Allgatherv, send, recv)
 
 
 class Nbc(Mpi):
@@ -172,7 +216,8 @@ class Nbc(Mpi):
     kinds = ("allreduce",)
 
     def serves(self, kind, w):
-        return kind == "allreduce" and w.nbytes < MPI_BELOW and super().serves(kind, w)
+        # Host arrays only: GPU-aware MPIs document their blocking collectives on device memory.
+        return kind == "allreduce" and not w.be.device and w.nbytes < MPI_BELOW and super().serves(kind, w)
 
     def _reduce(self, dst, op, deadline):
         from ..safety.deadline import complete

@@ -53,7 +53,8 @@ def candidates(self, x, op="sum", *, collective="allreduce") -> tuple:
     One name when a rule fixes it (``dims=``: "ring"; ``shm=True``: "shm";
     ``ipc=True``: "ipc" for device arrays; a fixed ``small_bytes``); else
     the tuner measures them all (``ddlkernels.select.choice``).  Device
-    arrays: "ring"; "ipc" where the ranks share a node and the backend offers
+    arrays: "mpi" where MPI is CUDA-aware on every rank (and computes the
+    call); "ring"; "ipc" where the ranks share a node and the backend offers
     CUDA IPC, "hier" where they span nodes of one size (2 or more ranks
     each); "host" from 2 ranks.  The same on every rank.
     """

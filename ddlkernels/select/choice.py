@@ -17,11 +17,12 @@ Worked example, ``allreduce`` of 1 MiB of float32 on 2 ranks of one node, defaul
 The fixed rules: ``dims=`` runs the ring (the only algorithm for a box);
 ``ipc=True`` runs "ipc" for every device allreduce it serves; ``shm=True``
 runs the window for every host call; a fixed ``small_bytes`` runs MPI's own
-call below it where that computes the call, the ring from it (and for
-device calls the ring, unless ``ipc=True``).  Device calls
+call below it where that computes the call (device calls: where MPI is
+CUDA-aware), the ring from it.  Device calls
 are asked only of the algorithms that compute on device arrays (``device``:
-the ring, the incumbent; where the backend offers CUDA IPC, "ipc" on one
-node and "hier" across nodes), and have tuners of their own, whose trials wait for the device before the clock stops (the host
+"mpi" where MPI is CUDA-aware on every rank, the ring, the incumbent
+otherwise; where the backend offers CUDA IPC, "ipc" on one node and "hier"
+across nodes; "host"), and have tuners of their own, whose trials wait for the device before the clock stops (the host
 returns before the device has finished) and which are counted, not watched:
 a watched call would have to wait for the device every time.  Every rank
 decides alike: the candidates depend on the arguments every rank passes
@@ -93,10 +94,9 @@ class Selector:
             ipc = algos.by_name.get("ipc")
             if c.ipc is True and ipc is not None and ipc.serves(kind, w):
                 return "ipc"
-            return "ring" if c.small_bytes is not None else None  # a fixed small_bytes measures nothing
-        if algos.forced is not None:
+        elif algos.forced is not None:
             return algos.forced.name
-        if c.small_bytes is not None:
+        if c.small_bytes is not None:  # a fixed small_bytes measures nothing (device: MPI only where CUDA-aware)
             mpi = algos.by_name.get("mpi")
             return "mpi" if w.nbytes < c.small_bytes and mpi is not None and mpi.computes(kind, w) else "ring"
         return None

@@ -24,6 +24,7 @@ GPU path.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 __all__ = ["cuda_aware", "gpu_info"]
 
@@ -56,8 +57,9 @@ def _mpi_lib():
     return ctypes.CDLL(MPI.__file__)
 
 
+@functools.lru_cache(maxsize=1)
 def _vendor_query():
-    """(answer or None, reason)."""
+    """(answer or None, reason), asked once per process (every Communicator's creation asks)."""
     try:
         lib = _mpi_lib()
     except OSError as exc:

@@ -16,7 +16,8 @@ queued.
 
 Setups: "ring-staged" and "ring-aware" (the ring, chunks staged through
 pinned memory or handed to MPI as CUDA-aware MPI would get them; any
-dims), "host" (pieces through the host's algorithms), "ipc" (CUDA IPC
+dims), "mpi-aware" (MPI's own collectives handed the device memory, where
+they compute the call), "host" (pieces through the host's algorithms), "ipc" (CUDA IPC
 forced), "tuned" (``ipc=None``: the tuner's trials pick among ring, ipc and
 host), and where the rank count has a divisor 2 <= k < p, "hier" (node
 labels make nodes of k ranks, consecutive or round robin: CUDA IPC inside
@@ -69,7 +70,7 @@ MAX_PIECES = 48
 
 #: ranks per made-up node of the "hier" setup: a divisor 2 <= k < P, or None (2, 3, 5, 7 ranks: no such setup)
 K = node_size(P)
-SETUPS = ["ring-staged", "ring-aware", "host", "ipc", "tuned"] + (["hier"] if K else [])
+SETUPS = ["ring-staged", "ring-aware", "mpi-aware", "host", "ipc", "tuned"] + (["hier"] if K else [])
 COLLECTIVES = ["allreduce", "rs+ag", "Allreduce", "many", "async"]
 RING = ("ring-staged", "ring-aware")
 #: the caller's arrays: the emulator's own, or torch tensors it claims as CUDA tensors
@@ -141,7 +142,7 @@ class Program:
             node = RANK // K if case["nodes"] == "block" else RANK % (P // K)
         self.c = ddlkernels.Communicator(COMM, shm=None if hier else False, chunk_bytes=case["chunk_bytes"],
                                          window=case["window"],
-                                         cuda_aware=self.setup == "ring-aware" or hier and case["aware"],
+                                         cuda_aware=self.setup in ("ring-aware", "mpi-aware") or hier and case["aware"],
                                          ipc={"ipc": True, "tuned": None, "hier": None}.get(self.setup, False),
                                          validate=case["validate"], timeout=case["timeout"], node=node)
         if "host" in self.c.algorithms:
@@ -157,12 +158,14 @@ class Program:
 
     def settle(self, call, d, kinds):
         """Make this call's collectives run the setup's algorithm (in the ring setups, dims= does it too)."""
-        name = {"ring-staged": "ring", "ring-aware": "ring", "host": "host", "hier": "hier"}.get(self.setup)
+        name = {"ring-staged": "ring", "ring-aware": "ring", "mpi-aware": "mpi", "host": "host",
+                "hier": "hier"}.get(self.setup)
         if name is None or (self.setup in RING and call["dims"] is not None):
             return
         for kind in kinds:
-            # "hier": allreduces it serves (not "avg" of half types, nor after CUDA IPC failed on a rank).
-            if name != "hier" or name in self.c.candidates(d, call["op"], collective=kind):
+            # "hier": allreduces it serves (not "avg" of half types, nor after CUDA IPC failed on a rank);
+            # "mpi": the calls MPI computes with numpy's bits (float sums and products, integer ops).
+            if name not in ("hier", "mpi") or name in self.c.candidates(d, call["op"], collective=kind):
                 self.c.settle(d, name, call["op"], collective=kind)
 
     def dims(self, call):

@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 import ddlkernels
 from ddlkernels import asynchronous as _async
-from ddlkernels.algorithms import host as _host, ipc as _ipc
+from ddlkernels.algorithms import host as _host, ipc as _ipc, mpi as _mpi
 from ddlkernels.collectives import streams as _streams
 from ddlkernels.transport import direct as _transport, staged as _staged
 from ddlkernels._dtypes import SUPPORTED_DTYPES
@@ -349,10 +349,50 @@ def host_sharded_workload(be, c):
     return bad
 
 
+def mpi_workload(be, c):
+    """MPI's own collectives handed the "device" memory (CUDA-aware on every rank): allreduce in and out of
+    place ("avg" scaled on the stream after MPI), reduce_scatter and allgather, on a caller stream that is
+    not the default, each input written on that stream right before its call and overwritten right after;
+    against the same Communicator's host calls settled on MPI's too, bit for bit."""
+    c = ddlkernels.Communicator(COMM, shm=False, cuda_aware=True)
+    bad = 0
+
+    def same(got, want):
+        return np.array_equal(be.to_host(got).view(np.uint8), want.view(np.uint8))
+
+    with be.current(be.new_stream()):
+        for n in SIZES:
+            for op, dt in (("sum", np.float32), ("avg", np.float64), ("max", np.int32)):
+                x = data(n, dt, salt=n)
+                d = be.to_device(x)
+                for arr in (x, d):
+                    for kind in ("allreduce", "reduce_scatter"):
+                        c.settle(arr, "mpi", op, collective=kind)
+                    c.settle(arr, "mpi", collective="allgather")
+                got = c.allreduce(d, op)
+                be.write(d, np.zeros_like(x))  # the caller reuses its input at once
+                bad += not same(got, c.allreduce(x, op))
+                d = be.to_device(x)
+                bad += not same(c.allreduce(d, op, out=d), c.allreduce(x, op))
+                d = be.to_device(x)
+                got = c.reduce_scatter(d, op)
+                be.write(d, np.zeros_like(x))
+                bad += not same(got, c.reduce_scatter(x, op))
+                lo, hi = c.shard_range(n)
+                mine = be.to_device(x[lo:hi])
+                got = c.allgather(mine, count=n)
+                be.write(mine, np.zeros(hi - lo, dt))
+                bad += not same(got, c.allgather(x[lo:hi], count=n))
+                bad += c.last_algorithm != "mpi"
+    c.free()
+    return bad
+
+
 WORKLOADS = {
     "ring-staged": lambda be: ring_workload(be, comm_for(False)),
     "ring-staged-long": lambda be: long_workload(be, comm_for(False)),
     "ring-aware": lambda be: ring_workload(be, comm_for(True)),
+    "mpi-aware": lambda be: mpi_workload(be, None),
     "shards-staged": lambda be: shard_workload(be, comm_for(False)),
     "shards-aware": lambda be: shard_workload(be, comm_for(True)),
     "fusion": lambda be: fusion_workload(be, comm_for(False)),
@@ -608,6 +648,43 @@ def test_under_a_timeout_the_staged_ring_polls_until_its_copies_have_run():
     assert wrong_anywhere(bad) == 0
 
 
+def test_mpi_takes_device_buffers_only_where_every_rank_is_cuda_aware():
+    """Whether MPI takes device buffers is agreed at creation: with one rank not CUDA-aware, none hands MPI
+    device memory (the ring stages, "mpi" is no device candidate), and the rank that is says why; with every
+    rank aware, "mpi" is a device candidate where MPI computes the call with numpy's bits (float sums and
+    products, integer ops; not float max, nor float16)."""
+    mixed = ddlkernels.Communicator(COMM, shm=False, cuda_aware=R != 0)
+    aware = ddlkernels.Communicator(COMM, shm=False, cuda_aware=True)
+    with emulated_device(seed=R, policy="lazy") as be:
+        d, h = be.to_device(data(99, np.float32)), be.to_device(data(99, np.float16))
+        assert mixed.cuda_aware()[0] is False and "mpi" not in mixed.candidates(d)
+        assert R == 0 or "not on every rank" in mixed.cuda_aware()[1]
+        assert aware.cuda_aware()[0] is True
+        assert aware.candidates(d)[0] == "mpi" and "mpi" in aware.candidates(d, "prod")
+        assert "mpi" not in aware.candidates(d, "max") and "mpi" not in aware.candidates(h)
+        assert "nbc" not in aware.candidates(d)  # GPU-aware MPIs document their blocking collectives only
+    mixed.free()
+    aware.free()
+
+
+def test_mpi_on_device_buffers_under_a_deadline():
+    """With ``timeout=`` MPI's blocking call on device buffers runs on the Communicator's helper thread (the
+    caller's device made current there), after the work queued on the call's stream has run."""
+    with emulated_device(seed=7 + R, policy="lazy") as be:
+        c = ddlkernels.Communicator(COMM, shm=False, cuda_aware=True, timeout=30.0)
+        bad = 0
+        with be.current(be.new_stream()):
+            for n in SIZES:
+                x = data(n, np.float64, salt=n)
+                d = be.to_device(x)
+                for arr in (x, d):
+                    c.settle(arr, "mpi", "avg")
+                bad += not np.array_equal(be.to_host(c.allreduce(d, "avg")), c.allreduce(x, "avg"))
+                bad += c.last_algorithm != "mpi"
+        c.free()
+    assert wrong_anywhere(bad) == 0
+
+
 def test_stream_argument_orders_the_call_on_that_stream():
     """``stream=`` instead of the current stream: the input is written on s, the call ordered on s."""
     with emulated_device(seed=11 + R, policy="lazy") as be:
@@ -675,6 +752,7 @@ MUTATIONS = [
     ("staged-slot-reuse-waits-for-its-copy", _staged.StagedTransport, "_acquire", "self.backend.sync(ev)", 0,
      ["ring-staged-long"]),
     ("aware-send-waits-for-kernels", _transport.HostTransport, "__init__", "_sync()", 0, ["ring-aware"]),
+    ("mpi-reads-after-queued-work", _mpi.Mpi, "_blocking", "be.sync_stream(be.compute_stream())", 0, ["mpi-aware"]),
     ("aware-recv-waits-for-kernels", _transport.HostTransport, "__init__", "_sync()", 1, ["ring-aware"]),
     ("call-waits-for-previous-call", _streams, "on_stream", "be.wait(s, tail)", 0,
      ["shards-staged", "fusion"]),
