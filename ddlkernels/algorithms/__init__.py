@@ -63,14 +63,13 @@ def place(comm, shm, nodes, cuda_aware=False) -> Placement:
     The collectives made here depend on nothing a rank chose alone, so that ranks that differ in ``shm``
     still finish (``validate`` then names it): the pid probe and the node check run whatever ``shm`` is.
     """
-    from mpi4py import MPI
-
     p = comm.Get_size()
+    rows = comm.allgather((nodes.Get_size(), bool(cuda_aware)))  # every rank's node size and MPI
     on_one_node = p > 1 and nodes.Get_size() == p
-    where = Placement(shm, on_one_node, cuda_aware=bool(comm.allreduce(bool(cuda_aware), op=MPI.LAND)))
+    where = Placement(shm, on_one_node, cuda_aware=all(aware for _, aware in rows))
     if on_one_node:
         where.cma_pids = probe_pids(comm)
-    if p > 1 and not on_one_node and uniform_nodes(comm, nodes) and shm is not False:
+    if p > 1 and not on_one_node and uniform_nodes([k for k, _ in rows]) and shm is not False:
         where.hier_node = nodes
     else:
         nodes.Free()

@@ -119,14 +119,10 @@ def node_split(comm, node=None):
     return comm.Split(color=colors[rank], key=rank), where
 
 
-def uniform_nodes(comm, node) -> bool:
-    """Whether ``node`` (this rank's part of a split of ``comm``) spans more than one node, all of one size >= 2.
-
-    Collective over ``comm``; the same answer on every rank.
-    """
-    k = node.Get_size()
-    sizes = comm.allgather(k)
-    return min(sizes) == max(sizes) >= 2 and k < comm.Get_size()
+def uniform_nodes(sizes) -> bool:
+    """Whether ``sizes`` (the size of every rank's node, in rank order) make more than one node, all of one
+    size >= 2."""
+    return min(sizes) == max(sizes) >= 2 and sizes[0] < len(sizes)
 
 
 class HierAllreduce:

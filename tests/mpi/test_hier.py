@@ -36,7 +36,7 @@ def _split(placement):
 @pytest.fixture(scope="module", params=["block", "round robin"])
 def hier(request):
     node = _split(request.param)
-    assert uniform_nodes(COMM, node)
+    assert uniform_nodes(COMM.allgather(node.Get_size()))
     h = HierAllreduce(COMM, node, lambda cross: ddlkernels.Communicator(cross, shm=False))
     yield h
     h.free()
@@ -64,16 +64,16 @@ def test_every_dtype_op_and_size_in_and_out_of_place(hier, n, dtype, op):
     assert np.array_equal(z.view(np.uint8), y.view(np.uint8)), f"{what}: in place differs from out of place"
 
 
-def test_node_check_is_collective_and_refuses_uneven_or_single_nodes():
+def test_node_check_refuses_uneven_or_single_nodes():
     whole = COMM.Split(color=0, key=RANK)  # one node of P ranks
-    assert not uniform_nodes(COMM, whole)
+    assert not uniform_nodes(COMM.allgather(whole.Get_size()))
     whole.Free()
     alone = COMM.Split(color=RANK, key=RANK)  # P nodes of 1 rank
-    assert not uniform_nodes(COMM, alone)
+    assert not uniform_nodes(COMM.allgather(alone.Get_size()))
     alone.Free()
     if P >= 3:
         uneven = COMM.Split(color=int(RANK == 0), key=RANK)  # 1 + (P - 1)
-        assert not uniform_nodes(COMM, uneven)
+        assert not uniform_nodes(COMM.allgather(uneven.Get_size()))
         uneven.Free()
 
 

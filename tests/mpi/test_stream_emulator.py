@@ -652,7 +652,7 @@ def test_mpi_takes_device_buffers_only_where_every_rank_is_cuda_aware():
     """Whether MPI takes device buffers is agreed at creation: with one rank not CUDA-aware, none hands MPI
     device memory (the ring stages, "mpi" is no device candidate), and the rank that is says why; with every
     rank aware, "mpi" is a device candidate where MPI computes the call with numpy's bits (float sums and
-    products, integer ops; not float max, nor float16)."""
+    products, integer ops; not float max, nor float16), and a fixed ``small_bytes`` sends it such calls below it."""
     mixed = ddlkernels.Communicator(COMM, shm=False, cuda_aware=R != 0)
     aware = ddlkernels.Communicator(COMM, shm=False, cuda_aware=True)
     with emulated_device(seed=R, policy="lazy") as be:
@@ -663,6 +663,9 @@ def test_mpi_takes_device_buffers_only_where_every_rank_is_cuda_aware():
         assert aware.candidates(d)[0] == "mpi" and "mpi" in aware.candidates(d, "prod")
         assert "mpi" not in aware.candidates(d, "max") and "mpi" not in aware.candidates(h)
         assert "nbc" not in aware.candidates(d)  # GPU-aware MPIs document their blocking collectives only
+        fixed = ddlkernels.Communicator(COMM, shm=False, cuda_aware=True, small_bytes=1 << 20)
+        assert fixed.candidates(d) == ("mpi",) and fixed.candidates(d, "max") == ("ring",)  # as host calls
+        fixed.free()
     mixed.free()
     aware.free()
 
