@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ..ring.segments import Segments
 
-__all__ = ["Algorithm", "Work", "finish_trials", "pack_segments", "run_instead"]
+__all__ = ["Algorithm", "Finished", "Work", "finish_trials", "pack_segments", "run_instead"]
 
 
 def pack_segments(w) -> None:
@@ -51,6 +51,24 @@ def finish_trials(measuring, zeros, run) -> None:
         buf = zeros()
         while measuring():
             run(buf)
+
+
+class Finished:
+    """The call shapes whose inner trials ``finish_trials`` has let finish, so that it is asked once per
+    shape: asking a tuner costs a few microseconds a call, and a training loop repeats its shapes.  A shape
+    its inner tuner later measures again (its watch) is measured within the calls, as any tuner's is.  The
+    same on every rank of the inner Communicator, which makes the same calls."""
+
+    def __init__(self):
+        self.shapes: set = set()
+
+    def finish(self, shape, measuring, zeros, run) -> None:
+        """``finish_trials(measuring, zeros, run)`` unless ``shape`` was finished before."""
+        if shape not in self.shapes:
+            finish_trials(measuring, zeros, run)
+            if len(self.shapes) >= 256:  # a job with ever new sizes must not grow this without bound
+                self.shapes.clear()
+            self.shapes.add(shape)
 
 
 class Work:

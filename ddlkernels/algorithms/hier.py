@@ -29,9 +29,10 @@ across nodes (CUDA-aware MPI or staged), where the backend offers CUDA IPC:
 the box's first dimension is the node, as PowerAI DDL's.
 
 The step across nodes is a Communicator of its own, whose tuner measures
-its candidates per shard size.  The first call of a size lets it finish
-those trials first, on zeros (``base.finish_trials``), so that the outer
-tuner's trials of "hier" time what "hier" will run.
+its candidates per shard size.  The first call of a shard shape lets it
+finish those trials first, on zeros (``base.finish_trials``; asked once
+per shape, ``base.Finished``), so that the outer tuner's trials of "hier"
+time what "hier" will run.
 
 Each element is summed within a node in local-rank order, then across nodes
 by one allreduce whose result is the same bits on every rank that computes
@@ -52,7 +53,7 @@ import numpy as np
 from .._dtypes import is_half, scale_inplace
 from ..ring.schedule import split
 from ..safety.deadline import complete
-from .base import Algorithm, finish_trials, pack_segments, run_instead
+from .base import Algorithm, Finished, pack_segments, run_instead
 from .ipc import IpcNode, give_up
 from .shm import ShmAllreduce
 
@@ -149,6 +150,7 @@ class HierAllreduce:
             cross.Free()  # the Communicator works on its own duplicate
         self._bounds = {}
         self._shards = {}
+        self._finished = Finished()  # the shard shapes whose trials across nodes have finished
 
     @property
     def shm(self) -> ShmAllreduce:
@@ -191,8 +193,9 @@ class HierAllreduce:
         lo, hi = bounds[self.local]
         shard = self._shard(src.dtype, hi - lo, be)
         cross = self.cross
-        finish_trials(lambda: cross.tuning_buffer(be, shard, dtype, op), lambda: be.full(hi - lo, src.dtype, 0),
-                      lambda zeros: cross.allreduce_buffer(be, zeros, dtype, op, deadline))
+        self._finished.finish((be.name, be.current_device(), dtype, op, hi - lo),
+                              lambda: cross.tuning_buffer(be, shard, dtype, op), lambda: be.full(hi - lo, src.dtype, 0),
+                              lambda zeros: cross.allreduce_buffer(be, zeros, dtype, op, deadline))
         # agree=: a node whose IPC step fails raises on every rank, not only its own (ipc.IpcNode._call).
         self.ipc.reduce_scatter(be, src, shard, bounds, op, deadline=deadline, agree=self.comm)
         self.cross.allreduce_buffer(be, shard, dtype, op, deadline)
@@ -222,7 +225,7 @@ class HierAllreduce:
             shard[...] = 0  # the last call's allgather has read it
             return shard
 
-        finish_trials(lambda: self.cross.tuning(shard, op), zeros, across)
+        self._finished.finish((src.dtype, op, hi - lo), lambda: self.cross.tuning(shard, op), zeros, across)
         self.shm.reduce_scatter(src, shard, bounds, op, reduce, deadline=deadline)
         across(shard)
         if avg_p is not None:
@@ -275,6 +278,10 @@ class Hier(Algorithm):
             self._hier.run_device(w.be, w.src, w.dst, w.dtype, w.redop, avg_p=avg_p, deadline=w.deadline)
         else:
             self._hier.run(w.src, w.dst, w.redop, w.be.reduce, avg_p=avg_p, deadline=w.deadline)
+
+    def across(self):
+        """The Communicator across nodes (what its tuner chose, what it ran last), once the first call made it."""
+        return None if self._hier is None else self._hier.cross
 
     def close_peer_memory(self):
         if self._hier is not None:

@@ -56,7 +56,7 @@ of "host" time what "host" will run.
 from __future__ import annotations
 
 from ..safety.deadline import complete
-from .base import Algorithm, finish_trials, pack_segments
+from .base import Algorithm, Finished, pack_segments
 
 __all__ = ["Host", "PIECE_BYTES", "RAMP", "SLOTS", "piece_cuts"]
 
@@ -137,6 +137,7 @@ class Host(Algorithm):
     def __init__(self, comm, placement):
         super().__init__(comm, placement)
         self._inner = None
+        self._finished = Finished()  # the piece shapes whose inner trials have finished
         self._copies: dict = {}  # (backend name, device) -> _Copies
 
     @classmethod
@@ -171,7 +172,8 @@ class Host(Algorithm):
             piece[...] = 0
             return piece
 
-        finish_trials(lambda: inner.tuning(piece, op, collective=kind), zeros, lambda _: run())
+        self._finished.finish((kind, op, piece.dtype, piece.shape[0]), lambda: inner.tuning(piece, op, collective=kind),
+                              zeros, lambda _: run())
 
     def _pipeline(self, be, cp, count, down, host, up):
         """``count`` pieces through the slots (the module comment): ``down(k, slot, stream)`` queues piece k's
@@ -326,7 +328,7 @@ class Host(Algorithm):
             cp.drain()
         if self._inner is not None:
             self._inner.free()
-        self._inner, self._copies = None, {}
+        self._inner, self._copies, self._finished = None, {}, Finished()
 
     def held(self):
         return [x for x in (self._inner, *self._copies.values()) if x is not None]
