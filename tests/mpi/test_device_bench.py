@@ -116,6 +116,8 @@ def test_every_line_of_every_collective_right(kind):
     # hier: allreduce where the ranks of this one node make nodes of 2+ ranks (node labels), and it ran hier
     assert ("ddlkernels hier" in rows[0]["lines"]) == (kind == "allreduce" and D.made_up_node_size(P) is not None)
     assert all(row.get("hier_ran", "hier") == "hier" for row in rows), [row.get("hier_ran") for row in rows]
+    # and says what its step across nodes ran (its own tuner's choice among the device algorithms)
+    assert all(row["hier_across"] in ("ring", "host") for row in rows if "hier_ran" in row), rows
     # the IPC line's buffers are all exportable here: none staged (the row says so wherever that line ran)
     assert all(row.get("ipc_staged", 0) == 0 and ("ipc_staged" in row) == ("ddlkernels ipc" in row["lines"])
                for row in rows), [row.get("ipc_staged") for row in rows]

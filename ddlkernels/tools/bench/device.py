@@ -17,8 +17,9 @@ The lines (each where it can run; ``sweep``'s ``missing`` says why one could not
 
     ddlkernels          CuPy buffers, the library's own choice (its tuner settled first)
     ddlkernels ipc      ipc=True: the ranks of one node reduce each other's memory over CUDA IPC
-    ddlkernels hier     allreduce, "hier": CUDA IPC inside each node, the ring across; on one node,
-                        nodes of k ranks made up by node labels (k the largest divisor of p below p)
+    ddlkernels hier     allreduce, "hier": CUDA IPC inside each node, across nodes what its own tuner
+                        chose (the header names it); on one node, nodes of k ranks made up by node
+                        labels (k the largest divisor of p below p)
     ddlkernels staged   ipc=False, cuda_aware=False: through pinned host memory, the ring's chunks or
                         "host"'s pieces (ddlkernels.algorithms.host), as its tuner settled
     hand-rolled         copy down into pinned memory, MPI's collective, copy back: the loop users write
@@ -416,6 +417,9 @@ def sweep(comm, dev, sizes, dtype="float32", iters=10, warmup=3, collective="all
             row["staged_ran"] = staged.last_algorithm
             if "ddlkernels hier" in row["lines"]:
                 row["hier_ran"] = comms["hier"].last_algorithm
+                across = comms["hier"].algorithms["hier"].across()
+                if across is not None:  # what its step across nodes ran: its own tuner's choice
+                    row["hier_across"] = across.last_algorithm
             if "ddlkernels ipc" in row["lines"]:  # buffers CUDA IPC could not export (one more device copy each),
                 row["ipc_staged"] = comm.allreduce(comms["ipc"].algorithms["ipc"].staged())  # all ranks, all calls
             rows.append(row)
@@ -435,6 +439,7 @@ def table(rows) -> str:
         out.append(f"\n## {row.get('collective', 'allreduce')} {format_size(row['bytes'])} (ddlkernels ran "
                    f"{row['ddlkernels_ran']}, ddlkernels staged {row.get('staged_ran')}"
                    + (f", ddlkernels hier {row['hier_ran']}" if "hier_ran" in row else "")
+                   + (f" (across nodes {row['hier_across']})" if "hier_across" in row else "")
                    + (f"; ddlkernels ipc staged {row['ipc_staged']} buffers so far" if row.get("ipc_staged") else "")
                    + ")")
         out.append(f"{'line':<20} {'ms':>10} {'busbw GB/s':>11} {'x hand-rolled':>14} {'wrong':>6}")
