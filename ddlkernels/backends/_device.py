@@ -81,7 +81,8 @@ from .._dtypes import BFLOAT16
 from ..kernels.numba_cuda import ARG_TYPES, suffix_of
 from . import Backend
 
-__all__ = ["DeviceBackend", "negative_zero", "storage_dtype", "pack_offsets", "pack_layout", "pack_pieces", "PIECE_BYTES"]
+__all__ = ["DeviceBackend", "negative_zero", "storage_dtype", "pack_offsets", "pack_layout", "pack_pieces",
+           "PIECE_BYTES"]
 
 _REDUCE_OPS = ("sum", "prod", "max", "min")
 _TABLES = 64  # pack tables kept per backend, one per (stream, tensors, offsets)
