@@ -43,7 +43,7 @@ def _info(args):
     try:
         from ddlkernels.transport.cuda_aware import gpu_info
 
-        g = gpu_info(dc.comm, override=args.cuda_aware)
+        g = gpu_info(dc.comm, aware=dc.cuda_aware())  # what every rank agreed on: the path device calls take
         lines.append(f"GPU device     {'yes' if g.get('device') else 'no'}" + (f" ({g['device_note']})" if g.get("device_note") else ""))
         lines.append(f"CUDA-aware MPI {'yes' if g.get('cuda_aware') else 'no'} ({g.get('cuda_aware_reason', '')})")
         lines.append(f"device path    {g.get('transport')}: {g.get('transport_note', '')}")

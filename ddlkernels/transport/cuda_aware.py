@@ -132,18 +132,20 @@ def _devices():
     return False, "; ".join(notes)
 
 
-def gpu_info(comm=None, override=None) -> dict:
+def gpu_info(comm=None, override=None, aware=None) -> dict:
     """What the GPU path would do here, as plain data for ``python -m ddlkernels info``.
 
     Keys: ``backends`` (name -> "ok" or why not), ``device`` (bool),
     ``device_note``, ``cuda_aware`` (bool), ``cuda_aware_reason``,
     ``transport`` ("cuda-aware" or "staged"), ``transport_note``.
+    ``aware``: ``(aware, reason)`` already decided (``Communicator.cuda_aware()``, agreed by every rank),
+    else this rank's ``cuda_aware(comm, override)``.
     """
     from ..backends import available_backends
 
     backends = {k: v for k, v in available_backends().items() if k != "numpy"}
     present, note = _devices()
-    aware, reason = cuda_aware(comm, override)
+    aware, reason = cuda_aware(comm, override) if aware is None else aware
     if aware:
         transport, tnote = "cuda-aware", "device buffers go straight to MPI after a stream synchronize"
     else:
