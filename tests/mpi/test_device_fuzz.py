@@ -17,9 +17,10 @@ queued.
 Setups: "ring-staged" and "ring-aware" (the ring, chunks staged through
 pinned memory or handed to MPI as CUDA-aware MPI would get them; any
 dims), "mpi-aware" (MPI's own collectives handed the device memory, where
-they compute the call), "host" (pieces through the host's algorithms), "ipc" (CUDA IPC
-forced), "tuned" (``ipc=None``: the tuner's trials pick among ring, ipc and
-host), and where the rank count has a divisor 2 <= k < p, "hier" (node
+they compute the call), "host" (pieces through the host's algorithms),
+"ipc" (CUDA IPC forced), "tuned" (``ipc=None``: the tuner's trials pick
+among ring, ipc and host, and "mpi" where the case makes MPI CUDA-aware),
+and where the rank count has a divisor 2 <= k < p, "hier" (node
 labels make nodes of k ranks, consecutive or round robin: CUDA IPC inside
 each, the ring staged or CUDA-aware across them; its allreduces settled on
 it where it serves them, the other collectives the tuner's); the ranks'
@@ -112,7 +113,7 @@ cases = st.fixed_dictionaries(
         "fusion_bytes": st.sampled_from([32, 4096, None]),
         "policy": st.sampled_from(["lazy", "random"]),
         "nodes": st.sampled_from(["block", "round robin"]),  # "hier": the made-up nodes' ranks
-        "aware": st.booleans(),  # "hier": CUDA-aware MPI across its nodes, else staged
+        "aware": st.booleans(),  # "hier", "tuned": CUDA-aware MPI (across nodes; "mpi" a candidate), else staged
         # which GPU each rank drives (CUDA IPC: where ranks share one, its lowest rank does their part)
         "gpus": st.sampled_from(sorted(GPU_LAYOUTS)),
         "seed": st.integers(0, 2**20),
@@ -142,7 +143,8 @@ class Program:
             node = RANK // K if case["nodes"] == "block" else RANK % (P // K)
         self.c = ddlkernels.Communicator(COMM, shm=None if hier else False, chunk_bytes=case["chunk_bytes"],
                                          window=case["window"],
-                                         cuda_aware=self.setup in ("ring-aware", "mpi-aware") or hier and case["aware"],
+                                         cuda_aware=self.setup in ("ring-aware", "mpi-aware")
+                                         or self.setup in ("hier", "tuned") and case["aware"],
                                          ipc={"ipc": True, "tuned": None, "hier": None}.get(self.setup, False),
                                          validate=case["validate"], timeout=case["timeout"], node=node)
         if "host" in self.c.algorithms:
