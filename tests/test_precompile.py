@@ -1,8 +1,11 @@
-"""``python -m ddlkernels compile`` (ddlkernels.kernels.precompile): its table and its arguments.  That its table
-is what the window's calls compile is checked under MPI (tests/mpi/test_shm.py); run_suite.py runs it whole."""
+"""``python -m ddlkernels compile`` (ddlkernels.kernels.precompile): its table, its arguments and the CUDA kernels'
+images.  That its table is what the window's calls compile is checked under MPI (tests/mpi/test_shm.py);
+run_suite.py runs it whole."""
 
 import subprocess
 import sys
+
+import pytest
 
 from ddlkernels.kernels import precompile, window_loops
 
@@ -26,3 +29,48 @@ def test_a_bad_dtype_name_is_refused_before_anything_compiles():
     assert res.returncode != 0
     assert "'nosuch' is not a numpy dtype name" in res.stderr
     assert "signature" not in res.stdout  # nothing compiled first
+
+
+def test_a_bad_cuda_argument_is_refused_before_anything_compiles():
+    res = subprocess.run([sys.executable, "-m", "ddlkernels", "compile", "--cuda", "sm_90"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "--cuda takes auto, none or compute capabilities such as 80,90, got 'sm_90'" in res.stderr
+    assert "signature" not in res.stdout
+
+
+def test_cuda_archs_spelled_as_compute_capabilities_or_auto_or_none(monkeypatch):
+    assert precompile.cuda_archs("90, 80,90") == (80, 90) and precompile.cuda_archs("none") == ()
+    monkeypatch.setattr(precompile, "visible_archs", lambda: (86,))
+    assert precompile.cuda_archs(" Auto ") == (86,)
+
+
+def test_cuda_kernels_compiled_ahead_are_what_a_first_device_call_finds(tmp_path):
+    """``compile_cuda`` for a compute capability, without a GPU, fills the image cache; ``compile_source`` as a
+    first device call on such a GPU makes it (same NVRTC, same options) then finds each image there and
+    compiles nothing.  The images are readable by other users (a cache an image build shares)."""
+    pytest.importorskip("cupy")
+    from cupy_backends.cuda.libs import nvrtc
+
+    from ddlkernels.kernels.sources import SOURCES, compile_source
+
+    try:
+        nvrtc.getVersion()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"CuPy's NVRTC is not loadable here: {exc}")
+    lines = []
+    assert precompile.compile_cuda([80], jobs=1, report=lines.append, cache_dir=tmp_path) == len(SOURCES)
+    assert sorted(line.split()[0] for line in lines) == sorted(SOURCES) and all("sm_80" in x for x in lines)
+    images = sorted(tmp_path.iterdir())
+    assert len(images) == len(SOURCES) and all(p.suffix == ".cubin" and p.stat().st_mode & 0o044 == 0o044
+                                                for p in images)
+
+    class NoCompile:  # NVRTC as the first call sees it, but compiling fails the test
+        getVersion, getSupportedArchs = staticmethod(nvrtc.getVersion), staticmethod(nvrtc.getSupportedArchs)
+
+        def __getattr__(self, name):
+            raise AssertionError(f"compiled again: nvrtc.{name}")
+
+    for name in SOURCES:
+        target, image = compile_source(name, 80, nvrtc=NoCompile(), cache_dir=tmp_path)
+        assert target == "sm_80" and image in {p.read_bytes() for p in images}

@@ -1,22 +1,28 @@
-"""Compile the CPU loops into Numba's on-disk cache before the first call: ``python -m ddlkernels compile``.
+"""Compile the CPU loops and the CUDA kernels before the first call: ``python -m ddlkernels compile``.
 
 Purpose: the first call of each dtype and op compiles its loop (the window's
 pieced allreduce takes ~5 s on the 2-core VM), in every rank of the job at
-once, inside the first collectives.  A container image, a cluster's shared
-install or a CI machine can pay that once, ahead of any job, spread over
-``jobs`` processes.  What is compiled is found again by every later process
-(Numba's cache: ``__pycache__`` beside each kernel module, or
-``NUMBA_CACHE_DIR``).
+once, inside the first collectives; the first device call compiles
+kernels/reduce.cu and pack.cu with NVRTC (seconds each, every rank of a node
+at once).  A container image, a cluster's shared install or a CI machine can
+pay that once, ahead of any job, spread over ``jobs`` processes, and needs
+no GPU for it: NVRTC compiles for the compute capabilities it is told.  What
+is compiled is found again by every later process (Numba's cache:
+``__pycache__`` beside each kernel module, or ``NUMBA_CACHE_DIR``; the CUDA
+images: ``DDLKERNELS_CACHE_DIR``, ``ddlkernels.kernels.sources``).
 
-Preconditions: Numba importable.  The signatures below are the argument
-types the callers pass (``ddlkernels.algorithms.shm``, ``window_shards``,
-``cma``, ``ddlkernels.backends._numpy``, ``ddlkernels.kernels.half``);
+Preconditions: Numba importable (the CUDA kernels: CuPy's NVRTC).  The
+signatures below are the argument types the callers pass
+(``ddlkernels.algorithms.shm``, ``window_shards``, ``cma``,
+``ddlkernels.backends._numpy``, ``ddlkernels.kernels.half``);
 tests/mpi/test_shm.py checks that a real call compiles nothing outside them.
 
 Use::
 
-    python -m ddlkernels compile                     # every loop, float32/float64/int32/int64, 2 processes
+    python -m ddlkernels compile                     # every loop, float32/float64/int32/int64, 2 processes;
+                                                     # the CUDA kernels for the GPUs this machine has
     python -m ddlkernels compile --dtypes float32 --jobs 4
+    python -m ddlkernels compile --cuda 80,90        # the CUDA kernels for A100s and H100s, GPU or not
 """
 
 from __future__ import annotations
@@ -100,7 +106,7 @@ def _compile_one(task):
         if d is None or _host_dtype(module, d):
             fn.compile(sig(d))  # found in the cache, or compiled and saved there
             done += 1
-    return f"{module}.{name}", done, time.perf_counter() - t
+    return f"{module}.{name}", done, time.perf_counter() - t, "signature"
 
 
 def compile_all(dtypes=DTYPES, jobs: int = 2, report=None) -> int:
@@ -124,30 +130,98 @@ def compile_all(dtypes=DTYPES, jobs: int = 2, report=None) -> int:
         return sum(_report(r, report) for r in pool.imap_unordered(_compile_one, tasks))
 
 
+def visible_archs() -> tuple:
+    """The compute capabilities of the GPUs this process sees (e.g. ``(90,)``), () without a GPU or CuPy."""
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        return tuple(sorted({int(cupy.cuda.Device(d).compute_capability) for d in range(rt.getDeviceCount())}))
+    except Exception:  # noqa: BLE001 -- no CuPy, no driver, no device: nothing to compile for
+        return ()
+
+
+def _compile_cuda_one(task):
+    from .sources import compile_source
+
+    name, arch, cache_dir = task
+    t = time.perf_counter()
+    target, _ = compile_source(name, arch, cache_dir=cache_dir)  # found in the cache, or compiled and kept there
+    return f"{name} for {target}", 1, time.perf_counter() - t, "image"
+
+
+def compile_cuda(archs, jobs: int = 2, report=None, cache_dir=None) -> int:
+    """Compile kernels/*.cu (``sources.SOURCES``) for each compute capability of ``archs`` (e.g. ``(80, 90)``)
+    into the CUDA image cache (``cache_dir``, default ``DDLKERNELS_CACHE_DIR``'s) in ``jobs`` processes, as
+    the first device call on such a GPU would; the count of images.  ``report(line)`` is told of each."""
+    from .sources import SOURCES
+
+    tasks = [(name, arch, cache_dir) for arch in sorted({int(a) for a in archs}) for name in SOURCES]
+    if jobs <= 1 or len(tasks) <= 1:
+        return sum(_report(r, report) for r in map(_compile_cuda_one, tasks))
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(min(jobs, len(tasks))) as pool:
+        return sum(_report(r, report) for r in pool.imap_unordered(_compile_cuda_one, tasks))
+
+
+def cuda_archs(spec: str) -> tuple:
+    """``--cuda``'s compute capabilities: "auto" those of the GPUs here, "none" none, else a comma list."""
+    spec = spec.strip().lower()
+    if spec in ("auto", "none"):
+        return visible_archs() if spec == "auto" else ()
+    try:
+        return tuple(sorted({int(a) for a in spec.split(",") if a.strip()}))
+    except ValueError:
+        raise ValueError(f"ddlkernels compile: --cuda takes auto, none or compute capabilities such as 80,90, "
+                         f"got {spec!r}") from None
+
+
 def _report(result, report):
-    name, done, seconds = result
+    name, done, seconds, unit = result
     if report is not None:
-        report(f"{name:40s} {done} signature(s) {seconds:6.1f} s")
+        report(f"{name:40s} {done} {unit}(s) {seconds:6.1f} s")
     return done
 
 
 def main(args) -> int:
     t = time.perf_counter()
     dtypes = tuple(s.strip() for s in args.dtypes.split(",") if s.strip())
+    report = None if args.quiet else print
     try:
-        n = compile_all(dtypes, jobs=args.jobs, report=None if args.quiet else print)
+        archs = cuda_archs(args.cuda)  # a bad --cuda fails before the CPU loops' minutes
+        n = compile_all(dtypes, jobs=args.jobs, report=report)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     print(f"compiled or found {n} signatures in {time.perf_counter() - t:.1f} s "
           f"(cache: {os.environ.get('NUMBA_CACHE_DIR') or '__pycache__ beside the kernel modules'})")
+    if not archs:
+        if args.cuda.strip().lower() == "auto":
+            print("CUDA kernels: no GPU visible here (--cuda 80,90 compiles them for given compute capabilities)")
+        return 0
+    from .._config import defaults
+
+    cache = defaults().cache_dir
+    if cache is None:
+        raise SystemExit("ddlkernels compile: DDLKERNELS_CACHE_DIR is off: compiled CUDA kernels would not be kept")
+    t = time.perf_counter()
+    try:
+        k = compile_cuda(archs, jobs=args.jobs, report=report)
+    except Exception as exc:  # noqa: BLE001 -- NVRTC missing or failing: said, with a non-zero exit
+        raise SystemExit(f"ddlkernels compile: the CUDA kernels for {list(archs)}: {type(exc).__name__}: {exc}") from None
+    print(f"compiled or found {k} CUDA kernel images for compute capabilities {', '.join(map(str, archs))} "
+          f"in {time.perf_counter() - t:.1f} s (cache: {cache})")
     return 0
 
 
 def add_subcommand(sub) -> None:
-    p = sub.add_parser("compile", help="compile the CPU loops into Numba's cache ahead of the first call",
+    p = sub.add_parser("compile", help="compile the CPU loops and CUDA kernels ahead of the first call",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated numpy dtype names (default: %(default)s)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes compiling at once (default: %(default)s)")
-    p.add_argument("--quiet", action="store_true", help="only the closing line")
+    p.add_argument("--cuda", default="auto",
+                   help="compute capabilities to compile the CUDA kernels for, e.g. 80,90 (no GPU needed); "
+                        "auto: the GPUs here; none (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="only the closing lines")
     p.set_defaults(func=main)

@@ -149,6 +149,7 @@ def compile_source(name: str, device_arch: int, *, nvrtc=None, cache_dir=None) -
         try:  # written whole or not at all: ranks of one node compile the same file at once
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would keep a cache shared by an image build from its users
             with os.fdopen(fd, "wb") as f:
                 f.write(image)
             os.replace(tmp, path)

@@ -2,7 +2,7 @@
 
   info       versions, MPI library, CUDA-awareness, backends, detected topology
   job        the main job: allreduce sweep, checked, beside MPI's own Allreduce
-  compile    the CPU loops into Numba's cache, ahead of a job's first calls
+  compile    the CPU loops (Numba's cache) and CUDA kernels, ahead of a job's first calls
 
 Other subcommands (planner, simulator, calibration, benchmarks) register
 themselves from their modules through ``add_subcommands``.
