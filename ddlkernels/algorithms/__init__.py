@@ -2,9 +2,11 @@
 
 Worked example, a Communicator of 4 ranks on one node, ``shm=None``::
 
-    place(comm, None, nodes)    do the ranks share one node (yes: ``nodes``, the node split
-                                of hier.node_split, holds all 4), may they read each
-                                other's memory (a collective: yes, their pids)
+    place(comm, None, nodes,    do the ranks share one node (yes: ``nodes``, the node split
+          aware)                of hier.node_split, holds all 4; one allgather of every
+                                rank's node size and CUDA awareness), is MPI CUDA-aware on
+                                every rank, may they read each other's memory (a
+                                collective: yes, their pids)
     Algorithms(comm, placement) asks each class of REGISTRY whether it applies:
                                   mpi, nbc, ring       always
                                   shm, shm-nt, cma     one node (cma: the probe passed)
