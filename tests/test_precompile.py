@@ -2,6 +2,7 @@
 images.  That its table is what the window's calls compile is checked under MPI (tests/mpi/test_shm.py);
 run_suite.py runs it whole."""
 
+import os
 import subprocess
 import sys
 
@@ -74,3 +75,11 @@ def test_cuda_kernels_compiled_ahead_are_what_a_first_device_call_finds(tmp_path
     for name in SOURCES:
         target, image = compile_source(name, 80, nvrtc=NoCompile(), cache_dir=tmp_path)
         assert target == "sm_80" and image in {p.read_bytes() for p in images}
+
+
+def test_cuda_kernels_with_their_cache_off_are_refused_before_anything_compiles():
+    env = dict(os.environ, DDLKERNELS_CACHE_DIR="off")
+    res = subprocess.run([sys.executable, "-m", "ddlkernels", "compile", "--cuda", "90"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode != 0 and "DDLKERNELS_CACHE_DIR is off" in res.stderr
+    assert "signature" not in res.stdout

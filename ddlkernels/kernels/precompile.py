@@ -185,25 +185,26 @@ def _report(result, report):
 
 
 def main(args) -> int:
+    from .._config import defaults
+
     t = time.perf_counter()
     dtypes = tuple(s.strip() for s in args.dtypes.split(",") if s.strip())
     report = None if args.quiet else print
-    try:
-        archs = cuda_archs(args.cuda)  # a bad --cuda fails before the CPU loops' minutes
+    auto, cache = args.cuda.strip().lower() == "auto", defaults().cache_dir
+    try:  # a bad --cuda fails before the CPU loops' minutes
+        archs = cuda_archs(args.cuda)
+        if archs and cache is None and not auto:
+            raise ValueError("ddlkernels compile: DDLKERNELS_CACHE_DIR is off: compiled CUDA kernels would not be kept")
         n = compile_all(dtypes, jobs=args.jobs, report=report)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     print(f"compiled or found {n} signatures in {time.perf_counter() - t:.1f} s "
           f"(cache: {os.environ.get('NUMBA_CACHE_DIR') or '__pycache__ beside the kernel modules'})")
-    if not archs:
-        if args.cuda.strip().lower() == "auto":
-            print("CUDA kernels: no GPU visible here (--cuda 80,90 compiles them for given compute capabilities)")
+    if not archs or cache is None:
+        if auto:
+            print("CUDA kernels: no GPU visible here (--cuda 80,90 compiles them for given compute capabilities)"
+                  if not archs else "CUDA kernels: not compiled, DDLKERNELS_CACHE_DIR is off (they would not be kept)")
         return 0
-    from .._config import defaults
-
-    cache = defaults().cache_dir
-    if cache is None:
-        raise SystemExit("ddlkernels compile: DDLKERNELS_CACHE_DIR is off: compiled CUDA kernels would not be kept")
     t = time.perf_counter()
     try:
         k = compile_cuda(archs, jobs=args.jobs, report=report)
