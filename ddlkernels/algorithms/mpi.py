@@ -113,13 +113,6 @@ class Mpi(Algorithm):
         else:  # the same blocking call as the peers without a deadline make
             self.comm._blocking(w.deadline, what, _on_caller_device(be, fn) if be.device else fn, *args)
 
-    def _scale(self, w, x):
-        if w.avg:
-            if w.be.device:
-                w.be.scale(x, self.comm.size)
-            else:
-                scale_inplace(x, self.comm.size)
-
     # -- allreduce -------------------------------------------------------------------------
     def allreduce(self, w):
         pack_into_dst(w)
@@ -128,7 +121,8 @@ class Mpi(Algorithm):
                            mpi_op(w.redop))
         else:
             self._reduce(w.dst, mpi_op(w.redop), w.deadline)
-        self._scale(w, w.dst)
+        if w.avg:
+            w.be.scale(w.dst, self.comm.size)
 
     def _reduce(self, dst, op, deadline):
         comm = self.comm
@@ -196,7 +190,8 @@ class Mpi(Algorithm):
             self._blocking(w, "MPI_Reduce_scatter_block", c.comm.Reduce_scatter_block, src, out, mop)
         else:
             self._blocking(w, "MPI_Reduce_scatter", c.comm.Reduce_scatter, src, out, counts, mop)
-        self._scale(w, shard)
+        if w.avg:
+            be.scale(shard, c.size)
 
     def allgather(self, w):
         c, item = self.comm, w.dtype.itemsize

@@ -90,6 +90,11 @@ class Backend(abc.ABC):
         the accumulation type, integers ``(a + b) // avg_p``.
         """
 
+    @abc.abstractmethod
+    def scale(self, dst, p) -> None:
+        """"avg"'s last step on ``dst``, a finished sum over ``p`` ranks: ``dst * (1/p)`` in the accumulation
+        type for floats, ``floor(dst / p)`` for integers (``ddlkernels._dtypes.scale_inplace``'s bits)."""
+
     def synchronize(self) -> None:
         """Block until every kernel this backend launched has finished."""
 

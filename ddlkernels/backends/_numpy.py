@@ -17,7 +17,7 @@ import threading
 import numpy as np
 
 from ..kernels import half as _half
-from .._dtypes import BFLOAT16, acc_dtype, is_half
+from .._dtypes import BFLOAT16, acc_dtype, is_half, scale_inplace
 from . import Backend, torch_result
 
 _UFUNC = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
@@ -117,6 +117,9 @@ class NumpyBackend(Backend):
 
     def copy(self, dst, src):
         np.copyto(dst, src)
+
+    def scale(self, dst, p):
+        scale_inplace(dst, p)
 
     def reduce(self, op, dst, a, b=None, *, avg_p=None):
         if b is None:
