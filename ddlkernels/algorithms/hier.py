@@ -193,7 +193,7 @@ class HierAllreduce:
         lo, hi = bounds[self.local]
         shard = self._shard(src.dtype, hi - lo, be)
         cross = self.cross
-        self._finished.finish((be.name, be.current_device(), dtype, op, hi - lo),
+        self._finished.finish((be.name, dtype, op, hi - lo),
                               lambda: cross.tuning_buffer(be, shard, dtype, op), lambda: be.full(hi - lo, src.dtype, 0),
                               lambda zeros: cross.allreduce_buffer(be, zeros, dtype, op, deadline))
         # agree=: a node whose IPC step fails raises on every rank, not only its own (ipc.IpcNode._call).
