@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ..ring.segments import Segments
 
-__all__ = ["Algorithm", "Finished", "Work", "finish_trials", "pack_segments", "run_instead"]
+__all__ = ["Algorithm", "Finished", "Work", "call_key", "finish_trials", "pack_segments", "run_instead"]
 
 
 def pack_segments(w) -> None:
@@ -53,14 +53,37 @@ def finish_trials(measuring, zeros, run) -> None:
             run(buf)
 
 
+def call_key(kind, w) -> tuple:
+    """What names a whole call for ``Finished.ran`` and ``pending``: the same for a ``Work`` of the call and for
+    the buffer-less ``Work`` that ``Communicator.tuning`` makes of it."""
+    return kind, w.be.name, w.dtype, w.op, w.count
+
+
 class Finished:
     """The call shapes whose inner trials ``finish_trials`` has let finish, so that it is asked once per
     shape: asking a tuner costs a few microseconds a call, and a training loop repeats its shapes.  A shape
     its inner tuner later measures again (its watch) is measured within the calls, as any tuner's is.  The
-    same on every rank of the inner Communicator, which makes the same calls."""
+    same on every rank of the inner Communicator, which makes the same calls.
+
+    The shapes are the inner calls' (a rank's shard, a piece), which differ between ranks; ``ran`` and
+    ``pending`` keep the whole calls (``call_key``) that got that far, the same on every rank of the outer
+    Communicator, for its ``tuning``."""
 
     def __init__(self):
         self.shapes: set = set()
+        self.calls: set = set()
+
+    def ran(self, call) -> None:
+        """A whole call ``call`` has begun, whose ``finish`` steps (if any) finish its inner shapes: noted at its
+        start, before any return, so that a ``while tuning(x)`` loop ends whatever path the call takes."""
+        if len(self.calls) >= 256:  # bounded as the shapes are
+            self.calls.clear()
+        self.calls.add(call)
+
+    def pending(self, call) -> bool:
+        """Whether a call like ``call`` would first run inner trials: it has not run since these were made
+        (whether its inner shapes are in fact settled, from other calls, is a rank's own knowledge)."""
+        return call not in self.calls
 
     def finish(self, shape, measuring, zeros, run) -> None:
         """``finish_trials(measuring, zeros, run)`` unless ``shape`` was finished before."""
@@ -142,6 +165,12 @@ class Algorithm:
         """Whether this call (a ``Work`` of ``kind``, not yet holding buffers) is one this algorithm computes
         and is worth measuring for.  The same answer on every rank for the same call."""
         return kind in self.kinds
+
+    def inner_trials(self, kind, w) -> bool:
+        """Whether a call like ``w`` (of ``kind``, without buffers), run by this algorithm, would first let a
+        Communicator it runs steps on finish its tuner's trials (``finish_trials``): the same on every rank,
+        for ``Communicator.tuning``."""
+        return False
 
     def prepare(self, w):
         """Allocate what the call needs before the cross-rank argument check (a rank that fails here fails

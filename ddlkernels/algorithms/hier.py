@@ -32,7 +32,8 @@ The step across nodes is a Communicator of its own, whose tuner measures
 its candidates per shard size.  The first call of a shard shape lets it
 finish those trials first, on zeros (``base.finish_trials``; asked once
 per shape, ``base.Finished``), so that the outer tuner's trials of "hier"
-time what "hier" will run.
+time what "hier" will run; until "hier" has run a call of that shape once,
+``Communicator.tuning`` says the call is still measuring.
 
 Each element is summed within a node in local-rank order, then across nodes
 by one allreduce whose result is the same bits on every rank that computes
@@ -53,7 +54,7 @@ import numpy as np
 from .._dtypes import is_half, scale_inplace
 from ..ring.schedule import split
 from ..safety.deadline import complete
-from .base import Algorithm, Finished, pack_segments, run_instead
+from .base import Algorithm, Finished, call_key, pack_segments, run_instead
 from .ipc import IpcNode, give_up
 from .shm import ShmAllreduce
 
@@ -150,7 +151,7 @@ class HierAllreduce:
             cross.Free()  # the Communicator works on its own duplicate
         self._bounds = {}
         self._shards = {}
-        self._finished = Finished()  # the shard shapes whose trials across nodes have finished
+        self.finished = Finished()  # the shard shapes whose trials across nodes have finished
 
     @property
     def shm(self) -> ShmAllreduce:
@@ -193,9 +194,9 @@ class HierAllreduce:
         lo, hi = bounds[self.local]
         shard = self._shard(src.dtype, hi - lo, be)
         cross = self.cross
-        self._finished.finish((be.name, dtype, op, hi - lo),
-                              lambda: cross.tuning_buffer(be, shard, dtype, op), lambda: be.full(hi - lo, src.dtype, 0),
-                              lambda zeros: cross.allreduce_buffer(be, zeros, dtype, op, deadline))
+        self.finished.finish((be.name, dtype, op, hi - lo),
+                             lambda: cross.tuning_buffer(be, shard, dtype, op), lambda: be.full(hi - lo, src.dtype, 0),
+                             lambda zeros: cross.allreduce_buffer(be, zeros, dtype, op, deadline))
         # agree=: a node whose IPC step fails raises on every rank, not only its own (ipc.IpcNode._call).
         self.ipc.reduce_scatter(be, src, shard, bounds, op, deadline=deadline, agree=self.comm)
         self.cross.allreduce_buffer(be, shard, dtype, op, deadline)
@@ -225,7 +226,7 @@ class HierAllreduce:
             shard[...] = 0  # the last call's allgather has read it
             return shard
 
-        self._finished.finish((src.dtype, op, hi - lo), lambda: self.cross.tuning(shard, op), zeros, across)
+        self.finished.finish((src.dtype, op, hi - lo), lambda: self.cross.tuning(shard, op), zeros, across)
         self.shm.reduce_scatter(src, shard, bounds, op, reduce, deadline=deadline)
         across(shard)
         if avg_p is not None:
@@ -258,6 +259,10 @@ class Hier(Algorithm):
         return (kind == "allreduce" and (not w.be.device or device_ok)
                 and not (w.avg and is_half(w.dtype)))
 
+    def inner_trials(self, kind, w):
+        # Before the first call there is no Communicator across nodes yet (its making is collective).
+        return self._hier is None or self._hier.finished.pending(call_key(kind, w))
+
     def allreduce(self, w):
         pack_segments(w)  # its reduce-scatter reads one buffer
         if self._hier is None:  # collective: every rank chose "hier" for this same call
@@ -268,6 +273,8 @@ class Hier(Algorithm):
             # Across nodes: the Communicator's settings; its node label (if any) puts each rank on a node of its own.
             self._hier = HierAllreduce(c.comm, self.node,
                                        lambda cross: c.derived(cross, shm=False, validate=False, timeout=None))
+        # Before any return: this call runs the inner trials of its shape, or another algorithm instead.
+        self._hier.finished.ran(call_key("allreduce", w))
         avg_p = self.comm.size if w.avg else None
         if w.be.device:
             # CUDA IPC inside the nodes, or the ring for every rank (ddlkernels.algorithms.ipc's module comment).

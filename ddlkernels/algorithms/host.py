@@ -50,13 +50,14 @@ and ``small_bytes``) is created at the first call that runs this algorithm:
 collective, which holds, since every rank chose "host" for that call.  Its
 tuner measures the piece sizes; a call whose piece size it is still
 measuring first lets it finish (on zeros), so that the outer tuner's trials
-of "host" time what "host" will run.
+of "host" time what "host" will run; until "host" has run a call of that
+shape once, ``Communicator.tuning`` says the call is still measuring.
 """
 
 from __future__ import annotations
 
 from ..safety.deadline import complete
-from .base import Algorithm, Finished, pack_segments
+from .base import Algorithm, Finished, call_key, pack_segments
 
 __all__ = ["Host", "PIECE_BYTES", "RAMP", "SLOTS", "piece_cuts"]
 
@@ -175,6 +176,9 @@ class Host(Algorithm):
         self._finished.finish((kind, op, piece.dtype, piece.shape[0]), lambda: inner.tuning(piece, op, collective=kind),
                               zeros, lambda _: run())
 
+    def inner_trials(self, kind, w):
+        return self._finished.pending(call_key(kind, w))
+
     def _pipeline(self, be, cp, count, down, host, up):
         """``count`` pieces through the slots (the module comment): ``down(k, slot, stream)`` queues piece k's
         copies into ``slot``, ``host(k, slot)`` runs the inner collective on it once they have run,
@@ -211,6 +215,7 @@ class Host(Algorithm):
 
     def allreduce(self, w):
         pack_segments(w)
+        self._finished.ran(call_key("allreduce", w))  # before any return: the call's inner trials run below
         be, n = w.be, w.count
         if n == 0:
             return
@@ -258,6 +263,7 @@ class Host(Algorithm):
         piece.  A shard shorter than that leaves padding in the piece, which no result is read from (zeros
         where it is reduced).  A slot holds the piece, then this rank's ``s``."""
         be, p, me = w.be, self.comm.size, self.comm.rank
+        self._finished.ran(call_key(w.kind, w))  # as in allreduce
         if w.count == 0:
             return
         inner = self._host_comm(w)

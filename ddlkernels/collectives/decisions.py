@@ -42,7 +42,10 @@ def tuning(self, x, op="sum", *, collective="allreduce") -> bool:
     becomes a trial again if its calls slow down past what its trials allow
     (``SizeTuner.observe``).  ``collective="reduce_scatter"`` or
     ``"allgather"`` asks the same of those collectives for a whole buffer
-    like ``x`` (for allgather: the gathered size, not the shard's).
+    like ``x`` (for allgather: the gathered size, not the shard's).  A size
+    settled on "hier" or "host" is still measuring until one call of the
+    shape has run: that call first lets the Communicator they run steps on
+    finish its own trials (``ddlkernels.algorithms.base.finish_trials``).
     """
     return self.selector.measuring(collective, _work(self, x, op, collective))
 

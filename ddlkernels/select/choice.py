@@ -136,9 +136,11 @@ class Selector:
         return result
 
     def measuring(self, kind, w) -> bool:
-        """Whether calls like ``w`` are still the tuner's trials (the same on every rank)."""
+        """Whether calls like ``w`` are still the tuner's trials, or would be those of a Communicator the chosen
+        algorithm runs steps on (``Algorithm.inner_trials``): the same on every rank."""
         cands = self.candidates(kind, w)
-        return len(cands) > 1 and self.tuner(kind, w).decided(w.nbytes, cands) is None
+        name = cands[0] if len(cands) == 1 else self.tuner(kind, w).decided(w.nbytes, cands)
+        return name is None or self.algorithms[name].inner_trials(kind, w)
 
     def settle(self, kind, w, name) -> None:
         """Fix the algorithm of calls like ``w`` without measuring (every rank must do the same)."""

@@ -104,6 +104,28 @@ def test_communicator_measures_it_across_nodes(validate):
         assert all(s == every[0] for s in every)
 
 
+def test_tuning_is_true_until_hier_has_run_a_shape_once():
+    """A size settled on "hier" still counts as measuring (``Communicator.tuning``) until one call of the shape
+    has run: that call first runs the trials of the Communicator across nodes, which a benchmark's loop
+    ``while tuning(x)`` must not time.  The same answer on every rank, though the ranks' shards differ."""
+    with ddlkernels.Communicator(COMM, node=f"node {RANK // K}") as dc:
+        for n, dtype, op in ((1 << 18, np.float32, "sum"), (300_007, np.int32, "max")):
+            x = rank_data(n, RANK, P, dtype, salt=5)
+            dc.settle(x, "hier", op)
+            assert dc.tuning(x, op)
+            calls = 0
+            while dc.tuning(x, op):
+                y = dc.allreduce(x, op)
+                calls += 1
+                assert dc.last_algorithm == "hier"
+            assert calls == 1 and not dc.tuning(np.zeros(n, dtype), op)
+            lo, hi = dc.algorithms["hier"]._hier.bounds(n)[dc.algorithms["hier"]._hier.local]
+            assert not dc.algorithms["hier"].across().tuning(np.zeros(hi - lo, dtype), op)
+            assert_close(y, COMM.allgather(x), op, dtype, f"hier n={n} {op}")
+            assert COMM.allgather(calls) == [1] * P
+        assert dc.tuning(np.zeros(4097, np.float64))  # a size not measured yet
+
+
 @pytest.mark.parametrize("placement", ["block", "round robin"])
 def test_the_step_across_nodes_finishes_its_trials_in_the_first_call_of_a_size(placement):
     """The first call of a size lets the Communicator across nodes finish its tuner's trials for the shard

@@ -177,10 +177,12 @@ def test_the_inner_tuner_settles_before_the_pieces_are_reduced():
         x = rank_data(20, R, P, np.int64, salt=6)
         d = be.to_device(x)
         c.settle(d, "host")
+        assert c.tuning(d)  # settled, but its first call runs the inner tuner's trials
         got = c.allreduce(d, "sum")
         assert same_bits(be.to_host(got), sum(COMM.allgather(x)))
         assert all(len(algo._inner.candidates(np.zeros(k, np.int64))) > 1 for k in (6, 2))
         assert not any(algo._inner.tuning(np.zeros(k, np.int64)) for k in (6, 2))
+        assert not c.tuning(d)
         c.free()
 
 
