@@ -186,6 +186,30 @@ def test_the_inner_tuner_settles_before_the_pieces_are_reduced():
         c.free()
 
 
+@pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter", "allgather"])
+def test_tuning_ends_after_one_call_of_a_settled_shape_empty_ones_too(kind):
+    """``tuning`` stays True for a size settled on "host" until one call of the shape has run (its inner
+    trials), then is False on every rank, for every collective, an empty call included (it returns before any
+    inner call): a benchmark's ``while tuning(x)`` loop ends."""
+    with emulated_device(seed=4 + R, policy="random") as be:
+        c = ddlkernels.Communicator(COMM, shm=False)
+        c.algorithms["host"].piece_bytes = PIECE
+        for n in (0, 7, 2 * P + 9):  # three shapes, none seen before
+            d = be.to_device(rank_data(n, R, P, np.float64, salt=n))
+            c.settle(d, "host", collective=kind)
+            calls = 0
+            while c.tuning(d, collective=kind) and calls < 5:
+                if kind == "allgather":
+                    lo, hi = c.shard_range(n)
+                    c.allgather(d[lo:hi], count=n)
+                else:
+                    getattr(c, kind)(d, "sum")
+                assert c.last_algorithm == "host"
+                calls += 1
+            assert COMM.allgather(calls) == [1] * P, (kind, n)
+        c.free()
+
+
 @pytest.mark.parametrize("policy", ["lazy", "random"])
 def test_empty_calls_odd_offsets_nan_and_subnormals(policy):
     """0 elements; views 1 and 3 elements into their allocations (pieces at odd addresses); NaN and
