@@ -65,9 +65,16 @@
 //   folds into the very buffers it reads): each element is read, through
 //   coherent loads, by the thread that writes it, before it writes it.  The
 //   destinations do not overlap each other; operands past k and destinations
-//   past m are ignored (pass any pointer).  128-bit accesses when every pointer used has
-//   dst's offset modulo 16, else one element at a time (realigning operands as
-//   ddl_reduce does made ptxas spill the fold past 64 registers).  At most 256 threads a block: __launch_bounds__(256,
+//   past m are ignored (pass any pointer).  128-bit accesses when every pointer
+//   used has dst's offset modulo 16, else one element at a time.
+//
+//       ddl_fold_realign_<op>_<t>, of the same signature
+//
+//   computes the same where operands lie at other offsets modulo 16 than dst
+//   (a view one element in, folded into fresh outputs): every destination at
+//   dst's offset, each operand word cut from aligned loads as in ddl_realign.
+//   A kernel of its own, as ddl_realign is: the aligned fold keeps its
+//   registers.  Both take at most 256 threads a block: __launch_bounds__(256,
 //   4) keeps the 16 operand and destination pointers within 64 registers a
 //   thread (4 blocks an SM), reloading them from the parameters where needed.
 //
@@ -75,8 +82,8 @@
 //   Loaded by the CuPy backend (ddlkernels/backends/_cupy.py): one reduction
 //   per received chunk of a ring step, the fused avg scale on the owner's last
 //   step, ddl_reduce or ddl_realign by the pointers' offsets (_device.py);
-//   the fold kernels by the CUDA IPC allreduce (reduce_many).  The same file
-//   compiles on its own with
+//   the fold kernels by the CUDA IPC allreduce (reduce_many), ddl_fold or
+//   ddl_fold_realign likewise.  The same file compiles on its own with
 //       nvcc -std=c++17 -arch=sm_90 -cubin kernels/reduce.cu
 //   and, through tests/cuda_host/cuda_host.h, with g++ for the host test
 //   harness, which runs every (block, thread) of the grid on the CPU.
@@ -379,6 +386,70 @@ __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, T* c
         fold_one<T, Step, Last, ARG>(dst, s, k, e, m, i, arg);
 }
 
+// The fold where operands lie at other offsets modulo 16 than dst (the IPC allreduce of a view one element
+// in, out of place into fresh outputs): dst and every extra destination at one offset, each operand at its
+// own.  128-bit stores from dst's first boundary on, each operand word cut from the two aligned words it
+// straddles (realign), with realign_grid's bounds over every operand.  An operand at dst's offset may be an
+// output (the header) and is read as one coherent word; one at another offset is none (the destinations all
+// lie at dst's), so it is read through the non-coherent cache, where the neighbour thread's second load of a
+// word mostly hits L1.
+template <class T>
+__device__ __forceinline__ uint4 operand_word(const T* p, u64 body, u64 i) {
+    const u64 at = (u64)(p + body);
+    const unsigned sh = (unsigned)(at & 15);
+    const uint4* w = reinterpret_cast<const uint4*>(at - sh) + i;
+    return sh ? realign(__ldg(w), __ldg(w + 1), sh) : __ldcg(w);
+}
+
+template <class T, class Step, class Last, class ARG>
+__device__ __forceinline__ void fold_realign_grid(T* dst, const T* const* s, int k, T* const* e, int m, u64 n,
+                                                  ARG arg) {
+    const int V = 16 / sizeof(T);
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    u64 body = ((16 - ((u64)dst & 15)) & 15) / sizeof(T);  // dst's first 16-byte boundary
+    unsigned back = 0;  // bytes the furthest-reaching operand's first word starts before its element
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (j < k) {
+            const unsigned sh = (unsigned)(((u64)s[j] + body * sizeof(T)) & 15);
+            back = sh > back ? sh : back;
+        }
+    if (body < back / sizeof(T)) body += V;  // a word further on: the same offsets modulo 16
+    u64 words = 0;
+    if (body + V <= n) {
+        words = (n - body) / V;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (j < k) {
+                const unsigned sh = (unsigned)(((u64)s[j] + body * sizeof(T)) & 15);
+                const u64 w = (n - body - V + sh / sizeof(T)) / V;  // word i reads its aligned words i and i + 1
+                if (sh && w < words) words = w;
+            }
+    }
+    const u64 head = body < n ? body : n;
+    for (u64 i = tid; i < head; i += stride) fold_one<T, Step, Last, ARG>(dst, s, k, e, m, i, arg);
+    uint4* dv = reinterpret_cast<uint4*>(dst + body);
+    for (u64 i = tid; i < words; i += stride) {
+        Vec16<T> acc, x;
+        acc.u = operand_word(s[0], body, i);
+#pragma unroll
+        for (int j = 1; j < 8; ++j) {
+            if (j < k) {
+                x.u = operand_word(s[j], body, i);
+#pragma unroll
+                for (int v = 0; v < V; ++v) acc.v[v] = fold_step<T, Step, Last, ARG>(acc.v[v], x.v[v], j, k, arg);
+            }
+        }
+        dv[i] = acc.u;
+#pragma unroll
+        for (int j = 0; j < 7; ++j)
+            if (j < m) __stwb(reinterpret_cast<uint4*>(e[j] + body) + i, acc.u);
+    }
+    for (u64 i = head + words * V + tid; i < n; i += stride)
+        fold_one<T, Step, Last, ARG>(dst, s, k, e, m, i, arg);
+}
+
 }  // namespace ddl
 
 // ---- the exported kernels (unmangled names for Module.get_function) ----------
@@ -417,16 +488,20 @@ DDL_REDUCE_KERNELS(DDL_DEFINE_REALIGN)
 
 #define DDL_FOLD_KERNELS(X) DDL_OPS(X, Fold)
 
-#define DDL_DEFINE_FOLD(OPNAME, OPF, SUF, T, ARG)                                                    \
+// KIND: fold or fold_realign, the kernel ddl_KIND_<op>_<t> running ddl::KIND_grid.
+#define DDL_DEFINE_FOLDING(KIND, OPNAME, OPF, SUF, T, ARG)                                              \
     extern "C" __global__ void __launch_bounds__(256, 4)                                                \
-    ddl_fold_##OPNAME##_##SUF(T* dst, unsigned long long n, ARG arg, int k, int m, const T* s0,         \
-                              const T* s1, const T* s2, const T* s3, const T* s4, const T* s5,          \
-                              const T* s6, const T* s7, T* e0, T* e1, T* e2, T* e3, T* e4, T* e5,       \
-                              T* e6) {                                                                  \
+    ddl_##KIND##_##OPNAME##_##SUF(T* dst, unsigned long long n, ARG arg, int k, int m, const T* s0,     \
+                                  const T* s1, const T* s2, const T* s3, const T* s4, const T* s5,      \
+                                  const T* s6, const T* s7, T* e0, T* e1, T* e2, T* e3, T* e4, T* e5,   \
+                                  T* e6) {                                                              \
         const T* s[8] = {s0, s1, s2, s3, s4, s5, s6, s7};                                              \
         T* e[7] = {e0, e1, e2, e3, e4, e5, e6};                                                        \
-        ddl::fold_grid<T, typename ddl::OPF<T>::Step, typename ddl::OPF<T>::Last, ARG>(dst, s, k, e, m, n, \
-                                                                                        arg);           \
+        ddl::KIND##_grid<T, typename ddl::OPF<T>::Step, typename ddl::OPF<T>::Last, ARG>(dst, s, k, e, m, n, \
+                                                                                          arg);         \
     }
+#define DDL_DEFINE_FOLD(OPNAME, OPF, SUF, T, ARG) DDL_DEFINE_FOLDING(fold, OPNAME, OPF, SUF, T, ARG)
+#define DDL_DEFINE_FOLD_REALIGN(OPNAME, OPF, SUF, T, ARG) DDL_DEFINE_FOLDING(fold_realign, OPNAME, OPF, SUF, T, ARG)
 
 DDL_FOLD_KERNELS(DDL_DEFINE_FOLD)
+DDL_FOLD_KERNELS(DDL_DEFINE_FOLD_REALIGN)

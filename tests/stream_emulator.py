@@ -856,9 +856,10 @@ class EmuBackend(DeviceBackend):
         self.emu.enqueue(self.compute_stream(), self._mapped(fn, dst, a, b), name)
 
     def _launch_fold(self, name, dst, srcs, n, arg, also=()):
-        """kernels/reduce.cu's ddl_fold, one queued operation: the chain of two-operand reductions over
-        ``srcs`` ("avg" scaling in the last step) into ``dst`` and every buffer of ``also``."""
-        _, _, op, suf = name.split("_")
+        """kernels/reduce.cu's ddl_fold (or ddl_fold_realign: the same bits), one queued operation: the chain of
+        two-operand reductions over ``srcs`` ("avg" scaling in the last step) into ``dst`` and every buffer of
+        ``also``."""
+        op, suf = name.split("_")[-2:]
         typed = (lambda v: _queued(v).view(BFLOAT16)) if suf == "bf16" else _queued
         d, xs, es = typed(dst), [typed(x) for x in srcs], [typed(e) for e in also]
         p = (int(arg) if suf.startswith("i") else int(round(1.0 / float(arg)))) if op == "avg" else None

@@ -8,7 +8,8 @@
   stack frame, every kernel of the file must be there, and the reduce and
   pack kernels must move their bulk with 128-bit global loads and stores
   (the float32 reduce: ``ld.global.v4`` / ``ld.global.nc.v4``; every reduce's
-  realigned path: ``ld.global.ca.v4`` and funnel shifts).
+  realigned path: ``ld.global.ca.v4`` and funnel shifts; the realigning fold's: ``ld.global.nc.v4``
+  and funnel shifts).
 * every Numba kernel with ``numba.cuda.compile_ptx`` for sm_70/80/90, then
   ptxas (pip CUDA 12.9) for registers and spills.
 """
@@ -30,7 +31,8 @@ import _kernel_ref as K  # noqa: E402
 from ddlkernels.kernels import numba_cuda as N  # noqa: E402
 from ddlkernels.kernels.sources import SOURCES, kernel_dir  # noqa: E402
 
-REDUCE = {f"ddl_{kind}_{op}_{K.SUFFIX[dt]}" for kind in ("reduce", "realign", "fold") for op in K.OPS for dt in K.DTYPES}
+REDUCE = {f"ddl_{kind}_{op}_{K.SUFFIX[dt]}" for kind in ("reduce", "realign", "fold", "fold_realign")
+          for op in K.OPS for dt in K.DTYPES}
 EXPECTED = {"reduce.cu": REDUCE, "pack.cu": {"ddl_pack", "ddl_unpack"}}
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,6 +147,22 @@ def test_every_realign_kernel_moves_128_bit_words_and_no_reduce_kernel_realigns(
             body = entries[f"ddl_realign_{name}"]
             assert "ld.global.ca.v4" in body and "shf.r" in body and C.vectorized(body), f"ddl_realign_{name}"
             assert "shf.r" not in entries[f"ddl_reduce_{name}"], f"ddl_reduce_{name}"
+
+
+@needs_nvcc
+def test_every_fold_realign_kernel_moves_128_bit_words_and_no_fold_kernel_realigns():
+    """ddl_fold_realign (operands at other offsets modulo 16 than the outputs) moves 128-bit words: each
+    realigned operand through the non-coherent cache, funnel shifts of each word's two halves, 128-bit stores.
+    ddl_fold has none of that path."""
+    ok, log, ptx = _nvcc("reduce.cu", 90)
+    assert ok, log
+    entries = C.ptx_entries(ptx)
+    for op in K.OPS:
+        for dt in K.DTYPES:
+            name = f"{op}_{K.SUFFIX[dt]}"
+            body = entries[f"ddl_fold_realign_{name}"]
+            assert "ld.global.nc.v4" in body and "shf.r" in body and C.vectorized(body), f"ddl_fold_realign_{name}"
+            assert "shf.r" not in entries[f"ddl_fold_{name}"], f"ddl_fold_{name}"
 
 
 @needs_ptxas

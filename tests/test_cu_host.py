@@ -33,6 +33,8 @@ GUARD = 5
 # (grid, block, reverse): a single thread does everything; fewer threads than
 # elements (grid-stride loops wrap); more threads than elements.
 LAUNCHES = ((1, 1, False), (3, 32, True), (4, 128, False))
+#: The fold kernels of kernels/reduce.cu: ddl_fold, and ddl_fold_realign for operands at other offsets than dst.
+FOLDS = ("fold", "fold_realign")
 # The two pairwise kernels of each op x dtype: ddl_reduce (pointers at one offset modulo 16) and ddl_realign
 # (an operand at another); each must be right for any pointers.
 KINDS = ("reduce", "realign")
@@ -182,16 +184,19 @@ def fold_case(dtype, op, n, k):
 
 
 def test_every_fold_kernel_is_listed(harness):
-    assert set(harness.fold_kernels()) == {f"ddl_fold_{op}_{K.SUFFIX[dt]}" for op in K.OPS for dt in K.DTYPES}
+    assert set(harness.fold_kernels()) == {f"ddl_{kind}_{op}_{K.SUFFIX[dt]}" for kind in FOLDS for op in K.OPS
+                                           for dt in K.DTYPES}
 
 
+@pytest.mark.parametrize("kind", FOLDS)
 @pytest.mark.parametrize("op", K.OPS)
 @pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
-def test_fold_is_the_chain_of_two_operand_reductions(harness, dtype, op):
-    """ddl_fold: the bits of k - 1 two-operand reductions in a row ("avg" scaling in the last only), for k = 2,
-    3, 5 and 8 operands, on the vector path (with and without a scalar head), mixed alignments (all scalar),
-    every launch shape, dst as its own first operand (a fold continued), nothing written outside [0, n)."""
-    name = f"ddl_fold_{op}_{K.SUFFIX[dtype]}"
+def test_fold_is_the_chain_of_two_operand_reductions(harness, dtype, op, kind):
+    """ddl_fold and ddl_fold_realign: the bits of k - 1 two-operand reductions in a row ("avg" scaling in the
+    last only), for k = 2, 3, 5 and 8 operands, on the vector path (with and without a scalar head), mixed
+    alignments (ddl_fold: all scalar; ddl_fold_realign: realigned words), every launch shape, dst as its own
+    first operand (a fold continued), nothing written outside [0, n)."""
+    name = f"ddl_{kind}_{op}_{K.SUFFIX[dtype]}"
     v = 16 // dtype.itemsize
     for n in (0, 1, v + 1, 67, 257):
         for k in (2, 3, 5, 8):
@@ -207,11 +212,12 @@ def test_fold_is_the_chain_of_two_operand_reductions(harness, dtype, op):
                         _, s = aligned(n, dtype, offs[j + 1])
                         s[:] = ops[j]
                         srcs.append(s)
-                    # extra destinations: none, one, 7 (the most), at dst's offset; of 7 the last one element
+                    # extra destinations: none, one, 7 (the most), at dst's offset; ddl_fold's 7th one element
                     # off, which leaves the vector path for the scalar one (cuda_host.h stops on a misaligned
-                    # 128-bit access, as a GPU faults)
+                    # 128-bit access, as a GPU faults; ddl_fold_realign requires them all at dst's offset)
                     m = (0, 1, 7)[(k + n) % 3]
-                    extras = [aligned(n, dtype, offs[0] + (m == 7 and j == 6)) for j in range(m)]
+                    off = m == 7 and kind == "fold"
+                    extras = [aligned(n, dtype, offs[0] + (off and j == 6)) for j in range(m)]
                     before = [K.bits_view(w).copy() for w in [wd] + [w for w, _ in extras]]
                     harness.fold(name, d, srcs, arg, grid, block, rev, also=[e for _, e in extras])
                     for w, got, b in zip([wd] + [w for w, _ in extras], [d] + [e for _, e in extras], before):
@@ -233,13 +239,15 @@ def test_fold_is_the_chain_of_two_operand_reductions(harness, dtype, op):
             assert ok, f"{name} k={k} n={n} in place: first mismatch at {bad}"
 
 
+@pytest.mark.parametrize("kind", FOLDS)
 @pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
-def test_fold_operands_at_any_offset(harness, dtype):
+def test_fold_operands_at_any_offset(harness, dtype, kind):
     """2 and 3 operands at every offset against dst's (and an extra destination's, at dst's), every length
-    around a few words: the chain's bits on the vector path (all alike) and on the element path (operands
-    elsewhere), and no load outside the arrays."""
+    around a few words: the chain's bits on the vector path (all alike) and, operands elsewhere, on ddl_fold's
+    element path and ddl_fold_realign's realigned words, and no load outside the arrays (a realigned word
+    reads two aligned ones)."""
     v = 16 // dtype.itemsize
-    name = f"ddl_fold_sum_{K.SUFFIX[dtype]}"
+    name = f"ddl_{kind}_sum_{K.SUFFIX[dtype]}"
     for n in range(0, 3 * v + 2):
         for k in (2, 3):
             ops, ref = fold_case(dtype, "sum", n, k)
@@ -321,6 +329,34 @@ def test_reduce_many_launches_folds_of_8_with_the_chains_bits(harness, dtype, op
             assert be.copies == max(0, m - 7)
             assert all(("avg" in name) == (op == "avg" and i == len(be.launches) - 1) for i, (name, _, _) in
                        enumerate(be.launches))
+
+
+@pytest.mark.parametrize("dtype", K.DTYPES, ids=lambda d: K.SUFFIX[d])
+def test_reduce_many_takes_the_realigning_fold_for_operands_off_the_outputs_offset(harness, dtype):
+    """Operands one element in (a view's shards) folded into outputs at another offset: ddl_fold_realign, in
+    every launch of a fold past 8 operands; ddl_fold where every operand shares dst's offset, and where an
+    output of the launch does not (its element path); the chain's bits in every output."""
+    from ddlkernels.backends._device import DeviceBackend
+
+    v = 16 // dtype.itemsize
+    n = 4 * v + 3
+    store = (lambda a: a.view(np.uint16)) if dtype == K.BFLOAT16 else (lambda a: a)
+    for k, src_at, out_at, m, want in ((2, 1, 0, 1, ["fold_realign"]), (3, 0, 0, 2, ["fold"]),
+                                       (3, 1, 1, 2, ["fold"]), (11, 1, 0, 3, ["fold_realign"] * 2),
+                                       (4, (0, 1), 0, 0, ["fold_realign"])):
+        ops = [K.make_pair(dtype, n, seed=3 * k + j)[j % 2] for j in range(k)]
+        srcs = []
+        for j in range(k):
+            _, x = aligned(n, dtype, src_at[j % 2] if isinstance(src_at, tuple) else src_at)
+            x[:] = ops[j]
+            srcs.append(x)
+        dst = aligned(n, dtype, out_at)[1]
+        also = [aligned(n, dtype, out_at + (want == ["fold"] and src_at == 0 and j == m - 1))[1] for j in range(m)]
+        be = _FoldingBackend(harness)
+        DeviceBackend.reduce_many(be, "sum", store(dst), [store(x) for x in srcs], also=[store(e) for e in also])
+        assert [name.split("_sum_")[0][4:] for name, _, _ in be.launches] == want, (k, src_at, out_at, m)
+        for got in [dst, *also]:
+            assert K.compare(got, K.chain("sum", ops), "sum")[0], (k, src_at, out_at, m)
 
 
 @pytest.mark.parametrize("op", K.OPS)

@@ -15,7 +15,8 @@
 * the fold of 4 operands (the CUDA IPC allreduce's reduce-scatter at 4 ranks): one ``ddl_fold`` launch
   against the chain of 3 reduce launches it replaces, the same bits; and the fold writing 4 destinations
   (the IPC allreduce out of place) against the fold and 3 copies; and the fold of the allreduce where 2
-  ranks share one GPU (2 inputs of 256 MiB into 2 outputs) against torch.add and a copy;
+  ranks share one GPU (2 inputs of 256 MiB into 2 outputs) against torch.add and a copy; and 2 operands one
+  element in folded into 2 aligned outputs, ``ddl_fold_realign`` against ``ddl_fold``'s element path;
 * pack: 182 tensors of a ResNet-like mix of sizes (313 MiB) into one buffer against ``torch.cat``,
   by the CuPy backend and by the Numba one (the same table of kernels/pack.cu, read in 8-byte words).
 
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
+from ddlkernels.backends._device import _kernel_op  # noqa: E402
 from ddlkernels.tools.bench import parse_size  # noqa: E402
 
 
@@ -224,6 +226,34 @@ def main(argv=None):
           f"{one_gpu['fold']:.3f} ms ({4 * (256 << 20) / one_gpu['fold'] / 1e6:.0f} GB/s moved), torch.add + copy "
           f"{one_gpu['torch']:.3f} ms; the allreduce's bus bandwidth at most "
           f"{(256 << 20) / one_gpu['fold'] / 1e6:.0f} GB/s")
+    # Operands one element in (the IPC allreduce of a view, out of place): ddl_fold_realign, which reduce_many
+    # takes there, against ddl_fold's element path on the same pointers; 2 operands of 128 MiB, 2 outputs.  The
+    # reference: the pairwise reduce (ddl_realign).
+    realign_ms = {}
+
+    def differ(outs, ref):
+        return sum(int(cp.count_nonzero(o.view(f"u{o.dtype.itemsize}") != ref.view(f"u{o.dtype.itemsize}")))
+                   for o in outs)
+
+    for dname, dt in (("float32", np.float32), ("float16", np.float16)):
+        n = (128 << 20) // np.dtype(dt).itemsize
+        xo = [cp.random.rand(n + 1).astype(dt)[1:] for _ in range(2)]
+        oo = [cp.empty(n, dt) for _ in range(2)]
+        suf = "f32" if dname == "float32" else "f16"
+        arg = _kernel_op("sum", suf, None)[1]
+        ref = cp.empty(n, dt)
+        be.reduce("sum", ref, xo[0], xo[1])
+        realigned = _events_ms_each(cp, {
+            "fold_realign": lambda: be.reduce_many("sum", oo[0], xo, also=oo[1:]),
+            "fold": lambda: be._launch_fold(f"ddl_fold_sum_{suf}", oo[0], xo, n, arg, oo[1:])},
+            args.iters)
+        wrong += differ(oo, ref)  # the element path's, timed last
+        be.reduce_many("sum", oo[0], xo, also=oo[1:])
+        wrong += differ(oo, ref)
+        realign_ms[dname] = realigned
+        print(f"# fold of 2 x 128 MiB {dname} one element in, into 2 aligned outputs: ddl_fold_realign "
+              f"{realigned['fold_realign']:.3f} ms, ddl_fold's element path {realigned['fold']:.3f} ms "
+              f"({realigned['fold'] / realigned['fold_realign']:.2f}x)")
     # Host time per launch, 1 MiB float32.
     n = (1 << 20) // 4
     a, b, out = cp.random.rand(n, dtype=np.float32), cp.random.rand(n, dtype=np.float32), cp.empty(n, np.float32)
@@ -291,6 +321,7 @@ def main(argv=None):
                        "fold4_ms": fold_ms, "chain3_ms": chain_ms,
                        "fold4_into4_ms": multi_ms, "fold4_copies3_ms": copies_ms,
                        "fold2_into2_256M_ms": one_gpu["fold"], "add_copy_256M_ms": one_gpu["torch"],
+                       "fold2_into2_off1_128M_ms": realign_ms,
                        "pack": {"tensors": len(tensors), "bytes": nbytes, "ms": pack_ms, "torch_cat_ms": cat_ms,
                                 "numba_ms": npack_ms},
                        "wrong": wrong}, f, indent=1)

@@ -101,6 +101,17 @@ def negative_zero(dtype):
     return dt.type(-0.0) if dt.kind == "f" else dt.type(0)
 
 
+def _fold_kind(ptr, at, srcs, outs) -> str:
+    """The fold kernel for operands ``srcs`` into the output at address ``at`` and ``outs`` (``ptr``: an array's
+    address): "fold_realign" where some operand lies at another offset modulo 16 than every output (a view one
+    element in, folded into fresh outputs: its words cut from aligned loads), else "fold" (128-bit words where
+    every pointer shares the offset, one element at a time where not)."""
+    o = at & 15
+    if all(ptr(x) & 15 == o for x in srcs) or any(ptr(e) & 15 != o for e in outs):
+        return "fold"
+    return "fold_realign"
+
+
 def _disjoint(spans) -> bool:
     """Whether the byte ranges ``[lo, hi)`` of ``spans`` (sorted, none empty) overlap nowhere."""
     return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
@@ -374,9 +385,10 @@ class DeviceBackend(Backend):
 
         An operand may be exactly ``dst`` or exactly a buffer of ``also`` (the in-place IPC allreduce folds
         into the buffers it reads); ``dst`` and ``also``'s buffers do not overlap.  A backend with fold kernels
-        (``_launch_fold``: kernels/reduce.cu's ddl_fold) reads each operand once and writes ``dst`` and up to
-        7 of ``also`` once, in one launch for up to 8 operands (in groups of 8 onto the partial result
-        beyond), where the chain reads and writes the partial result at every step.  Where that cannot
+        (``_launch_fold``: kernels/reduce.cu's ddl_fold, or ddl_fold_realign for operands at other offsets
+        modulo 16 than the outputs) reads each operand once and writes ``dst`` and up to 7 of ``also`` once,
+        in one launch for up to 8 operands (in groups of 8 onto the partial result beyond), where the chain
+        reads and writes the partial result at every step.  Where that cannot
         serve an operand that is (or overlaps) an output (no fold kernels, ``dst`` itself past the first 8
         operands, which the first launch overwrites before a later one reads it, a partial overlap), the
         result is made in a scratch buffer and copied."""
@@ -424,7 +436,8 @@ class DeviceBackend(Backend):
         while rest:
             group += [rest.pop(0) for _ in range(min(8 - len(group), len(rest)))]
             kop, arg = _kernel_op(op, suf, None if rest else avg_p)  # "avg" scales in the last launch only
-            launch(f"ddl_fold_{kop}_{suf}", dst, group, n, arg, [] if rest else also[:7])
+            extra = [] if rest else also[:7]
+            launch(f"ddl_{_fold_kind(self._ptr, at, group, extra)}_{kop}_{suf}", dst, group, n, arg, extra)
             group = [dst]  # the next 7 operands fold onto the partial result
         for e in also[7:]:
             self.copy(e, dst)

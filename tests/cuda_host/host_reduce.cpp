@@ -42,8 +42,8 @@ extern "C" int host_reduce(const char* name, unsigned grid, unsigned block, int 
     return -1;
 }
 
-// The fold kernels (DDL_FOLD_KERNELS): srcs holds 8 operand addresses, the first k used; extra holds 7
-// destination addresses, the first m used.
+// The fold kernels (DDL_FOLD_KERNELS, as ddl_fold and ddl_fold_realign): srcs holds 8 operand addresses, the
+// first k used; extra holds 7 destination addresses, the first m used.
 typedef void (*host_fold_fn)(unsigned, unsigned, bool, void*, const void* const*, int, void* const*, int,
                              unsigned long long, double);
 
@@ -52,17 +52,19 @@ struct HostFoldEntry {
     host_fold_fn run;
 };
 
-#define DDL_HOST_FOLD(OPNAME, OPF, SUF, T, ARG)                                                          \
-    {"ddl_fold_" #OPNAME "_" #SUF,                                                                       \
+#define DDL_HOST_FOLDING(KIND, OPNAME, OPF, SUF, T, ARG)                                                 \
+    {"ddl_" #KIND "_" #OPNAME "_" #SUF,                                                                  \
      [](unsigned gx, unsigned bx, bool rev, void* d, const void* const* s, int k, void* const* e, int m,  \
         unsigned long long n, double arg) {                                                              \
-         ddl_host_launch(ddl_fold_##OPNAME##_##SUF, dim3(gx), dim3(bx), rev, (T*)d, n, (ARG)arg, k, m,  \
+         ddl_host_launch(ddl_##KIND##_##OPNAME##_##SUF, dim3(gx), dim3(bx), rev, (T*)d, n, (ARG)arg, k, m, \
                          (const T*)s[0], (const T*)s[1], (const T*)s[2], (const T*)s[3], (const T*)s[4],  \
                          (const T*)s[5], (const T*)s[6], (const T*)s[7], (T*)e[0], (T*)e[1], (T*)e[2],    \
                          (T*)e[3], (T*)e[4], (T*)e[5], (T*)e[6]);                                         \
      }},
+#define DDL_HOST_FOLD(OPNAME, OPF, SUF, T, ARG) DDL_HOST_FOLDING(fold, OPNAME, OPF, SUF, T, ARG)
+#define DDL_HOST_FOLD_REALIGN(OPNAME, OPF, SUF, T, ARG) DDL_HOST_FOLDING(fold_realign, OPNAME, OPF, SUF, T, ARG)
 
-static const HostFoldEntry kFolds[] = {DDL_FOLD_KERNELS(DDL_HOST_FOLD)};
+static const HostFoldEntry kFolds[] = {DDL_FOLD_KERNELS(DDL_HOST_FOLD) DDL_FOLD_KERNELS(DDL_HOST_FOLD_REALIGN)};
 
 extern "C" int host_fold_count() { return (int)(sizeof(kFolds) / sizeof(kFolds[0])); }
 
