@@ -339,6 +339,57 @@ __device__ __forceinline__ void fold_one(T* dst, const T* const* s, int k, T* co
         if (j < m) e[j][i] = acc;
 }
 
+// Word i of an operand's body, the elements from ``body`` on, whose store in dst is 16-byte aligned.  The
+// operands' addresses come from an array, which loses their global state space: __ldcg / __ldg name it, so
+// the accesses stay 128-bit global ones.
+template <class T> struct CoherentWord {
+    // The operand shares dst's offset.  Coherent loads (cached in L2, not L1): an operand may be a buffer
+    // this kernel writes (the header), which the non-coherent cache does not allow.
+    static __device__ __forceinline__ uint4 at(const T* p, u64 body, u64 i) {
+        return __ldcg(reinterpret_cast<const uint4*>(p + body) + i);
+    }
+};
+
+template <class T> struct RealignedWord {
+    // The operand at any offset: one at dst's may be an output, read as CoherentWord; one at another offset
+    // is none (ddl_fold_realign's destinations all lie at dst's), so its word is cut from the two aligned
+    // ones it straddles (realign) through the non-coherent cache, where the neighbour thread's second load
+    // of a word mostly hits L1.
+    static __device__ __forceinline__ uint4 at(const T* p, u64 body, u64 i) {
+        const u64 a = (u64)(p + body);
+        const unsigned sh = (unsigned)(a & 15);
+        const uint4* w = reinterpret_cast<const uint4*>(a - sh) + i;
+        return sh ? realign(__ldg(w), __ldg(w + 1), sh) : __ldcg(w);
+    }
+};
+
+// The fold's 128-bit body: words [0, words) from element ``body`` on, each operand's word read by Word.
+template <class T, class Step, class Last, class ARG, class Word>
+__device__ __forceinline__ void fold_words(T* dst, const T* const* s, int k, T* const* e, int m, u64 body,
+                                           u64 words, ARG arg) {
+    const int V = 16 / sizeof(T);
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    uint4* dv = reinterpret_cast<uint4*>(dst + body);
+    for (u64 i = tid; i < words; i += stride) {
+        Vec16<T> acc, x;
+        acc.u = Word::at(s[0], body, i);
+#pragma unroll
+        for (int j = 1; j < 8; ++j) {
+            if (j < k) {
+                x.u = Word::at(s[j], body, i);
+#pragma unroll
+                for (int v = 0; v < V; ++v) acc.v[v] = fold_step<T, Step, Last, ARG>(acc.v[v], x.v[v], j, k, arg);
+            }
+        }
+        dv[i] = acc.u;
+        // The extra destinations come from an array too: __stwb names the global state space.
+#pragma unroll
+        for (int j = 0; j < 7; ++j)
+            if (j < m) __stwb(reinterpret_cast<uint4*>(e[j] + body) + i, acc.u);
+    }
+}
+
 template <class T, class Step, class Last, class ARG>
 __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, T* const* e, int m, u64 n, ARG arg) {
     const int V = 16 / sizeof(T);
@@ -361,46 +412,15 @@ __device__ __forceinline__ void fold_grid(T* dst, const T* const* s, int k, T* c
     for (u64 i = tid; i < head; i += stride) fold_one<T, Step, Last, ARG>(dst, s, k, e, m, i, arg);
     if (!vec) return;
     const u64 nvec = (n - head) / V;
-    uint4* dv = reinterpret_cast<uint4*>(dst + head);
-    for (u64 i = tid; i < nvec; i += stride) {
-        // The operands' addresses come from an array, which loses their global state space: __ldcg names
-        // it, so the accesses stay 128-bit global ones.  Coherent loads (cached in L2, not L1): an operand
-        // may be a buffer this kernel writes (the header), which the non-coherent cache does not allow.
-        Vec16<T> acc, x;
-        acc.u = __ldcg(reinterpret_cast<const uint4*>(s[0] + head) + i);
-#pragma unroll
-        for (int j = 1; j < 8; ++j) {
-            if (j < k) {
-                x.u = __ldcg(reinterpret_cast<const uint4*>(s[j] + head) + i);
-#pragma unroll
-                for (int v = 0; v < V; ++v) acc.v[v] = fold_step<T, Step, Last, ARG>(acc.v[v], x.v[v], j, k, arg);
-            }
-        }
-        dv[i] = acc.u;
-        // The extra destinations come from an array too: __stwb names the global state space.
-#pragma unroll
-        for (int j = 0; j < 7; ++j)
-            if (j < m) __stwb(reinterpret_cast<uint4*>(e[j] + head) + i, acc.u);
-    }
+    fold_words<T, Step, Last, ARG, CoherentWord<T> >(dst, s, k, e, m, head, nvec, arg);
     for (u64 i = head + nvec * V + tid; i < n; i += stride)
         fold_one<T, Step, Last, ARG>(dst, s, k, e, m, i, arg);
 }
 
 // The fold where operands lie at other offsets modulo 16 than dst (the IPC allreduce of a view one element
 // in, out of place into fresh outputs): dst and every extra destination at one offset, each operand at its
-// own.  128-bit stores from dst's first boundary on, each operand word cut from the two aligned words it
-// straddles (realign), with realign_grid's bounds over every operand.  An operand at dst's offset may be an
-// output (the header) and is read as one coherent word; one at another offset is none (the destinations all
-// lie at dst's), so it is read through the non-coherent cache, where the neighbour thread's second load of a
-// word mostly hits L1.
-template <class T>
-__device__ __forceinline__ uint4 operand_word(const T* p, u64 body, u64 i) {
-    const u64 at = (u64)(p + body);
-    const unsigned sh = (unsigned)(at & 15);
-    const uint4* w = reinterpret_cast<const uint4*>(at - sh) + i;
-    return sh ? realign(__ldg(w), __ldg(w + 1), sh) : __ldcg(w);
-}
-
+// own.  128-bit stores from dst's first boundary on, each operand word a RealignedWord, with realign_grid's
+// bounds over every operand.
 template <class T, class Step, class Last, class ARG>
 __device__ __forceinline__ void fold_realign_grid(T* dst, const T* const* s, int k, T* const* e, int m, u64 n,
                                                   ARG arg) {
@@ -429,23 +449,7 @@ __device__ __forceinline__ void fold_realign_grid(T* dst, const T* const* s, int
     }
     const u64 head = body < n ? body : n;
     for (u64 i = tid; i < head; i += stride) fold_one<T, Step, Last, ARG>(dst, s, k, e, m, i, arg);
-    uint4* dv = reinterpret_cast<uint4*>(dst + body);
-    for (u64 i = tid; i < words; i += stride) {
-        Vec16<T> acc, x;
-        acc.u = operand_word(s[0], body, i);
-#pragma unroll
-        for (int j = 1; j < 8; ++j) {
-            if (j < k) {
-                x.u = operand_word(s[j], body, i);
-#pragma unroll
-                for (int v = 0; v < V; ++v) acc.v[v] = fold_step<T, Step, Last, ARG>(acc.v[v], x.v[v], j, k, arg);
-            }
-        }
-        dv[i] = acc.u;
-#pragma unroll
-        for (int j = 0; j < 7; ++j)
-            if (j < m) __stwb(reinterpret_cast<uint4*>(e[j] + body) + i, acc.u);
-    }
+    fold_words<T, Step, Last, ARG, RealignedWord<T> >(dst, s, k, e, m, body, words, arg);
     for (u64 i = head + words * V + tid; i < n; i += stride)
         fold_one<T, Step, Last, ARG>(dst, s, k, e, m, i, arg);
 }

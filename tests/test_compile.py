@@ -134,35 +134,23 @@ def test_f32_reduce_uses_128_bit_loads():
 
 
 @needs_nvcc
-def test_every_realign_kernel_moves_128_bit_words_and_no_reduce_kernel_realigns():
-    """ddl_realign (an operand at another offset modulo 16 than dst) moves 128-bit words: cache-all loads of a
-    (``__ldca``), funnel shifts of each word's two halves.  ddl_reduce has none of that path, whose registers
-    it would carry on every call."""
+@pytest.mark.parametrize("realigning, plain, load", [("realign", "reduce", "ld.global.ca.v4"),
+                                                     ("fold_realign", "fold", "ld.global.nc.v4")])
+def test_every_realigning_kernel_moves_128_bit_words_and_its_plain_twin_does_not_realign(realigning, plain, load):
+    """ddl_realign (an operand at another offset modulo 16 than dst) and ddl_fold_realign (operands at other
+    offsets than the outputs) move 128-bit words: each realigned operand's aligned 128-bit loads (ddl_realign:
+    cache-all loads of a, ``__ldca``; ddl_fold_realign: the non-coherent cache), funnel shifts of each word's
+    two halves, 128-bit stores.  ddl_reduce and ddl_fold have none of that path, whose registers they would
+    carry on every call."""
     ok, log, ptx = _nvcc("reduce.cu", 90)
     assert ok, log
     entries = C.ptx_entries(ptx)
     for op in K.OPS:
         for dt in K.DTYPES:
             name = f"{op}_{K.SUFFIX[dt]}"
-            body = entries[f"ddl_realign_{name}"]
-            assert "ld.global.ca.v4" in body and "shf.r" in body and C.vectorized(body), f"ddl_realign_{name}"
-            assert "shf.r" not in entries[f"ddl_reduce_{name}"], f"ddl_reduce_{name}"
-
-
-@needs_nvcc
-def test_every_fold_realign_kernel_moves_128_bit_words_and_no_fold_kernel_realigns():
-    """ddl_fold_realign (operands at other offsets modulo 16 than the outputs) moves 128-bit words: each
-    realigned operand through the non-coherent cache, funnel shifts of each word's two halves, 128-bit stores.
-    ddl_fold has none of that path."""
-    ok, log, ptx = _nvcc("reduce.cu", 90)
-    assert ok, log
-    entries = C.ptx_entries(ptx)
-    for op in K.OPS:
-        for dt in K.DTYPES:
-            name = f"{op}_{K.SUFFIX[dt]}"
-            body = entries[f"ddl_fold_realign_{name}"]
-            assert "ld.global.nc.v4" in body and "shf.r" in body and C.vectorized(body), f"ddl_fold_realign_{name}"
-            assert "shf.r" not in entries[f"ddl_fold_{name}"], f"ddl_fold_{name}"
+            body = entries[f"ddl_{realigning}_{name}"]
+            assert load in body and "shf.r" in body and C.vectorized(body), f"ddl_{realigning}_{name}"
+            assert "shf.r" not in entries[f"ddl_{plain}_{name}"], f"ddl_{plain}_{name}"
 
 
 @needs_ptxas
