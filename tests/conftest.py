@@ -9,6 +9,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import rank_data, reference, assert_close  # noqa: E402,F401
+import share_files  # noqa: E402
+from share_files import pytest_runtest_protocol  # noqa: E402,F401  (--share-files: tests/share_files.py)
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +24,7 @@ def pytest_addoption(parser):
     parser.addoption("--every-rank-count", action="store_true",
                      help="under mpirun, run every case of each @pytest.mark.sweep test at this rank count, not "
                           "only its share (tests/mpi/conftest.py)")
+    share_files.add_option(parser)
 
 
 def pytest_configure(config):

@@ -1,6 +1,9 @@
 """Run the whole test suite: single-process tests, then the MPI tests under several rank counts.
 
-    python tests/run_suite.py [--ranks 1,2,3,4] [--compile-jobs 2] [pytest args...]
+    python tests/run_suite.py [--ranks 1,2,3,4] [--compile-jobs 2] [--jobs 2] [pytest args...]
+
+The single-process tests run in ``--jobs`` pytest processes side by side, each
+test file in the first one free to take it (tests/share_files.py).
 
 Each MPI run is ``mpirun -n N python -m mpi4py tests/_mpi_pytest.py tests/mpi``
 with ``MPIEXEC_TIMEOUT`` set, so a rank that fails aborts the job (through
@@ -18,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -77,6 +81,36 @@ def run(cmd, env, label):
               f"{LAUNCHES})", flush=True)
 
 
+def run_shared(cmd, env, label, jobs):
+    """``cmd``, a pytest command, in ``jobs`` processes side by side sharing its test files out
+    (tests/share_files.py): (the first nonzero exit or 0, the counts of all)."""
+    if jobs <= 1:
+        return run(cmd, env, label)
+    with tempfile.TemporaryDirectory(prefix="ddl-share-") as where:
+        print(f"\n=== {label}: {jobs} x {' '.join(cmd)} --share-files {where}/claims", flush=True)
+        os.mkdir(os.path.join(where, "claims"))
+        t = time.time()
+        procs = []
+        for j in range(jobs):
+            out = open(os.path.join(where, f"out{j}"), "w+")  # a file, not a pipe: nobody reads until the end
+            procs.append((subprocess.Popen([*cmd, "--share-files", os.path.join(where, "claims"),
+                                            "--basetemp", os.path.join(where, f"tmp{j}")],
+                                           cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True), out))
+        rcs, totals = [], {}
+        for j, (proc, out) in enumerate(procs):
+            rcs.append(proc.wait())
+            out.seek(0)
+            text = out.read()
+            out.close()
+            print(f"--- {label}, process {j + 1} of {jobs}: exit {rcs[-1]}", flush=True)
+            sys.stdout.write(text)
+            for k, v in count(text).items():
+                totals[k] = totals.get(k, 0) + v
+        rc = next((r for r in rcs if r), 0)
+        print(f"=== {label}: exit {rc} in {time.time() - t:.1f} s", flush=True)
+        return rc, totals
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="1,2,3,4", help="comma-separated rank counts for tests/mpi")
@@ -85,6 +119,9 @@ def main(argv=None):
     ap.add_argument("--compile-jobs", type=int, default=2,
                     help="processes compiling the CPU loops into Numba's cache first (python -m ddlkernels "
                          "compile); 0: none, each test run compiles what it calls")
+    ap.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4),
+                    help="pytest processes running the single-process tests side by side (default: the cores, "
+                         "at most 4); 1: one process")
     args, rest = ap.parse_known_args(argv)
     totals = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
     failed_runs = []
@@ -98,7 +135,7 @@ def main(argv=None):
             failed_runs.append(f"compile ahead (exit {rc})")
     if args.only != "mpi":
         cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "tests", "--ignore=tests/mpi", *rest]
-        rc, c = run(cmd, dict(os.environ), "single process")
+        rc, c = run_shared(cmd, dict(os.environ), "single process", args.jobs)
         for k in totals:
             totals[k] += c[k]
         if rc not in (0,):

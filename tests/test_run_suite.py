@@ -51,3 +51,28 @@ def test_a_test_failure_is_not_launched_again(tmp_path):
     script.write_text("import sys\nprint('1 failed in 0.01s')\nsys.exit(1)\n")
     rc, counts = run_suite.run([sys.executable, str(script)], dict(os.environ), "fails")
     assert rc == 1 and counts["failed"] == 1
+
+
+def _passed(out):
+    return [line.split()[0] for line in out.splitlines() if line.endswith("PASSED") or " PASSED " in line]
+
+
+def test_processes_side_by_side_run_every_test_once(capsys):
+    # Three files, two processes: each test passes in exactly one of them, as in one process alone.
+    files = ["tests/test_segments.py", "tests/test_schedule.py", "tests/test_piece_cuts.py"]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *files]
+    rc, alone = run_suite.run_shared(cmd, dict(os.environ), "alone", 1)
+    one = _passed(capsys.readouterr().out)
+    assert rc == 0 and alone["passed"] == len(one) == len(set(one)) > 0
+    rc, shared = run_suite.run_shared(cmd, dict(os.environ), "shared", 2)
+    two = _passed(capsys.readouterr().out)
+    assert rc == 0 and shared == alone
+    assert sorted(two) == sorted(one)
+
+
+def test_a_file_is_claimed_once(tmp_path):
+    import share_files
+
+    assert share_files.claim(str(tmp_path), "tests/test_a.py")
+    assert not share_files.claim(str(tmp_path), "tests/test_a.py")
+    assert share_files.claim(str(tmp_path), "tests/test_b.py")

@@ -116,8 +116,8 @@ def _line(pid, iov, src, dst, b, s, rounds):
             if r:
                 times[name].append(dt)
     gb = {k: covered / float(np.median(v)) / 1e9 for k, v in times.items()}
-    print(f"{b:>6} {s:>6} | {gb['memcpy in']:9.1f} {gb['readv in']:9.1f} {gb['memcpy out']:10.1f} {gb['writev out']:10.1f} |"
-          f" {gb['readv in'] / gb['memcpy in']:12.2f} {gb['writev out'] / gb['memcpy out']:13.2f}", flush=True)
+    print(f"{b:>6} {s:>6} | {gb['memcpy in']:9.3g} {gb['readv in']:9.3g} {gb['memcpy out']:10.3g} {gb['writev out']:10.3g} |"
+          f" {gb['readv in'] / gb['memcpy in']:12.3g} {gb['writev out'] / gb['memcpy out']:13.3g}", flush=True)
 
 
 if __name__ == "__main__":
