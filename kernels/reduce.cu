@@ -24,6 +24,8 @@
 //   * f16 and bf16 are widened to float, combined once in float and rounded
 //     once (round-to-nearest-even) back to storage; float32 holds >= 2p+2 bits
 //     of either, so this equals the correctly rounded half-precision result.
+//     Their sum over 128-bit words computes that result directly, two lanes
+//     an instruction (add.rn.f16x2 / .bf16x2: Words), the same bits.
 //   * avg: floats (a + b) * scale, the product in the accumulation type,
 //     one rounding to storage for f16/bf16; integers floor((a + b) / p).
 //   * integer sum/prod/avg wrap modulo 2^bits like numpy (computed unsigned,
@@ -216,6 +218,39 @@ template <class T> union Vec16 {
     T v[16 / sizeof(T)];
 };
 
+// Op over one 128-bit word of each operand: element by element through Op::apply.
+template <class T, class Op> struct Words {
+    static __device__ __forceinline__ uint4 apply(uint4 a, uint4 b, typename Traits<T>::acc arg) {
+        Vec16<T> x, y, r;
+        x.u = a;
+        y.u = b;
+#pragma unroll
+        for (int k = 0; k < 16 / sizeof(T); ++k) r.v[k] = Op::apply(x.v[k], y.v[k], arg);
+        return r.u;
+    }
+};
+
+// The sum of f16 or bf16 two lanes an instruction (add.rn.f16x2 / .bf16x2; an fma by 1 before sm_90 for
+// bf16), where widening costs 2 conversions an element and a pack per pair.  The same bits as OpSum's one
+// rounding of the float sum (the header: the correctly rounded sum), NaN aside (canonical in both).  _rn: no
+// contraction with a neighbouring multiply.
+template <class H2> __device__ __forceinline__ uint4 add_pairs(uint4 a, uint4 b) {
+    union { uint4 u; H2 h[4]; } x, y, r;
+    x.u = a;
+    y.u = b;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) r.h[k] = __hadd2_rn(x.h[k], y.h[k]);
+    return r.u;
+}
+template <> struct Words<__half, OpSum<__half> > {
+    static __device__ __forceinline__ uint4 apply(uint4 a, uint4 b, float) { return add_pairs<__half2>(a, b); }
+};
+template <> struct Words<__nv_bfloat16, OpSum<__nv_bfloat16> > {
+    static __device__ __forceinline__ uint4 apply(uint4 a, uint4 b, float) {
+        return add_pairs<__nv_bfloat162>(a, b);
+    }
+};
+
 // ---- operands that do not share dst's offset modulo 16 -------------------------------
 // The 16 bytes that start sh bytes into the aligned word lo and run on into the next
 // one, hi (0 < sh < 16): each 32-bit lane is a funnel shift of two neighbours (little
@@ -269,13 +304,10 @@ __device__ __forceinline__ void realign_grid(T* dst, const T* a, const T* __rest
     const uint4* bw = reinterpret_cast<const uint4*>((u64)b + body * sizeof(T) - sb);
     uint4* dw = reinterpret_cast<uint4*>(dst + body);
     for (u64 i = tid; i < words; i += stride) {
-        Vec16<T> x, y, r;
         // a may be dst (then sa == 0): cache-all loads, as ordinary ones (naming the global state space).
-        x.u = sa ? realign(__ldca(aw + i), __ldca(aw + i + 1), sa) : __ldca(aw + i);
-        y.u = sb ? realign(__ldg(bw + i), __ldg(bw + i + 1), sb) : __ldg(bw + i);
-#pragma unroll
-        for (int k = 0; k < V; ++k) r.v[k] = Op::apply(x.v[k], y.v[k], arg);
-        dw[i] = r.u;
+        const uint4 x = sa ? realign(__ldca(aw + i), __ldca(aw + i + 1), sa) : __ldca(aw + i);
+        const uint4 y = sb ? realign(__ldg(bw + i), __ldg(bw + i + 1), sb) : __ldg(bw + i);
+        dw[i] = Words<T, Op>::apply(x, y, arg);
     }
     for (u64 i = head + words * V + tid; i < n; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
 }
@@ -301,14 +333,8 @@ __device__ __forceinline__ void reduce_grid(T* dst, const T* a, const T* __restr
     uint4* dv = reinterpret_cast<uint4*>(dst + head);
     // One word at a time per thread: the CuPy backend launches a thread per word (rounds of several words in
     // flight, unused at that launch, cost registers and so blocks an SM).
-    for (u64 i = tid; i < nvec; i += stride) {
-        Vec16<T> x, y, r;
-        x.u = av[i];          // a may be dst: an ordinary load
-        y.u = __ldg(bv + i);  // b is read-only for the kernel: ld.global.nc
-#pragma unroll
-        for (int k = 0; k < V; ++k) r.v[k] = Op::apply(x.v[k], y.v[k], arg);
-        dv[i] = r.u;
-    }
+    for (u64 i = tid; i < nvec; i += stride)  // a may be dst: an ordinary load; b is read-only: ld.global.nc
+        dv[i] = Words<T, Op>::apply(av[i], __ldg(bv + i), arg);
     for (u64 i = head + nvec * V + tid; i < n; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
 }
 
@@ -367,26 +393,23 @@ template <class T> struct RealignedWord {
 template <class T, class Step, class Last, class ARG, class Word>
 __device__ __forceinline__ void fold_words(T* dst, const T* const* s, int k, T* const* e, int m, u64 body,
                                            u64 words, ARG arg) {
-    const int V = 16 / sizeof(T);
     const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     uint4* dv = reinterpret_cast<uint4*>(dst + body);
     for (u64 i = tid; i < words; i += stride) {
-        Vec16<T> acc, x;
-        acc.u = Word::at(s[0], body, i);
+        uint4 acc = Word::at(s[0], body, i);
 #pragma unroll
         for (int j = 1; j < 8; ++j) {
             if (j < k) {
-                x.u = Word::at(s[j], body, i);
-#pragma unroll
-                for (int v = 0; v < V; ++v) acc.v[v] = fold_step<T, Step, Last, ARG>(acc.v[v], x.v[v], j, k, arg);
+                const uint4 x = Word::at(s[j], body, i);
+                acc = j == k - 1 ? Words<T, Last>::apply(acc, x, arg) : Words<T, Step>::apply(acc, x, arg);
             }
         }
-        dv[i] = acc.u;
+        dv[i] = acc;
         // The extra destinations come from an array too: __stwb names the global state space.
 #pragma unroll
         for (int j = 0; j < 7; ++j)
-            if (j < m) __stwb(reinterpret_cast<uint4*>(e[j] + body) + i, acc.u);
+            if (j < m) __stwb(reinterpret_cast<uint4*>(e[j] + body) + i, acc);
     }
 }
 

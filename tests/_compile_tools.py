@@ -147,11 +147,11 @@ def ptxas(ptx: str, arch: int) -> tuple[bool, str]:
 
 
 def ptx_entries(ptx: str) -> dict:
-    """``{entry name: body}`` of every ``.entry`` in a PTX text."""
-    out = {}
-    for m in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\n\}", ptx, re.S):
-        out[m.group(1)] = m.group(2)
-    return out
+    """``{entry name: body}`` of every ``.entry`` in a PTX text: the text up to the next entry (a line "}" does
+    not end one: inline asm such as cuda_fp16.h's ``{add.rn.f16x2 ...;\n}`` writes such lines too)."""
+    starts = list(re.finditer(r"\.entry\s+(\w+)\s*\(", ptx))
+    ends = [m.start() for m in starts[1:]] + [len(ptx)]
+    return {m.group(1): ptx[m.end():end] for m, end in zip(starts, ends)}
 
 
 _V128 = re.compile(r"\b(ld|st)\.global(\.(?:nc|wb|cg|cs|ca|lu|cv|wt))?(\.L\w+::\w+)*\.(v4\.[bfsu]32|v2\.[bfsu]64)\b")

@@ -9,7 +9,7 @@
   pack kernels must move their bulk with 128-bit global loads and stores
   (the float32 reduce: ``ld.global.v4`` / ``ld.global.nc.v4``; every reduce's
   realigned path: ``ld.global.ca.v4`` and funnel shifts; the realigning fold's: ``ld.global.nc.v4``
-  and funnel shifts).
+  and funnel shifts), and the f16 / bf16 sums must add two lanes an instruction.
 * every Numba kernel with ``numba.cuda.compile_ptx`` for sm_70/80/90, then
   ptxas (pip CUDA 12.9) for registers and spills.
 """
@@ -151,6 +151,25 @@ def test_every_realigning_kernel_moves_128_bit_words_and_its_plain_twin_does_not
             body = entries[f"ddl_{realigning}_{name}"]
             assert load in body and "shf.r" in body and C.vectorized(body), f"ddl_{realigning}_{name}"
             assert "shf.r" not in entries[f"ddl_{plain}_{name}"], f"ddl_{plain}_{name}"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch, f16, bf16", [(80, "add.rn.f16x2", "fma.rn.bf16x2"),
+                                             (90, "add.rn.f16x2", "add.rn.bf16x2")])
+def test_the_half_sums_add_two_lanes_an_instruction(arch, f16, bf16):
+    """The sum of f16 and bf16 words adds pairs of lanes (``__hadd2_rn``: add.rn.f16x2; bf16 add.rn.bf16x2 from
+    sm_90 on, an fma by 1 before), in every kind of kernel, where widening to float took 2 conversions an
+    element; avg, whose scale multiplies the float sum, and the other ops stay widened."""
+    ok, log, ptx = _nvcc("reduce.cu", arch)
+    assert ok, log
+    entries = C.ptx_entries(ptx)
+    for kind in ("reduce", "realign", "fold", "fold_realign"):
+        for suf, paired in (("f16", f16), ("bf16", bf16)):
+            assert paired in entries[f"ddl_{kind}_sum_{suf}"], f"ddl_{kind}_sum_{suf}"
+            for op in ("prod", "max", "min"):
+                assert paired not in entries[f"ddl_{kind}_{op}_{suf}"], f"ddl_{kind}_{op}_{suf}"
+    # avg's pairwise kernels widen; its folds add pairs in every step but the last, which scales.
+    assert f16 not in entries["ddl_reduce_avg_f16"] and f16 in entries["ddl_fold_avg_f16"]
 
 
 @needs_ptxas
