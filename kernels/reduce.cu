@@ -232,7 +232,7 @@ template <class T, class Op> struct Words {
 
 // The sum of f16 or bf16 two lanes an instruction (add.rn.f16x2 / .bf16x2; an fma by 1 before sm_90 for
 // bf16), where widening costs 2 conversions an element and a pack per pair.  The same bits as OpSum's one
-// rounding of the float sum (the header: the correctly rounded sum), NaN aside (canonical in both).  _rn: no
+// rounding of the float sum (the header: both are the correctly rounded sum); a NaN stays a NaN.  _rn: no
 // contraction with a neighbouring multiply.
 template <class H2> __device__ __forceinline__ uint4 add_pairs(uint4 a, uint4 b) {
     union { uint4 u; H2 h[4]; } x, y, r;
