@@ -22,6 +22,8 @@ The lines (each where it can run; ``sweep``'s ``missing`` says why one could not
                         labels (k the largest divisor of p below p)
     ddlkernels staged   ipc=False, cuda_aware=False: through pinned host memory, the ring's chunks or
                         "host"'s pieces (ddlkernels.algorithms.host), as its tuner settled
+    ddlkernels torch    the first line's Communicator on torch CUDA tensors: what a PyTorch user calls
+                        (no copy: the tensors' memory, on torch's current stream)
     hand-rolled         copy down into pinned memory, MPI's collective, copy back: the loop users write
     mpi device          MPI's collective on the CuPy buffers themselves, where MPI is CUDA-aware
     gloo                torch.distributed's gloo on CUDA tensors
@@ -280,9 +282,17 @@ def _lines(comm, dev, dtype, kind):
         missing["mpi device"] = f"MPI is not CUDA-aware ({why_not})"
     torch, nccl, why = _torch_groups(comm, dev, own_gpu)
     if torch is None:
-        missing["gloo"] = missing["nccl"] = why
+        missing["gloo"] = missing["nccl"] = missing["ddlkernels torch"] = why
     else:
         import torch.distributed as dist
+
+        def torch_setup(n):
+            x, m, want = _case(kind, n, p, r, dt, ddl_bounds(n))
+            t = torch.as_tensor(x, device="cuda")
+            return {"n": n, "t": t, "y": torch.empty(m, dtype=t.dtype, device="cuda"), "want": want}
+
+        out["ddlkernels torch"] = (torch_setup, lambda s: ddl_call(tuned, s["t"], s["y"], s["n"]),
+                                   lambda s: s["y"].cpu().numpy())
 
         def t_setup(n):
             x, m, want = _case(kind, n, p, r, dt, _blocks(n, p))
