@@ -233,7 +233,9 @@ template <class T, class Op> struct Words {
 // The sum of f16 or bf16 two lanes an instruction (add.rn.f16x2 / .bf16x2; an fma by 1 before sm_90 for
 // bf16), where widening costs 2 conversions an element and a pack per pair.  The same bits as OpSum's one
 // rounding of the float sum (the header: both are the correctly rounded sum); a NaN stays a NaN.  _rn: no
-// contraction with a neighbouring multiply.
+// contraction with a neighbouring multiply.  Compiled with DDL_WIDEN_HALF_SUMS defined, the sums widen as the
+// other ops do: bench/studies/half_sums.py times and checks both in one run.
+#ifndef DDL_WIDEN_HALF_SUMS
 template <class H2> __device__ __forceinline__ uint4 add_pairs(uint4 a, uint4 b) {
     union { uint4 u; H2 h[4]; } x, y, r;
     x.u = a;
@@ -250,6 +252,7 @@ template <> struct Words<__nv_bfloat16, OpSum<__nv_bfloat16> > {
         return add_pairs<__nv_bfloat162>(a, b);
     }
 };
+#endif
 
 // ---- operands that do not share dst's offset modulo 16 -------------------------------
 // The 16 bytes that start sh bytes into the aligned word lo and run on into the next

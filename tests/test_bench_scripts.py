@@ -188,6 +188,7 @@ def test_device_benchmarks_time_nothing_without_a_gpu(tmp_path):
                ("bench/studies/ipc_schedules.py", "--sizes", "4K"),
                ("bench/studies/ipc_profile.py", "--sizes", "4K"),
                ("bench/studies/reduce_launch.py", "--sizes", "4K"),
+               ("bench/studies/half_sums.py", "--sizes", "4K"),
                ("bench/studies/staged_pieces.py", "--sizes", "4K"))
     # All at once (each is mostly its imports), the GPU session's script too: its MPI and device probes run
     # here, and it stops before any step.

@@ -172,6 +172,21 @@ def test_the_half_sums_add_two_lanes_an_instruction(arch, f16, bf16):
     assert f16 not in entries["ddl_reduce_avg_f16"] and f16 in entries["ddl_fold_avg_f16"]
 
 
+@needs_nvcc
+def test_the_half_sums_widen_where_a_study_asks(tmp_path):
+    """Compiled with DDL_WIDEN_HALF_SUMS (bench/studies/half_sums.py's other variant) no kernel adds pairs: the
+    sums widen to float, 128-bit words still."""
+    res = subprocess.run([C.nvcc_path(), "-std=c++17", "-arch=sm_90", "-ptx", "-DDDL_WIDEN_HALF_SUMS",
+                          str(kernel_dir() / "reduce.cu"), "-o", str(tmp_path / "w.ptx")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    entries = C.ptx_entries((tmp_path / "w.ptx").read_text())
+    for kind in ("reduce", "realign", "fold", "fold_realign"):
+        for suf in ("f16", "bf16"):
+            body = entries[f"ddl_{kind}_sum_{suf}"]
+            assert "add.rn.f16x2" not in body and "add.rn.bf16x2" not in body and "add.f32" in body, kind + suf
+            assert C.vectorized(body), f"ddl_{kind}_sum_{suf}"
+
+
 @needs_ptxas
 @pytest.mark.parametrize("suf", N.SUFFIXES)
 @pytest.mark.parametrize("op", N.OPS)

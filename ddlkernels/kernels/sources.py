@@ -123,18 +123,19 @@ def _nvrtc_compile(nvrtc, source: str, name: str, options) -> bytes:
         nvrtc.destroyProgram(prog)
 
 
-def compile_source(name: str, device_arch: int, *, nvrtc=None, cache_dir=None) -> tuple[str, bytes]:
+def compile_source(name: str, device_arch: int, *, nvrtc=None, cache_dir=None, defines=()) -> tuple[str, bytes]:
     """``(target, image)``: kernels/<name> compiled for a device of compute capability ``device_arch``.
 
     ``image`` is a cubin (``target`` "sm_XX") or NUL-terminated PTX ("compute_XX"), ready for
     ``cuModuleLoadData``.  ``nvrtc``: the NVRTC binding (default CuPy's); ``cache_dir``: where compiled
-    images are kept (default ``ddlkernels._config``'s, None-valued there: no disk cache).
+    images are kept (default ``ddlkernels._config``'s, None-valued there: no disk cache); ``defines``: macros
+    defined for the compile (a study's variant of a kernel; the library defines none).
     """
     if nvrtc is None:
         from cupy_backends.cuda.libs import nvrtc
     major, minor = nvrtc.getVersion()
     target = pick_target(int(device_arch), nvrtc.getSupportedArchs())
-    options = nvrtc_options(target, major=major)
+    options = nvrtc_options(target, extra=tuple(f"-D{d}" for d in defines), major=major)
     source = read_source(name)
     if cache_dir is None:
         from .._config import defaults

@@ -16,6 +16,7 @@
 #   allreduce's schedules (bench/studies/ipc_schedules.py) at N ranks; ipc-profile-nN the library's IPC allreduce
 #   under torch's profiler at N ranks (bench/studies/ipc_profile.py: CUDA calls and kernels per rank, Chrome
 #   traces beside the logs); reduce-launch the reduce kernel's launch shapes (bench/studies/reduce_launch.py);
+#   half-sums the f16/bf16 sums added in pairs against the same kernels widened (bench/studies/half_sums.py);
 #   staged-pieces-nN the "host" algorithm's cuts of a call beside the host arrays' allreduce at N ranks
 #   (bench/studies/staged_pieces.py)
 # MPS=1 runs every step under CUDA's Multi-Process Service where nvidia-cuda-mps-control exists (started here with
@@ -127,6 +128,7 @@ run_step() {  # run_step NAME: the command of each step
             step "$name" "$MPIRUN" -n "$n" "$PY" bench/studies/ipc_profile.py --sizes 1M,256M \
                 --trace-dir "$LOGDIR/ipc_profile_np$n" ;;
         reduce-launch) step reduce-launch "$PY" bench/studies/reduce_launch.py ;;
+        half-sums) step half-sums "$PY" bench/studies/half_sums.py ;;
         staged-pieces-n*) n=${name#staged-pieces-n}
             step "$name" "$MPIRUN" -n "$n" "$PY" bench/studies/staged_pieces.py --sizes 64M,256M ;;
         sharded-n2) step sharded-n2 "$MPIRUN" -n 2 "$PY" -m ddlkernels bench --device cuda \
