@@ -46,7 +46,7 @@ def patterns_disagree(cp, torch, mods, suf) -> dict:
     b = ((i * np.uint32(40503) + (i >> 16) * np.uint32(7919)) & np.uint32(0xFFFF)).astype(cp.uint16)
     n = a.size
     tdt = torch.float16 if suf == "f16" else torch.bfloat16
-    ref = cp.from_dlpack(torch.add(*(torch.from_dlpack(v).view(tdt) for v in (a, b))).view(torch.int16))
+    ref = cp.from_dlpack(torch.add(*(torch.from_dlpack(v.view(cp.int16)).view(tdt) for v in (a, b))).view(torch.int16))
     ref = ref.view(cp.uint16)
     bad = {}
     for label, m in mods.items():
