@@ -154,6 +154,17 @@ def ptx_entries(ptx: str) -> dict:
     return {m.group(1): ptx[m.end():end] for m, end in zip(starts, ends)}
 
 
+def ptx_instructions(body: str) -> int:
+    """PTX instructions in an entry's body (``ptx_entries``): its statements, not directives, labels, comments
+    or the braces inline asm opens."""
+    n = 0
+    for line in body.splitlines():
+        t = line.strip().lstrip("{").strip()
+        if t and not t.startswith((".", "//", "}", ")")) and not t.endswith(":"):
+            n += 1
+    return n
+
+
 _V128 = re.compile(r"\b(ld|st)\.global(\.(?:nc|wb|cg|cs|ca|lu|cv|wt))?(\.L\w+::\w+)*\.(v4\.[bfsu]32|v2\.[bfsu]64)\b")
 
 

@@ -7,7 +7,8 @@ One row per kernel x dtype, for both implementations (the realign and fold kerne
 * kernels/*.cu (what the CuPy backend loads): compiled with NVRTC (CUDA 12.9)
   for sm_70, sm_80, sm_90 and with nvcc (the machine's, sm_75/80/90);
   registers and spill bytes from ptxas (via NVRTC -Xptxas=-v) per arch;
-  "vectorized" = the PTX has 128-bit global loads and stores; executed on the
+  "vectorized" = the PTX has 128-bit global loads and stores; "PTX instr." =
+  the statements of its compute_90 PTX (NVRTC), the whole kernel; executed on the
   CPU through the host harness (tests/cuda_host: g++ + a header defining the
   CUDA built-ins, every thread of the grid run), over the same cases as
   tests/test_cu_host.py; max |error| against the numpy backend (0 = every
@@ -61,7 +62,8 @@ def cu_compile_info(seconds=None):
                 out.setdefault(name, {"nvrtc": {}, "nvcc": {}, "vec": False})["nvrtc"][arch] = info
         ok, log, ptx = C.nvrtc(source, "compute_90")
         for name, body in (C.ptx_entries(ptx.decode()) if ok else {}).items():
-            out.setdefault(name, {"nvrtc": {}, "nvcc": {}, "vec": False})["vec"] = C.vectorized(body)
+            row = out.setdefault(name, {"nvrtc": {}, "nvcc": {}, "vec": False})
+            row["vec"], row["ptx"] = C.vectorized(body), C.ptx_instructions(body)
         if C.nvcc_path():
             for arch in C.NVCC_ARCHS:
                 ok, log, _ = C.nvcc(source, arch)
@@ -100,31 +102,32 @@ def host_harness_results(harness):
                             cases += 1
             res[name] = (ok, err, cases)
     # the fold kernels: test_cu_host's cases, k = 2, 3, 5, 8 operands against the chain of reductions, into
-    # dst alone and into dst and 3 more destinations
-    for dtype in K.DTYPES:
-        for op in K.OPS:
-            name = f"ddl_fold_{op}_{K.SUFFIX[dtype]}"
-            ok, err, cases = True, 0.0, 0
-            for n in (0, 1, 16 // dtype.itemsize + 1, 67, 257):
-                for k in (2, 3, 5, 8):
-                    ops, ref = T.fold_case(dtype, op, n, k)
-                    for off in (0, 1):
-                        for grid, block, rev in T.LAUNCHES:
-                            for m in (0, 3):
-                                _, d = T.aligned(n, dtype, off)
-                                also = [T.aligned(n, dtype, off)[1] for _ in range(m)]
-                                srcs = []
-                                for o in ops:
-                                    _, s = T.aligned(n, dtype, off)
-                                    s[:] = o
-                                    srcs.append(s)
-                                harness.fold(name, d, srcs, K.kernel_arg(dtype, op, k), grid, block, rev, also=also)
-                                for got in [d] + also:
-                                    good, e, _ = K.compare(got, ref, op)
-                                    ok &= good
-                                    err = max(err, e)
-                                cases += 1
-            res[name] = (ok, err, cases)
+    # dst alone and into dst and 3 more destinations; ddl_fold_realign's operands 1 and 2 elements further in
+    # than the outputs, by turns
+    for dtype, op, kind in itertools.product(K.DTYPES, K.OPS, ("fold", "fold_realign")):
+        name = f"ddl_{kind}_{op}_{K.SUFFIX[dtype]}"
+        shift = (lambda j: 1 + j % 2) if kind == "fold_realign" else (lambda j: 0)
+        ok, err, cases = True, 0.0, 0
+        for n in (0, 1, 16 // dtype.itemsize + 1, 67, 257):
+            for k in (2, 3, 5, 8):
+                ops, ref = T.fold_case(dtype, op, n, k)
+                for off in (0, 1):
+                    for grid, block, rev in T.LAUNCHES:
+                        for m in (0, 3):
+                            _, d = T.aligned(n, dtype, off)
+                            also = [T.aligned(n, dtype, off)[1] for _ in range(m)]
+                            srcs = []
+                            for j, o in enumerate(ops):
+                                _, s = T.aligned(n, dtype, off + shift(j))
+                                s[:] = o
+                                srcs.append(s)
+                            harness.fold(name, d, srcs, K.kernel_arg(dtype, op, k), grid, block, rev, also=also)
+                            for got in [d] + also:
+                                good, e, _ = K.compare(got, ref, op)
+                                ok &= good
+                                err = max(err, e)
+                            cases += 1
+        res[name] = (ok, err, cases)
     # pack/unpack: the byte copies of test_cu_host.test_pack_unpack, all paddings
     ok, cases = True, 0
     for pad in (1, 4, 16):
@@ -214,12 +217,13 @@ def main(argv=None):
 
     lines = [
         "| impl | kernel | dtype | sm_70 | sm_80 | sm_90 | nvcc sm_75/80/90 | registers 70/80/90 | spills | "
-        "128-bit vectorized | executed | cases | max error vs numpy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "128-bit vectorized | PTX instr. | executed | cases | max error vs numpy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = [f"ddl_reduce_{op}_{suf}" for op in N.OPS for suf in N.SUFFIXES] + ["ddl_pack", "ddl_unpack"]
     # .cu only: the kernel for operands at another offset modulo 16 than dst, and the IPC fold
-    only_cu = [f"ddl_{kind}_{op}_{suf}" for kind in ("realign", "fold") for op in N.OPS for suf in N.SUFFIXES]
+    only_cu = [f"ddl_{kind}_{op}_{suf}" for kind in ("realign", "fold", "fold_realign") for op in N.OPS
+               for suf in N.SUFFIXES]
     for name in order[:-2] + only_cu + order[-2:]:
         c = cu.get(name, {"nvrtc": {}, "nvcc": {}, "vec": False})
         regs = "/".join(str(c["nvrtc"][a]["regs"]) if c["nvrtc"].get(a) else "-" for a in ARCHS)
@@ -229,7 +233,8 @@ def main(argv=None):
         lines.append(
             f"| .cu | {_kernel_of(name)} | {_dtype_of(name)} | "
             + " | ".join(_yn(c["nvrtc"].get(a) is not None) for a in ARCHS)
-            + f" | {nvcc_ok} | {regs} | {spills} B | {_yn(c['vec'])} | host harness | {cases} | {_fmt_err(ok, err)} |"
+            + f" | {nvcc_ok} | {regs} | {spills} B | {_yn(c['vec'])} | {c.get('ptx', '-')} | host harness | {cases} | "
+            f"{_fmt_err(ok, err)} |"
         )
     for name in order:
         r = nb[name]
@@ -239,7 +244,7 @@ def main(argv=None):
         lines.append(
             f"| numba | {_kernel_of(name)} | {_dtype_of(name)} | "
             + " | ".join(_yn(r["arch"].get(a) is not None) for a in ARCHS)
-            + f" | n/a | {regs} | {spills} B | {_yn(r['vec'])} | simulator | {cases} | {_fmt_err(ok, err)} |"
+            + f" | n/a | {regs} | {spills} B | {_yn(r['vec'])} | - | simulator | {cases} | {_fmt_err(ok, err)} |"
         )
     table = "\n".join(lines)
     head = (f"Kernel report ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
