@@ -217,3 +217,13 @@ def test_numba_pack_compiles(which, word):
         assert ok, log
         (info,) = C.parse_ptxas(log).values()
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0
+
+def test_ptx_instructions_counts_statements_only():
+    """kernel_report's PTX column: statements, not directives, labels, comments or inline asm's braces; and an
+    entry runs to the next one, past inline asm's own closing braces."""
+    ptx = (".visible .entry k1(\n\t.param .u64 p\n)\n{\n\t.reg .b32 %r<4>;\n\tld.param.u64 %rd1, [p];\n"
+           "$L__BB0_1:\n\t// begin inline asm\n\t{add.rn.f16x2 %r1,%r2,%r3;\n}\n\t// end inline asm\n"
+           "\t@%p1 bra $L__BB0_1;\n\tret;\n\n}\n\t// .globl k2\n.visible .entry k2(\n)\n{\n\tret;\n}\n")
+    entries = C.ptx_entries(ptx)
+    assert sorted(entries) == ["k1", "k2"] and "add.rn.f16x2" in entries["k1"]
+    assert C.ptx_instructions(entries["k1"]) == 4 and C.ptx_instructions(entries["k2"]) == 1
