@@ -25,7 +25,7 @@
 //     once (round-to-nearest-even) back to storage; float32 holds >= 2p+2 bits
 //     of either, so this equals the correctly rounded half-precision result.
 //     Their sum over 128-bit words computes that result directly, two lanes
-//     an instruction (add.rn.f16x2 / .bf16x2: Words), the same bits.
+//     an instruction (add.rn.f16x2 / .bf16x2: WordOp), the same bits.
 //   * avg: floats (a + b) * scale, the product in the accumulation type,
 //     one rounding to storage for f16/bf16; integers floor((a + b) / p).
 //   * integer sum/prod/avg wrap modulo 2^bits like numpy (computed unsigned,
@@ -219,7 +219,7 @@ template <class T> union Vec16 {
 };
 
 // Op over one 128-bit word of each operand: element by element through Op::apply.
-template <class T, class Op> struct Words {
+template <class T, class Op> struct WordOp {
     static __device__ __forceinline__ uint4 apply(uint4 a, uint4 b, typename Traits<T>::acc arg) {
         Vec16<T> x, y, r;
         x.u = a;
@@ -244,10 +244,10 @@ template <class H2> __device__ __forceinline__ uint4 add_pairs(uint4 a, uint4 b)
     for (int k = 0; k < 4; ++k) r.h[k] = __hadd2_rn(x.h[k], y.h[k]);
     return r.u;
 }
-template <> struct Words<__half, OpSum<__half> > {
+template <> struct WordOp<__half, OpSum<__half> > {
     static __device__ __forceinline__ uint4 apply(uint4 a, uint4 b, float) { return add_pairs<__half2>(a, b); }
 };
-template <> struct Words<__nv_bfloat16, OpSum<__nv_bfloat16> > {
+template <> struct WordOp<__nv_bfloat16, OpSum<__nv_bfloat16> > {
     static __device__ __forceinline__ uint4 apply(uint4 a, uint4 b, float) {
         return add_pairs<__nv_bfloat162>(a, b);
     }
@@ -310,7 +310,7 @@ __device__ __forceinline__ void realign_grid(T* dst, const T* a, const T* __rest
         // a may be dst (then sa == 0): cache-all loads, as ordinary ones (naming the global state space).
         const uint4 x = sa ? realign(__ldca(aw + i), __ldca(aw + i + 1), sa) : __ldca(aw + i);
         const uint4 y = sb ? realign(__ldg(bw + i), __ldg(bw + i + 1), sb) : __ldg(bw + i);
-        dw[i] = Words<T, Op>::apply(x, y, arg);
+        dw[i] = WordOp<T, Op>::apply(x, y, arg);
     }
     for (u64 i = head + words * V + tid; i < n; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
 }
@@ -337,7 +337,7 @@ __device__ __forceinline__ void reduce_grid(T* dst, const T* a, const T* __restr
     // One word at a time per thread: the CuPy backend launches a thread per word (rounds of several words in
     // flight, unused at that launch, cost registers and so blocks an SM).
     for (u64 i = tid; i < nvec; i += stride)  // a may be dst: an ordinary load; b is read-only: ld.global.nc
-        dv[i] = Words<T, Op>::apply(av[i], __ldg(bv + i), arg);
+        dv[i] = WordOp<T, Op>::apply(av[i], __ldg(bv + i), arg);
     for (u64 i = head + nvec * V + tid; i < n; i += stride) dst[i] = Op::apply(a[i], b[i], arg);
 }
 
@@ -405,7 +405,7 @@ __device__ __forceinline__ void fold_words(T* dst, const T* const* s, int k, T* 
         for (int j = 1; j < 8; ++j) {
             if (j < k) {
                 const uint4 x = Word::at(s[j], body, i);
-                acc = j == k - 1 ? Words<T, Last>::apply(acc, x, arg) : Words<T, Step>::apply(acc, x, arg);
+                acc = j == k - 1 ? WordOp<T, Last>::apply(acc, x, arg) : WordOp<T, Step>::apply(acc, x, arg);
             }
         }
         dv[i] = acc;

@@ -2,7 +2,7 @@
 
     python bench/studies/half_sums.py [--sizes 64M,256M,512M] [-n 20]
 
-kernels/reduce.cu adds f16 and bf16 words in pairs (add.rn.f16x2 / bf16x2: ``Words``); compiled with
+kernels/reduce.cu adds f16 and bf16 words in pairs (add.rn.f16x2 / bf16x2: ``WordOp``); compiled with
 ``DDL_WIDEN_HALF_SUMS`` defined, the same kernels widen every element to float, add and round back, as they did
 before.  This compiles both (``compile_source``'s ``defines``) and times ``ddl_reduce_sum`` (aligned) and
 ``ddl_realign_sum`` (both operands one element in, an aligned output) of each beside ``torch.add``, launched as
