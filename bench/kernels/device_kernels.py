@@ -43,6 +43,15 @@ from ddlkernels.backends._device import _kernel_op  # noqa: E402
 from ddlkernels.tools.bench import parse_size  # noqa: E402
 
 
+def gpu_or_say_why(script):
+    """``(cupy, torch)`` where a CUDA device is, else None after saying why (the caller exits 2)."""
+    cp, torch, why = _gpu()
+    if cp is None:
+        print(f"{script}: no GPU to measure on ({why}); nothing was timed", flush=True)
+        return None
+    return cp, torch
+
+
 def _gpu():
     try:
         import cupy as cp
@@ -127,10 +136,10 @@ def main(argv=None):
     ap.add_argument("-n", "--iters", type=int, default=20)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    cp, torch, why = _gpu()
-    if cp is None:
-        print(f"device_kernels: no GPU to measure on ({why}); nothing was timed", flush=True)
+    gpu = gpu_or_say_why("device_kernels")
+    if gpu is None:
         return 2
+    cp, torch = gpu
     from ddlkernels.backends import get_backend
 
     be = get_backend("cupy")

@@ -27,12 +27,12 @@ def main(argv=None):
     ap.add_argument("-n", "--iters", type=int, default=20)
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels"))
-    from device_kernels import _events_ms, _gpu
+    from device_kernels import _events_ms, gpu_or_say_why
 
-    cp, torch, why = _gpu()
-    if cp is None:
-        print(f"reduce_launch: no GPU to measure on ({why}); nothing was timed", flush=True)
+    gpu = gpu_or_say_why("reduce_launch")
+    if gpu is None:
         return 2
+    cp, torch = gpu
 
     from ddlkernels.backends import get_backend
 
