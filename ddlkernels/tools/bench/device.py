@@ -289,10 +289,10 @@ def _lines(comm, dev, dtype, kind):
         def torch_setup(n):
             x, m, want = _case(kind, n, p, r, dt, ddl_bounds(n))
             t = torch.as_tensor(x, device="cuda")
-            return {"n": n, "t": t, "y": torch.empty(m, dtype=t.dtype, device="cuda"), "want": want}
+            return {"n": n, "x": t, "out": torch.empty(m, dtype=t.dtype, device="cuda"), "want": want}
 
-        out["ddlkernels torch"] = (torch_setup, lambda s: ddl_call(tuned, s["t"], s["y"], s["n"]),
-                                   lambda s: s["y"].cpu().numpy())
+        out["ddlkernels torch"] = (torch_setup, lambda s: ddl_call(tuned, s["x"], s["out"], s["n"]),
+                                   lambda s: s["out"].cpu().numpy())
 
         def t_setup(n):
             x, m, want = _case(kind, n, p, r, dt, _blocks(n, p))
@@ -345,6 +345,7 @@ def _collectives(lines, comms, dev, n, kind, factor, missing):
 
     # each ddlkernels line's Communicator, by its role in ``_lines``' third value ("tuned": the plain line)
     tuners = {"ddlkernels" if role == "tuned" else f"ddlkernels {role}": c for role, c in comms.items()}
+    tuners["ddlkernels torch"] = comms["tuned"]  # the same Communicator on torch tensors
     out = []
     for name, (setup, run, result) in list(lines.items()):
         s = setup(n)
