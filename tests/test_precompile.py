@@ -83,3 +83,31 @@ def test_cuda_kernels_with_their_cache_off_are_refused_before_anything_compiles(
                          capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode != 0 and "DDLKERNELS_CACHE_DIR is off" in res.stderr
     assert "signature" not in res.stdout
+
+
+def test_an_image_compiled_with_defines_is_kept_apart(tmp_path):
+    """``compile_source(defines=)`` (a study's variant of a kernel, bench/studies/half_sums.py) passes each macro
+    to NVRTC and keeps its image under a key of its own: the library's first call never finds a variant."""
+    pytest.importorskip("cupy")
+    from cupy_backends.cuda.libs import nvrtc
+
+    from ddlkernels.kernels.sources import compile_source
+
+    try:
+        nvrtc.getVersion()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"CuPy's NVRTC is not loadable here: {exc}")
+    seen = []
+
+    class Recording:  # CuPy's NVRTC, noting the options of each compile
+        def __getattr__(self, name):
+            return getattr(nvrtc, name)
+
+        def compileProgram(self, prog, options):
+            seen.append(list(options))
+            return nvrtc.compileProgram(prog, options)
+
+    plain = compile_source("pack.cu", 80, nvrtc=Recording(), cache_dir=tmp_path)
+    variant = compile_source("pack.cu", 80, nvrtc=Recording(), cache_dir=tmp_path, defines=("DDL_STUDY=1",))
+    assert plain[0] == variant[0] == "sm_80" and len(list(tmp_path.iterdir())) == 2
+    assert "-DDDL_STUDY=1" not in seen[0] and "-DDDL_STUDY=1" in seen[1]
