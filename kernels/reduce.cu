@@ -85,7 +85,11 @@
 //   per received chunk of a ring step, the fused avg scale on the owner's last
 //   step, ddl_reduce or ddl_realign by the pointers' offsets (_device.py);
 //   the fold kernels by the CUDA IPC allreduce (reduce_many), ddl_fold or
-//   ddl_fold_realign likewise.  The same file compiles on its own with
+//   ddl_fold_realign likewise.  DDL_KINDS, a bit mask (reduce 1, realign 2,
+//   fold 4, fold_realign 8; default all), picks the kinds a compile defines:
+//   the backend compiles each kind on its first need, a part of the whole
+//   file's NVRTC time (ddlkernels.kernels.sources.unit_of).  The same file
+//   compiles on its own with
 //       nvcc -std=c++17 -arch=sm_90 -cubin kernels/reduce.cu
 //   and, through tests/cuda_host/cuda_host.h, with g++ for the host test
 //   harness, which runs every (block, thread) of the grid on the CPU.
@@ -513,8 +517,15 @@ __device__ __forceinline__ void fold_realign_grid(T* dst, const T* const* s, int
 #define DDL_DEFINE_REDUCE(OPNAME, OPF, SUF, T, ARG) DDL_DEFINE_PAIRWISE(reduce, OPNAME, OPF, SUF, T, ARG)
 #define DDL_DEFINE_REALIGN(OPNAME, OPF, SUF, T, ARG) DDL_DEFINE_PAIRWISE(realign, OPNAME, OPF, SUF, T, ARG)
 
+#ifndef DDL_KINDS
+#define DDL_KINDS 15
+#endif
+#if DDL_KINDS & 1
 DDL_REDUCE_KERNELS(DDL_DEFINE_REDUCE)
+#endif
+#if DDL_KINDS & 2
 DDL_REDUCE_KERNELS(DDL_DEFINE_REALIGN)
+#endif
 
 #define DDL_FOLD_KERNELS(X) DDL_OPS(X, Fold)
 
@@ -533,5 +544,9 @@ DDL_REDUCE_KERNELS(DDL_DEFINE_REALIGN)
 #define DDL_DEFINE_FOLD(OPNAME, OPF, SUF, T, ARG) DDL_DEFINE_FOLDING(fold, OPNAME, OPF, SUF, T, ARG)
 #define DDL_DEFINE_FOLD_REALIGN(OPNAME, OPF, SUF, T, ARG) DDL_DEFINE_FOLDING(fold_realign, OPNAME, OPF, SUF, T, ARG)
 
+#if DDL_KINDS & 4
 DDL_FOLD_KERNELS(DDL_DEFINE_FOLD)
+#endif
+#if DDL_KINDS & 8
 DDL_FOLD_KERNELS(DDL_DEFINE_FOLD_REALIGN)
+#endif

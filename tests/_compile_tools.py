@@ -71,16 +71,16 @@ def parse_ptxas(log: str) -> dict:
     return out
 
 
-def nvrtc(source: str, arch: str, ptx: bool = False) -> tuple:
+def nvrtc(source: str, arch: str, ptx: bool = False, defines=()) -> tuple:
     """Compile kernels/<source> with NVRTC: ``arch`` "sm_XX" -> cubin (log has ptxas -v), "compute_XX" -> PTX;
     (ok, log, that output), and with ``ptx`` the PTX of the same compile after them (NVRTC keeps it for a
-    real architecture too)."""
+    real architecture too); ``defines``: macros, as ``sources.compile_source`` takes them."""
     from cuda.bindings import nvrtc as N
 
     src = (kernel_dir() / source).read_bytes()
     err, prog = N.nvrtcCreateProgram(src, source.encode(), 0, [], [])
     try:
-        extra = ("-Xptxas=-v",) if arch.startswith("sm_") else ()
+        extra = (("-Xptxas=-v",) if arch.startswith("sm_") else ()) + tuple(f"-D{d}" for d in defines)
         opts = [o.encode() for o in nvrtc_options(arch, extra, major=nvrtc_major())]
         (err,) = N.nvrtcCompileProgram(prog, len(opts), opts)
         _, n = N.nvrtcGetProgramLogSize(prog)

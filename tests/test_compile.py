@@ -29,7 +29,7 @@ import _compile_tools as C  # noqa: E402
 import _kernel_ref as K  # noqa: E402
 
 from ddlkernels.kernels import numba_cuda as N  # noqa: E402
-from ddlkernels.kernels.sources import SOURCES, kernel_dir  # noqa: E402
+from ddlkernels.kernels.sources import KINDS, SOURCES, kernel_dir, unit_of, units  # noqa: E402
 
 REDUCE = {f"ddl_{kind}_{op}_{K.SUFFIX[dt]}" for kind in ("reduce", "realign", "fold", "fold_realign")
           for op in K.OPS for dt in K.DTYPES}
@@ -151,6 +151,31 @@ def test_every_realigning_kernel_moves_128_bit_words_and_its_plain_twin_does_not
             body = entries[f"ddl_{realigning}_{name}"]
             assert load in body and "shf.r" in body and C.vectorized(body), f"ddl_{realigning}_{name}"
             assert "shf.r" not in entries[f"ddl_{plain}_{name}"], f"ddl_{plain}_{name}"
+
+
+def test_each_reduce_kernel_names_the_compile_of_its_kind():
+    assert unit_of("reduce.cu", "ddl_fold_realign_avg_bf16") == ("DDL_KINDS=8",)
+    assert [unit_of("reduce.cu", f"ddl_{k}_sum_f32") for k in KINDS] == units("reduce.cu")
+    assert unit_of("pack.cu", "ddl_pack") == () and units("pack.cu") == [()]
+    for bad in ("ddl_refold_sum_f32", "reduce_sum_f32", "ddl_pack"):
+        with pytest.raises(ValueError, match="reduce.cu defines no kernel"):
+            unit_of("reduce.cu", bad)
+
+
+@needs_nvrtc
+def test_each_kind_of_reduce_kernel_compiles_alone():
+    """Each unit the backend compiles on first need (``DDL_KINDS``, one bit per kind) defines that kind's kernels,
+    every op and dtype, and nothing else; the four together are the whole file's."""
+    whole = set()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        done = {unit: pool.submit(C.nvrtc, "reduce.cu", "compute_90", False, unit) for unit in units("reduce.cu")}
+    for (kind, unit) in zip(KINDS, done):
+        ok, log, ptx = done[unit].result()
+        assert ok, log
+        names = set(C.ptx_entries(ptx.decode()))
+        assert names == {f"ddl_{kind}_{op}_{K.SUFFIX[dt]}" for op in K.OPS for dt in K.DTYPES}, (kind, unit)
+        whole |= names
+    assert whole == REDUCE
 
 
 @needs_nvcc

@@ -301,6 +301,45 @@ def test_reduce_launches_the_realigned_kernel_only_where_an_operand_is_at_anothe
     assert kinds((whole[4:12], _aligned(8, np.float32, 0), whole[1:9])) == ["reduce"]
 
 
+def test_the_cupy_backend_compiles_each_kind_of_reduce_kernel_on_its_first_need(monkeypatch):
+    """A kernel's first launch compiles the unit that defines it (reduce.cu: its kind alone, ``unit_of``), once
+    per device; the next kernel of a kind already loaded compiles nothing."""
+    pytest.importorskip("cupy")
+    from types import SimpleNamespace
+
+    from ddlkernels.backends import _cupy
+
+    compiled = []
+
+    def compile_source(source, arch, defines=()):
+        compiled.append((source, arch, defines))
+        return f"sm_{arch}", (source, defines)
+
+    class Module:
+        def load(self, image):
+            self.image = image
+
+        def get_function(self, name):
+            return (self.image, name)
+
+    device = {"now": 0}
+    cuda = SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: device["now"]),
+                           Device=lambda d: SimpleNamespace(compute_capability="90" if d == 0 else "80"),
+                           function=SimpleNamespace(Module=Module))
+    monkeypatch.setattr(_cupy, "compile_source", compile_source)
+    be = SimpleNamespace(_cp=SimpleNamespace(cuda=cuda), _modules={}, _functions={})
+    fn = lambda name, source="reduce.cu": _cupy.CupyBackend._function(be, source, name)  # noqa: E731
+    assert fn("ddl_reduce_sum_f32") == (("reduce.cu", ("DDL_KINDS=1",)), "ddl_reduce_sum_f32")
+    fn("ddl_reduce_max_f64")
+    assert fn("ddl_fold_avg_bf16") == (("reduce.cu", ("DDL_KINDS=4",)), "ddl_fold_avg_bf16")
+    fn("ddl_pack", "pack.cu")
+    fn("ddl_fold_sum_f16")
+    device["now"] = 1
+    fn("ddl_fold_sum_f16")
+    assert compiled == [("reduce.cu", 90, ("DDL_KINDS=1",)), ("reduce.cu", 90, ("DDL_KINDS=4",)),
+                        ("pack.cu", 90, ()), ("reduce.cu", 80, ("DDL_KINDS=4",))]
+
+
 def _aligned(n, dtype, offset):
     """``n`` elements of ``dtype`` starting ``offset`` elements past a 64-byte boundary."""
     dtype = np.dtype(dtype)

@@ -53,18 +53,20 @@ def test_cuda_kernels_compiled_ahead_are_what_a_first_device_call_finds(tmp_path
     pytest.importorskip("cupy")
     from cupy_backends.cuda.libs import nvrtc
 
-    from ddlkernels.kernels.sources import SOURCES, compile_source
+    from ddlkernels.kernels.sources import SOURCES, compile_source, units
 
     try:
         nvrtc.getVersion()
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"CuPy's NVRTC is not loadable here: {exc}")
     lines = []
-    assert precompile.compile_cuda([80], jobs=1, report=lines.append, cache_dir=tmp_path) == len(SOURCES)
-    assert sorted(line.split()[0] for line in lines) == sorted(SOURCES) and all("sm_80" in x for x in lines)
+    made = [(name, unit) for name in SOURCES for unit in units(name)]  # reduce.cu: one unit per kind of kernel
+    assert precompile.compile_cuda([80], jobs=1, report=lines.append, cache_dir=tmp_path) == len(made) == 5
+    assert sorted(line.split(" for ")[0] for line in lines) == sorted(" ".join([n, *u]) for n, u in made)
+    assert all("sm_80" in x for x in lines)
     images = sorted(tmp_path.iterdir())
-    assert len(images) == len(SOURCES) and all(p.suffix == ".cubin" and p.stat().st_mode & 0o044 == 0o044
-                                                for p in images)
+    assert len(images) == len(made) and all(p.suffix == ".cubin" and p.stat().st_mode & 0o044 == 0o044
+                                            for p in images)
 
     class NoCompile:  # NVRTC as the first call sees it, but compiling fails the test
         getVersion, getSupportedArchs = staticmethod(nvrtc.getVersion), staticmethod(nvrtc.getSupportedArchs)
@@ -72,8 +74,8 @@ def test_cuda_kernels_compiled_ahead_are_what_a_first_device_call_finds(tmp_path
         def __getattr__(self, name):
             raise AssertionError(f"compiled again: nvrtc.{name}")
 
-    for name in SOURCES:
-        target, image = compile_source(name, 80, nvrtc=NoCompile(), cache_dir=tmp_path)
+    for name, unit in made:
+        target, image = compile_source(name, 80, nvrtc=NoCompile(), cache_dir=tmp_path, defines=unit)
         assert target == "sm_80" and image in {p.read_bytes() for p in images}
 
 

@@ -43,6 +43,7 @@ import _kernel_ref as K  # noqa: E402
 import harness as H  # noqa: E402
 from ddlkernels.backends._device import pack_pieces  # noqa: E402
 from ddlkernels.kernels import numba_cuda as N  # noqa: E402
+from ddlkernels.kernels.sources import KINDS, units  # noqa: E402
 
 ARCHS = C.NVRTC_ARCHS
 
@@ -210,6 +211,11 @@ def main(argv=None):
     t0 = time.time()
     compile_s = {}
     cu = cu_compile_info(compile_s)
+    by_kind = {}  # reduce.cu one kind at a time, as a first call compiles it (sources.unit_of)
+    for kind, unit in zip(KINDS, units("reduce.cu")):
+        t = time.perf_counter()
+        ok, log, _ = C.nvrtc("reduce.cu", f"sm_{ARCHS[-1]}", defines=unit)
+        by_kind[kind] = time.perf_counter() - t if ok else float("nan")
     with tempfile.TemporaryDirectory() as td:
         host = host_harness_results(H.build(td))
     nb = numba_compile_info()
@@ -250,10 +256,13 @@ def main(argv=None):
     head = (f"Kernel report ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
             f"NVRTC 12.9 for sm_70/80/90, nvcc {'found' if C.nvcc_path() else 'absent'}; "
             f"generated in {time.time() - t0:.0f} s by bench/kernels/kernel_report.py)\n")
-    head += ("\nNVRTC compile of each file, wall time here (a first launch waits for it where the kernel cache "
-             "has no image yet), sm_" + "/".join(str(a) for a in ARCHS) + ": "
+    head += ("\nNVRTC compile of each whole file, wall time here (what `python -m ddlkernels compile --cuda` makes of "
+             "pack.cu; reduce.cu it compiles one kind at a time, as below), sm_" + "/".join(str(a) for a in ARCHS) + ": "
              + "; ".join(f"{src} " + " / ".join(f"{compile_s[(src, a)]:.1f}" for a in ARCHS) + " s"
                          for src in ("reduce.cu", "pack.cu")) + "\n")
+    head += (f"\nreduce.cu one kind at a time (what a first launch of a kind waits for where the kernel cache has no "
+             f"image of it yet: sources.unit_of), sm_{ARCHS[-1]}: "
+             + ", ".join(f"{k} {v:.1f} s" for k, v in by_kind.items()) + "\n")
     print(head)
     print(table)
     if args.out:

@@ -34,7 +34,7 @@ import ctypes
 import numpy as np
 
 from .._dtypes import BFLOAT16
-from ..kernels.sources import compile_source
+from ..kernels.sources import compile_source, unit_of
 from . import BackendUnavailable, torch_result
 from ._device import DeviceBackend, pack_layout, storage_dtype
 
@@ -113,7 +113,7 @@ class CupyBackend(DeviceBackend):
                 "pip install 'numba-cuda[cu12]' and backend='numba')"
             ) from exc
         self._cp = cupy
-        self._modules: dict = {}  # (device, source) -> loaded cupy.cuda.function.Module
+        self._modules: dict = {}  # (device, source, its unit's macros) -> loaded cupy.cuda.function.Module
         self._functions: dict = {}  # (device, kernel name) -> cupy.cuda.function.Function
         self._external: dict = {}  # (stream handle, device) -> cupy.cuda.ExternalStream
         # CuPy's own stream classes: one base class, public before CuPy 14 and private since.
@@ -125,13 +125,14 @@ class CupyBackend(DeviceBackend):
         dev = self._cp.cuda.runtime.getDevice()
         fn = self._functions.get((dev, name))
         if fn is None:
-            mod = self._modules.get((dev, source))
+            unit = unit_of(source, name)  # reduce.cu: the kernel's kind alone, compiled on its first need
+            mod = self._modules.get((dev, source, unit))
             if mod is None:
                 arch = int(self._cp.cuda.Device(dev).compute_capability)
-                _, image = compile_source(source, arch)
+                _, image = compile_source(source, arch, defines=unit)
                 mod = self._cp.cuda.function.Module()
                 mod.load(image)  # cuModuleLoadData: a cubin, or PTX the driver compiles
-                self._modules[(dev, source)] = mod
+                self._modules[(dev, source, unit)] = mod
             fn = self._functions[(dev, name)] = mod.get_function(name)
         return fn
 

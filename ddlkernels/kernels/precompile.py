@@ -2,9 +2,9 @@
 
 Purpose: the first call of each dtype and op compiles its loop (the window's
 pieced allreduce takes ~5 s on the 2-core VM), in every rank of the job at
-once, inside the first collectives; the first device call compiles
-kernels/reduce.cu and pack.cu with NVRTC (seconds each, every rank of a node
-at once).  A container image, a cluster's shared install or a CI machine can
+once, inside the first collectives; the first device launch of each kind
+of kernel compiles it with NVRTC (kernels/reduce.cu one kind at a time, and
+pack.cu: up to seconds each, every rank of a node at once).  A container image, a cluster's shared install or a CI machine can
 pay that once, ahead of any job, spread over ``jobs`` processes, and needs
 no GPU for it: NVRTC compiles for the compute capabilities it is told.  What
 is compiled is found again by every later process (Numba's cache:
@@ -144,19 +144,22 @@ def visible_archs() -> tuple:
 def _compile_cuda_one(task):
     from .sources import compile_source
 
-    name, arch, cache_dir = task
+    name, unit, arch, cache_dir = task
     t = time.perf_counter()
-    target, _ = compile_source(name, arch, cache_dir=cache_dir)  # found in the cache, or compiled and kept there
-    return f"{name} for {target}", 1, time.perf_counter() - t, "image"
+    # found in the cache, or compiled and kept there
+    target, _ = compile_source(name, arch, cache_dir=cache_dir, defines=unit)
+    return f"{' '.join([name, *unit])} for {target}", 1, time.perf_counter() - t, "image"
 
 
 def compile_cuda(archs, jobs: int = 2, report=None, cache_dir=None) -> int:
-    """Compile kernels/*.cu (``sources.SOURCES``) for each compute capability of ``archs`` (e.g. ``(80, 90)``)
-    into the CUDA image cache (``cache_dir``, default ``DDLKERNELS_CACHE_DIR``'s) in ``jobs`` processes, as
-    the first device call on such a GPU would; the count of images.  ``report(line)`` is told of each."""
-    from .sources import SOURCES
+    """Compile kernels/*.cu (``sources.SOURCES``, each compile unit a first call can ask: ``sources.units``) for
+    each compute capability of ``archs`` (e.g. ``(80, 90)``) into the CUDA image cache (``cache_dir``, default
+    ``DDLKERNELS_CACHE_DIR``'s) in ``jobs`` processes, as the first device calls on such a GPU would; the count
+    of images.  ``report(line)`` is told of each."""
+    from .sources import SOURCES, units
 
-    tasks = [(name, arch, cache_dir) for arch in sorted({int(a) for a in archs}) for name in SOURCES]
+    tasks = [(name, unit, arch, cache_dir) for arch in sorted({int(a) for a in archs}) for name in SOURCES
+             for unit in units(name)]
     if jobs <= 1 or len(tasks) <= 1:
         return sum(_report(r, report) for r in map(_compile_cuda_one, tasks))
     import multiprocessing

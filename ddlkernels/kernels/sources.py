@@ -30,11 +30,32 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["kernel_dir", "read_source", "SOURCES", "cuda_include_dirs", "nvrtc_options", "NUMERIC_OPTIONS",
-           "pick_target", "compile_source"]
+__all__ = ["kernel_dir", "read_source", "SOURCES", "KINDS", "unit_of", "units", "cuda_include_dirs",
+           "nvrtc_options", "NUMERIC_OPTIONS", "pick_target", "compile_source"]
 
 #: The kernel files and the kernels each defines (see the headers of the files).
 SOURCES = ("reduce.cu", "pack.cu")
+#: reduce.cu's kinds of kernel (``ddl_<kind>_<op>_<t>``) and their bits of its DDL_KINDS mask.  Each kind is a
+#: compile of its own, made on its first need: the whole file took NVRTC about as long as the four kinds
+#: together (bench/results/kernel_report.md), and a job's first call needs one or two of them.
+KINDS = {"reduce": 1, "realign": 2, "fold": 4, "fold_realign": 8}
+
+
+def unit_of(source: str, kernel: str) -> tuple:
+    """The macros of the compile of ``source`` that defines ``kernel``: ``("DDL_KINDS=<its kind's bit>",)``
+    for reduce.cu's, () (the whole file) for the others'."""
+    if source != "reduce.cu":
+        return ()
+    kind = kernel[len("ddl_"):].rsplit("_", 2)[0]
+    if not kernel.startswith("ddl_") or kind not in KINDS:
+        raise ValueError(f"reduce.cu defines no kernel {kernel!r} (ddl_<kind>_<op>_<t>, kind one of {list(KINDS)})")
+    return (f"DDL_KINDS={KINDS[kind]}",)
+
+
+def units(source: str) -> list:
+    """Every compile ``unit_of`` asks of ``source``: what a first call can need (``python -m ddlkernels
+    compile --cuda`` makes them all)."""
+    return [(f"DDL_KINDS={bit}",) for bit in KINDS.values()] if source == "reduce.cu" else [()]
 
 
 def kernel_dir() -> Path:
