@@ -274,14 +274,16 @@ def test_cupy_pack_table_uploaded_once_per_stream():
 
 
 def test_cupy_kernels_come_from_our_nvrtc_compile():
-    """Not CuPy's RawModule, which appends -ftz=true: the loaded module is ours, one per device."""
+    """Not CuPy's RawModule, which appends -ftz=true: the loaded module is ours, one per device and compile unit
+    (reduce.cu: one per kind of kernel)."""
     from ddlkernels.backends import get_backend
+    from ddlkernels.kernels.sources import unit_of
 
     be = get_backend("cupy")
     a = cp.ones(8, cp.float32)
     be.reduce("sum", a, a)
-    dev = cp.cuda.runtime.getDevice()
-    assert (dev, "reduce.cu") in be._modules and isinstance(be._modules[(dev, "reduce.cu")], cp.cuda.function.Module)
+    key = (cp.cuda.runtime.getDevice(), "reduce.cu", unit_of("reduce.cu", "ddl_reduce_sum_f32"))
+    assert key in be._modules and isinstance(be._modules[key], cp.cuda.function.Module)
 
 
 def test_staged_transport_loopback():
