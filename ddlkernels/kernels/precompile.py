@@ -4,7 +4,8 @@ Purpose: the first call of each dtype and op compiles its loop (the window's
 pieced allreduce takes ~5 s on the 2-core VM), in every rank of the job at
 once, inside the first collectives; the first device launch of each kind
 of kernel compiles it with NVRTC (kernels/reduce.cu one kind at a time, and
-pack.cu: up to seconds each, every rank of a node at once).  A container image, a cluster's shared install or a CI machine can
+pack.cu: up to seconds each, every rank of a node at once).  A container
+image, a cluster's shared install or a CI machine can
 pay that once, ahead of any job, spread over ``jobs`` processes, and needs
 no GPU for it: NVRTC compiles for the compute capabilities it is told.  What
 is compiled is found again by every later process (Numba's cache:
