@@ -202,7 +202,8 @@ def test_the_half_sums_widen_where_a_study_asks(tmp_path):
     """Compiled with DDL_WIDEN_HALF_SUMS (bench/studies/half_sums.py's other variant) no kernel adds pairs: the
     sums widen to float, 128-bit words still."""
     res = subprocess.run([C.nvcc_path(), "-std=c++17", "-arch=sm_90", "-ptx", "-DDDL_WIDEN_HALF_SUMS",
-                          str(kernel_dir() / "reduce.cu"), "-o", str(tmp_path / "w.ptx")], capture_output=True, text=True)
+                          str(kernel_dir() / "reduce.cu"), "-o", str(tmp_path / "w.ptx")],
+                         capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     entries = C.ptx_entries((tmp_path / "w.ptx").read_text())
     for kind in ("reduce", "realign", "fold", "fold_realign"):

@@ -256,8 +256,9 @@ def main(argv=None):
     head = (f"Kernel report ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
             f"NVRTC 12.9 for sm_70/80/90, nvcc {'found' if C.nvcc_path() else 'absent'}; "
             f"generated in {time.time() - t0:.0f} s by bench/kernels/kernel_report.py)\n")
-    head += ("\nNVRTC compile of each whole file, wall time here (what `python -m ddlkernels compile --cuda` makes of "
-             "pack.cu; reduce.cu it compiles one kind at a time, as below), sm_" + "/".join(str(a) for a in ARCHS) + ": "
+    head += ("\nNVRTC compile of each whole file, wall time here (what `python -m ddlkernels compile --cuda` makes "
+             "of pack.cu; reduce.cu it compiles one kind at a time, as below), sm_"
+             + "/".join(str(a) for a in ARCHS) + ": "
              + "; ".join(f"{src} " + " / ".join(f"{compile_s[(src, a)]:.1f}" for a in ARCHS) + " s"
                          for src in ("reduce.cu", "pack.cu")) + "\n")
     head += (f"\nreduce.cu one kind at a time (what a first launch of a kind waits for where the kernel cache has no "
