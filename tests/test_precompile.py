@@ -46,19 +46,25 @@ def test_cuda_archs_spelled_as_compute_capabilities_or_auto_or_none(monkeypatch)
     assert precompile.cuda_archs(" Auto ") == (86,)
 
 
-def test_cuda_kernels_compiled_ahead_are_what_a_first_device_call_finds(tmp_path):
-    """``compile_cuda`` for a compute capability, without a GPU, fills the image cache; ``compile_source`` as a
-    first device call on such a GPU makes it (same NVRTC, same options) then finds each image there and
-    compiles nothing.  The images are readable by other users (a cache an image build shares)."""
+@pytest.fixture
+def nvrtc():
+    """CuPy's NVRTC binding, as ``compile_source`` uses it (skips where it cannot be loaded)."""
     pytest.importorskip("cupy")
     from cupy_backends.cuda.libs import nvrtc
-
-    from ddlkernels.kernels.sources import SOURCES, compile_source, units
 
     try:
         nvrtc.getVersion()
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"CuPy's NVRTC is not loadable here: {exc}")
+    return nvrtc
+
+
+def test_cuda_kernels_compiled_ahead_are_what_a_first_device_call_finds(tmp_path, nvrtc):
+    """``compile_cuda`` for a compute capability, without a GPU, fills the image cache; ``compile_source`` as a
+    first device call on such a GPU makes it (same NVRTC, same options) then finds each image there and
+    compiles nothing.  The images are readable by other users (a cache an image build shares)."""
+    from ddlkernels.kernels.sources import SOURCES, compile_source, units
+
     lines = []
     made = [(name, unit) for name in SOURCES for unit in units(name)]  # reduce.cu: one unit per kind of kernel
     assert precompile.compile_cuda([80], jobs=1, report=lines.append, cache_dir=tmp_path) == len(made) == 5
@@ -87,18 +93,11 @@ def test_cuda_kernels_with_their_cache_off_are_refused_before_anything_compiles(
     assert "signature" not in res.stdout
 
 
-def test_an_image_compiled_with_defines_is_kept_apart(tmp_path):
+def test_an_image_compiled_with_defines_is_kept_apart(tmp_path, nvrtc):
     """``compile_source(defines=)`` (a study's variant of a kernel, bench/studies/half_sums.py) passes each macro
     to NVRTC and keeps its image under a key of its own: the library's first call never finds a variant."""
-    pytest.importorskip("cupy")
-    from cupy_backends.cuda.libs import nvrtc
-
     from ddlkernels.kernels.sources import compile_source
 
-    try:
-        nvrtc.getVersion()
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"CuPy's NVRTC is not loadable here: {exc}")
     seen = []
 
     class Recording:  # CuPy's NVRTC, noting the options of each compile
