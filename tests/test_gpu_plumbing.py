@@ -3,7 +3,9 @@
 * ``import ddlkernels`` (and routing a host array) imports no GPU library;
 * device arrays are recognised by duck typing: a type exporting
   ``__cuda_array_interface__`` or a DLPack CUDA device goes to a device
-  backend, host arrays and CPU torch tensors to numpy;
+  backend, host arrays and CPU torch tensors to numpy; a Numba device array
+  goes to CuPy where CuPy is installed and imports (a zero-copy view each way,
+  no stream synchronized), to Numba otherwise, the simulator's always to Numba;
 * CUDA-aware detection: the override wins, an MPI 4.1 ``mpi_memory_alloc_kinds``
   containing "cuda" means aware, otherwise the vendor query decides;
 * the kernel sources are found in a checkout and inside a built wheel;
@@ -25,6 +27,7 @@ import pytest
 
 from ddlkernels.transport.cuda_aware import cuda_aware, gpu_info
 from ddlkernels.kernels.sources import SOURCES, cuda_include_dirs, kernel_dir, read_source
+from ddlkernels.backends import BackendUnavailable
 from ddlkernels.backends._detect import has_module, is_cupy_array, is_foreign_cuda_array, is_numba_array
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,9 +79,9 @@ def test_host_arrays_are_not_device_arrays():
 @pytest.mark.parametrize("obj", [_CAIArray(), _DLPackCuda()], ids=["cuda_array_interface", "dlpack_cuda"])
 def test_foreign_cuda_arrays_route_to_a_device_backend(obj):
     assert is_foreign_cuda_array(obj)
-    # CuPy if installed, else Numba: exactly one of the two claims it.
+    # CuPy claims it if installed; Numba always, and serves it where CuPy is missing or does not import.
     assert is_cupy_array(obj) == has_module("cupy")
-    assert is_numba_array(obj) == (not has_module("cupy"))
+    assert is_numba_array(obj)
 
 
 def test_backend_for_foreign_cuda_array_names_the_device_backend():
@@ -455,3 +458,122 @@ def test_numba_pack_word_ignores_what_empty_tensors_bind():
     assert _word(0x1004, ptrs, sizes, offsets) == 4
     assert _word(0x1001, ptrs, sizes, offsets) == 1
     assert _word(0x1000, [], [], []) == 8
+
+
+class _FirstMissing:
+    made = 0
+
+    def __init__(self):
+        type(self).made += 1
+        raise BackendUnavailable("first: not importable here")
+
+
+class _Second:
+    name, device = "second", True
+
+
+def test_an_array_two_backends_claim_goes_to_the_first_that_can_be_made(monkeypatch):
+    """CuPy installed but not importable: a Numba or torch array goes to the Numba backend, and the failed
+    import is not tried again at every call; where no claimant can be made, the first one's reason."""
+    import types
+
+    import ddlkernels.backends as B
+
+    mod = types.ModuleType("ddl_test_backends")
+    mod.First, mod.Second = _FirstMissing, _Second
+    monkeypatch.setitem(sys.modules, "ddl_test_backends", mod)
+    monkeypatch.setattr(B, "_REGISTRY", {})
+    monkeypatch.setattr(B, "_INSTANCES", {})
+    monkeypatch.setattr(B, "_UNAVAILABLE", {})
+    _FirstMissing.made = 0
+    B.register_backend("first", "ddl_test_backends:First", lambda x: isinstance(x, (_CAIArray, _DLPackCuda)))
+    B.register_backend("second", "ddl_test_backends:Second", lambda x: isinstance(x, _CAIArray))
+    for _ in range(3):
+        assert B.backend_for(_CAIArray()).name == "second"
+    assert _FirstMissing.made == 1
+    with pytest.raises(BackendUnavailable, match="first: not importable here"):
+        B.backend_for(_DLPackCuda())  # claimed by "first" alone
+    with pytest.raises(BackendUnavailable, match="first: not importable here"):
+        B.get_backend("first")
+    assert _FirstMissing.made == 1
+    assert B.serves(B.get_backend("second"), _CAIArray()) and not B.serves(B.get_backend("second"), _DLPackCuda())
+
+
+_NUMBA_ON_CUPY = """if True:
+    import contextlib, ctypes, sys, numpy as np
+    import numba.cuda.api, numba.cuda.cudadrv.devices
+    from numba.cuda.cudadrv import devicearray
+    from ml_dtypes import bfloat16
+    from ddlkernels.backends import backend_for, get_backend, serves
+    from ddlkernels.backends._cupy import CupyBackend
+
+    class Allocation:  # a made-up allocation: only its address is read, nothing touches the device
+        device_ctypes_pointer = ctypes.c_size_t(0x7F0000001000)
+
+    def numba_array(shape, dtype):
+        strides = tuple(int(s) for s in np.empty(shape, dtype).strides)
+        return devicearray.DeviceNDArray(shape=shape, strides=strides, dtype=dtype, gpu_data=Allocation())
+
+    x = numba_array((3, 5), np.float32)
+    be = backend_for(x)
+    assert be.name == "cupy" and serves(be, x) and serves(get_backend("numba"), x), be.name
+    assert backend_for(x, "numba").name == "numba"
+    # What the driver answers, stand-ins on a machine without a GPU: the device of an address, and the
+    # contexts Numba makes sure of for a result and for an array of no element.
+    be._device_at = lambda ptr: 0
+    numba.cuda.cudadrv.devices._runtime.ensure_context = contextlib.nullcontext
+    numba.cuda.api.current_context = numba.cuda.cudadrv.devices.get_context = lambda *a: None
+    for shape, dtype, storage in [((3, 5), np.float32, np.float32), ((7,), bfloat16, np.uint16),
+                                  ((0,), np.float16, np.float16)]:
+        x = numba_array(shape, dtype)
+        at = x.__cuda_array_interface__["data"][0]  # null where no element: Numba allocates none
+        assert at == (0x7F0000001000 if x.size else 0)
+        f = be.flat(x)
+        assert f.data.ptr == at and f.shape == (x.size,) and f.dtype == storage, (f.shape, f.dtype)
+        assert be.dtype(x) == np.dtype(dtype) and be.device_id(x) == 0
+
+        # The result: a Numba array over the CuPy array's memory, keeping it alive.
+        r = be.like(f, x)
+        assert type(r) is type(x) and r.shape == x.shape and r.dtype == np.dtype(dtype), (r.shape, r.dtype)
+        assert r.__cuda_array_interface__["data"][0] == at
+        assert r.__cuda_array_interface__["stream"] is None  # bound to no stream: no later synchronization
+        assert r.gpu_data.owner is not None
+    rows = devicearray.DeviceNDArray(shape=(3, 5), strides=(40, 4), dtype=np.float32, gpu_data=Allocation())
+    assert be.device_id(rows) == 0  # every other row of a 6 x 5 array
+    try:
+        be.flat(rows)
+    except ValueError as exc:
+        assert "not C-contiguous" in str(exc)
+    else:
+        raise AssertionError("a strided Numba array was taken")
+    print("ok")
+"""
+
+
+def test_numba_arrays_go_to_the_cupy_backend_as_zero_copy_views():
+    """Where CuPy is installed, a Numba device array goes to the CuPy backend: viewed at the address its
+    interface gives, of its storage dtype, and the result given back as a Numba array over the same memory,
+    neither way through the other library's import of the interface (it synchronizes streams).  A
+    DeviceNDArray over a made-up allocation: no GPU needed."""
+    if not (has_module("cupy") and has_module("numba")):
+        pytest.skip("needs CuPy and numba-cuda installed (no GPU)")
+    res = subprocess.run([sys.executable, "-c", _NUMBA_ON_CUPY], capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+                                  PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
+    assert res.returncode == 0 and res.stdout.split() == ["ok"], res.stdout + res.stderr
+
+
+def test_the_simulators_arrays_stay_on_the_numba_backend():
+    code = """if True:
+        import numpy as np
+        from numba import cuda
+        from ddlkernels.backends import backend_for
+        from ddlkernels.backends._detect import is_cupy_array
+        d = cuda.to_device(np.arange(5, dtype=np.float32))
+        assert not is_cupy_array(d) and backend_for(d).name == "numba"
+        print("ok")
+    """
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+                                  PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
+    assert res.returncode == 0 and res.stdout.split() == ["ok"], res.stdout + res.stderr

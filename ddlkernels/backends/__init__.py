@@ -9,7 +9,9 @@ backend of an array, or for one by name.
 Registry: backends register a name, an import path and a predicate that
 recognises their arrays without importing their library (duck typing on
 ``__cuda_array_interface__`` / ``__dlpack_device__`` / the type's module), so
-``import ddlkernels`` never imports CUDA.
+``import ddlkernels`` never imports CUDA.  Two predicates may both claim an
+array (a Numba device array: "cupy" where CuPy is installed, and "numba"):
+it goes to the first registered backend that claims it and can be made.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Backend", "register_backend", "get_backend", "backend_for", "available_backends", "BackendUnavailable",
-           "torch_result"]
+__all__ = ["Backend", "register_backend", "get_backend", "backend_for", "serves", "available_backends",
+           "BackendUnavailable", "torch_result"]
 
 
 class BackendUnavailable(ImportError):
@@ -101,6 +103,8 @@ class Backend(abc.ABC):
 
 _REGISTRY: dict[str, tuple[str, Callable[[Any], bool]]] = {}
 _INSTANCES: dict[str, Backend] = {}
+#: name -> (message, cause) of a backend that could not be made: not tried again at every call
+_UNAVAILABLE: dict[str, tuple[str, BaseException]] = {}
 
 
 def torch_result(t):
@@ -124,27 +128,47 @@ def get_backend(name: str) -> Backend:
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; registered: {', '.join(_REGISTRY)}")
     if name not in _INSTANCES:
+        if name in _UNAVAILABLE:
+            msg, cause = _UNAVAILABLE[name]
+            raise BackendUnavailable(msg) from cause
         target, _ = _REGISTRY[name]
         mod, cls = target.split(":")
-        _INSTANCES[name] = getattr(importlib.import_module(mod), cls)()
+        try:
+            _INSTANCES[name] = getattr(importlib.import_module(mod), cls)()
+        except BackendUnavailable as exc:
+            _UNAVAILABLE[name] = (str(exc), exc.__cause__)
+            raise
     return _INSTANCES[name]
 
 
 def backend_for(x, name: str | None = None) -> Backend:
-    """The backend for array ``x``: ``name`` if given, else the first that recognises ``x``."""
+    """The backend for array ``x``: ``name`` if given, else the first registered one that recognises ``x`` and
+    can be made here (CuPy installed but not importable: the Numba backend takes a Numba or torch array)."""
     if name is not None:
         return get_backend(name)
     if type(x) is np.ndarray:  # the hot case, without walking the registry
         be = _INSTANCES.get("numpy")
         if be is not None:
             return be
+    missing = None
     for bname, (_, recognises) in _REGISTRY.items():
         if recognises(x):
-            return get_backend(bname)
+            try:
+                return get_backend(bname)
+            except BackendUnavailable as exc:
+                missing = missing or exc
+    if missing is not None:
+        raise missing
     raise TypeError(
         f"ddlkernels cannot reduce an object of type {type(x).__module__}.{type(x).__qualname__}; "
         f"expected a numpy, CuPy, Numba device or PyTorch array"
     )
+
+
+def serves(be: Backend, x) -> bool:
+    """Whether backend ``be`` takes array ``x`` (an ``out`` of another library than the input, both views of
+    device memory, is taken by the input's backend where its predicate claims it)."""
+    return _REGISTRY[be.name][1](x)
 
 
 def available_backends() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The CuPy backend: CuPy arrays, and CUDA arrays of other libraries through DLPack, zero-copy.
+"""The CuPy backend: CuPy arrays, and CUDA arrays of other libraries (torch, Numba), zero-copy.
 
 Kernels are kernels/reduce.cu and kernels/pack.cu, compiled by NVRTC with
 our own options (``ddlkernels.kernels.sources.compile_source``: CuPy's
@@ -6,15 +6,20 @@ our own options (``ddlkernels.kernels.sources.compile_source``: CuPy's
 per device, their functions looked up once.
 
 Streams: a call runs on the caller's stream (``stream_of``): CuPy's current
-stream for CuPy arrays, torch's current stream for torch tensors (wrapped as
-a ``cupy.cuda.ExternalStream``), or the ``stream=`` given.  ``using`` makes
+stream for CuPy arrays, torch's current stream for torch tensors, Numba's
+default stream for Numba arrays (as a Numba kernel launched without a stream
+runs; both wrapped as CuPy streams), or the ``stream=`` given.  ``using`` makes
 it CuPy's current stream too, so CuPy's own copies and allocations of the
 call are ordered on it.  The staging transport copies on a separate
 non-blocking stream and orders itself against the compute stream with events.
 
 A CUDA torch tensor becomes a CuPy array with ``cupy.from_dlpack`` (bfloat16
 through its int16 bits: CuPy has no bfloat16) and ``like`` returns a torch
-tensor sharing the result's memory (``torch.from_dlpack``).
+tensor sharing the result's memory (``torch.from_dlpack``).  A Numba device
+array is viewed at the address its ``__cuda_array_interface__`` gives, and
+``like`` returns a Numba array over the result's memory, both made without
+importing the other's interface: that import synchronizes the stream an
+array is bound to, and a call never blocks the host on the device.
 
 CUDA IPC (``ipc``, for ``ddlkernels.algorithms.ipc``): an array is exported
 as the handle of the cudaMalloc allocation it lies in (CuPy's pool and
@@ -116,6 +121,7 @@ class CupyBackend(DeviceBackend):
         self._modules: dict = {}  # (device, source, its unit's macros) -> loaded cupy.cuda.function.Module
         self._functions: dict = {}  # (device, kernel name) -> cupy.cuda.function.Function
         self._external: dict = {}  # (stream handle, device) -> cupy.cuda.ExternalStream
+        self._numba_stream = None  # the handle of Numba's default stream, once a Numba array asked for it
         # CuPy's own stream classes: one base class, public before CuPy 14 and private since.
         st = cupy.cuda.stream
         self._streams = getattr(st, "BaseStream", None) or getattr(st, "_BaseStream", None) or cupy.cuda.Stream
@@ -159,6 +165,8 @@ class CupyBackend(DeviceBackend):
                 import torch
 
                 return self._wrap(torch.cuda.current_stream(x.device).cuda_stream, x.device.index)
+            if type(x).__module__.startswith("numba"):
+                return self._wrap(self._numba_default_stream(), self.device_id(x))
             return cp.cuda.get_current_stream()
         if isinstance(stream, self._streams):
             return stream
@@ -166,10 +174,19 @@ class CupyBackend(DeviceBackend):
         if mod.startswith("torch"):
             return self._wrap(stream.cuda_stream, stream.device.index)
         if mod.startswith("numba"):
-            return self._wrap(int(stream.handle.value or 0), None)
+            return self._wrap(int(stream), None)  # the handle's int, ctypes or cuda.bindings alike
         if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
             return self._wrap(int(stream), None)
         raise TypeError(f"stream must be a CuPy, torch or Numba stream or a cudaStream_t int, got {stream!r}")
+
+    def _numba_default_stream(self):
+        """The handle of Numba's default stream: 0, the legacy one, or the per-thread one where Numba is
+        configured so (``NUMBA_CUDA_PER_THREAD_DEFAULT_STREAM``); asked once."""
+        if self._numba_stream is None:
+            from numba import cuda
+
+            self._numba_stream = int(cuda.default_stream())
+        return self._numba_stream
 
     def _wrap(self, handle, device):
         """A CuPy stream for the raw ``cudaStream_t`` ``handle`` of ``device`` (cached: made once per stream)."""
@@ -283,9 +300,28 @@ class CupyBackend(DeviceBackend):
             if x.dtype == torch.bfloat16:
                 return cp.from_dlpack(x.view(torch.int16)).view(np.uint16)
             return cp.from_dlpack(x)
+        if type(x).__module__.startswith("numba"):
+            return self._numba_view(x)
         if hasattr(type(x), "__dlpack__"):
             return cp.from_dlpack(x)
         return cp.asarray(x)  # __cuda_array_interface__: zero-copy
+
+    def _numba_view(self, x):
+        """A CuPy array over Numba device array ``x``'s memory, of its storage dtype (bfloat16 as uint16).
+        Not ``cupy.asarray(x)``: it synchronizes the stream ``x`` is bound to."""
+        cp = self._cp
+        if not x.is_c_contiguous():
+            raise ValueError("device array is not C-contiguous")
+        dtype = storage_dtype(np.dtype(x.dtype))
+        ptr = x.__cuda_array_interface__["data"][0]
+        mem = cp.cuda.UnownedMemory(ptr, x.size * dtype.itemsize, x, self._device_at(ptr))
+        return cp.ndarray(tuple(x.shape), dtype, cp.cuda.MemoryPointer(mem, 0))
+
+    def _device_at(self, ptr):
+        """The device of device memory at ``ptr``; a null pointer (an array of no element) has none: the
+        current device."""
+        rt = self._cp.cuda.runtime
+        return rt.pointerGetAttributes(ptr).device if ptr else rt.getDevice()
 
     def dtype(self, x):
         if type(x).__module__.startswith("torch"):
@@ -297,8 +333,11 @@ class CupyBackend(DeviceBackend):
         return np.dtype(x.dtype)
 
     def device_id(self, x):
-        if type(x).__module__.startswith("torch"):
+        mod = type(x).__module__
+        if mod.startswith("torch"):
             return x.device.index
+        if mod.startswith("numba"):  # a strided array too, which has no view here
+            return self._device_at(x.__cuda_array_interface__["data"][0])
         return int(self._as_cupy(x).device.id)
 
     def flat(self, x):
@@ -329,7 +368,19 @@ class CupyBackend(DeviceBackend):
             if x.dtype == torch.bfloat16:
                 return torch_result(torch.from_dlpack(flat.view(np.int16)).view(torch.bfloat16).reshape(shape))
             return torch_result(torch.from_dlpack(flat).reshape(shape))
+        if type(x).__module__.startswith("numba"):
+            return self._numba_result(flat.reshape(shape), x.dtype)
         return flat.reshape(shape)
+
+    def _numba_result(self, a, dtype):
+        """A Numba device array over CuPy array ``a``'s memory (keeping ``a`` alive), of ``dtype`` (``a``'s
+        bits: bfloat16 over uint16).  Not ``numba.cuda.as_cuda_array(a)``: it synchronizes CuPy's stream."""
+        from numba import cuda
+
+        desc = {"shape": a.shape, "strides": None, "data": (a.data.ptr, False), "typestr": a.dtype.str,
+                "version": 3, "stream": None}
+        r = cuda.from_cuda_array_interface(desc, owner=a, sync=False)
+        return r if r.dtype == dtype else r.view(dtype)
 
     def _ptr(self, buf):
         return buf.data.ptr  # an int already: int() of it would double the cost of a pack's addresses

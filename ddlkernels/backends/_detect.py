@@ -7,12 +7,19 @@ type's module, at ``__cuda_array_interface__`` (on the type, so a wrapper's
 ``importlib.util.find_spec`` -- which finds a package without importing it --
 which GPU library is installed.
 
-Routing:
-  * CuPy arrays -> "cupy"; Numba device arrays (and the simulator's) -> "numba".
+Routing (``backend_for`` takes the first of cupy, numba that claims an array
+and can be made):
+  * CuPy arrays -> "cupy".
+  * Numba device arrays on a GPU -> "cupy" if CuPy is installed and imports
+    (a zero-copy view: a CuPy launch costs a tenth of a Numba one's host
+    time, bench/results/device_kernels_h200.txt, and only the CuPy backend
+    maps peers' memory over CUDA IPC), else "numba";
+    ``backend="numba"`` keeps them on Numba's kernels.  The simulator's
+    arrays -> "numba" (CuPy cannot see them).
   * Other CUDA arrays (a CUDA torch tensor, anything exporting
     ``__cuda_array_interface__`` or a DLPack CUDA device) -> "cupy" if CuPy
-    is installed, else "numba" (whose constructor says what to install if
-    numba-cuda is missing too).  Both views are zero-copy.
+    is installed and imports, else "numba" (whose constructor says what to
+    install if numba-cuda is missing too).  Both views are zero-copy.
 """
 
 from __future__ import annotations
@@ -58,21 +65,28 @@ def is_foreign_cuda_array(x) -> bool:
     return False
 
 
+def _is_numba_device_array(t) -> bool:
+    # DeviceNDArray and the simulator's FakeCUDAArray both carry this marker.
+    return bool(getattr(t, "__cuda_ndarray__", False)) or hasattr(t, "__cuda_array_interface__")
+
+
 def is_cupy_array(x) -> bool:
-    mod = type(x).__module__
+    t = type(x)
+    mod = t.__module__
     if mod == "cupy" or mod.startswith("cupy."):
         return True
     if mod.startswith("numba"):
-        return False
+        return ".simulator" not in mod and _is_numba_device_array(t) and has_module("cupy")
     return is_foreign_cuda_array(x) and has_module("cupy")
 
 
 def is_numba_array(x) -> bool:
+    """Every Numba device array and every CUDA array of another library: where CuPy is installed and
+    imports, the registry gives them to the CuPy backend, which it asks first."""
     t = type(x)
     mod = t.__module__
     if mod.startswith("numba"):
-        # DeviceNDArray and the simulator's FakeCUDAArray both carry this marker.
-        return bool(getattr(t, "__cuda_ndarray__", False)) or hasattr(t, "__cuda_array_interface__")
+        return _is_numba_device_array(t)
     if mod == "cupy" or mod.startswith("cupy."):
         return False
-    return is_foreign_cuda_array(x) and not has_module("cupy")
+    return is_foreign_cuda_array(x)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._dtypes import check_dtype, dtype_name, normalize_op
-from ..backends import backend_for
+from ..backends import backend_for, serves
 from ..ring.schedule import validate_dims
 
 __all__ = ["prepare", "flat_input", "where", "backend_input_numpy", "buffer_spec", "size", "check_out",
@@ -131,10 +131,9 @@ def check_out(be, out, x, dtype):
         if out.shape != x.shape:
             raise ValueError(f"out has shape {out.shape} but the input has {x.shape}")
         return
-    ob = backend_for(out)
-    if ob is not be:
-        raise TypeError(f"out is a {ob.name} array but the input is a {be.name} array")
-    odt = ob.dtype(out)
+    if not serves(be, out):
+        raise TypeError(f"out is a {backend_for(out).name} array but the input is a {be.name} array")
+    odt = be.dtype(out)
     if odt != dtype:
         raise TypeError(f"out has dtype {dtype_name(odt)} but the input has {dtype_name(dtype)}")
     if tuple(out.shape) != tuple(x.shape):
@@ -175,11 +174,10 @@ def check_shard_out(be, out, x, src, dtype, n, what):
     """``out`` of reduce_scatter / allgather: 1-D, ``n`` elements, ``x``'s dtype, backend and device, contiguous,
     writeable and apart from ``x`` (whose flat buffer is ``src``); raised before any communication (every rank
     checks its own).  Returns the backend's flat buffer of ``out``, which the algorithms write."""
-    ob = backend_for(out)
-    if ob is not be:
-        raise TypeError(f"{what}: out is a {ob.name} array but the input is a {be.name} array")
-    if ob.dtype(out) != dtype:
-        raise TypeError(f"{what}: out has dtype {dtype_name(ob.dtype(out))} but the input has {dtype_name(dtype)}")
+    if not serves(be, out):
+        raise TypeError(f"{what}: out is a {backend_for(out).name} array but the input is a {be.name} array")
+    if be.dtype(out) != dtype:
+        raise TypeError(f"{what}: out has dtype {dtype_name(be.dtype(out))} but the input has {dtype_name(dtype)}")
     if tuple(out.shape) != (n,):
         raise ValueError(f"{what}: out has shape {tuple(out.shape)} but this rank's result is ({n},)")
     if be.device_id(out) != be.device_id(x):

@@ -1,6 +1,7 @@
 """The collectives on real device memory, under ``mpirun -n 2, 3, 4`` with every rank on the one GPU.
 
-CuPy arrays, Numba arrays (bfloat16 made the way a numba-cuda user must) and
+CuPy arrays, Numba arrays (routed to the CuPy backend, and on the Numba
+kernels by ``backend="numba"``; bfloat16 made the way a numba-cuda user must) and
 CUDA torch tensors (on torch's default stream and on a stream of their own)
 are reduced by the staged transport (PyPI's MPI is not CUDA-aware) and must
 equal, bit for bit, the host ring of the same Communicator -- the same ring,
@@ -23,6 +24,8 @@ from mpi4py import MPI
 import gpu_env as G
 import ddlkernels
 from ddlkernels._dtypes import BFLOAT16, SUPPORTED_DTYPES, dtype_name
+from ddlkernels.backends import backend_for
+from ddlkernels.backends._detect import has_module
 
 pytestmark = G.needs_device
 cp = G.cp
@@ -166,23 +169,28 @@ def numba_host(d):
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=[dtype_name(d) for d in SUPPORTED_DTYPES])
-def test_numba_allreduce(comm, dtype, op):
+@pytest.mark.parametrize("backend", [None, "numba"], ids=["routed", "numba-kernels"])
+def test_numba_allreduce(comm, dtype, op, backend):
+    """Numba arrays: where CuPy is installed they go to the CuPy backend (its kernels, CUDA IPC), and
+    ``backend="numba"`` keeps them on the Numba kernels; the result a Numba array either way."""
     cuda = G.numba_cuda()
+    routed = backend_for(numba_array(np.zeros(1, np.float32)), backend).name
+    assert routed == (backend or ("cupy" if has_module("cupy") else "numba"))
     for n in [m for m in sizes_for(comm) if m <= 4097]:
         for dims in BOXES:
             x = data(n, dtype, salt=7 * n, op=op)
             host = comm.allreduce(x, op, dims=dims)
             d = numba_array(x)
-            got = comm.allreduce(d, op, dims=dims)
+            got = comm.allreduce(d, op, dims=dims, backend=backend)
             assert type(got) is type(d)
-            assert_bitwise(numba_host(got), host, f"numba n={n} dims={dims}")
-            comm.allreduce(d, op, out=d, dims=dims)
-            assert_bitwise(numba_host(d), host, f"numba in place n={n} dims={dims}")
+            assert_bitwise(numba_host(got), host, f"numba n={n} dims={dims} on {routed}")
+            comm.allreduce(d, op, out=d, dims=dims, backend=backend)
+            assert_bitwise(numba_host(d), host, f"numba in place n={n} dims={dims} on {routed}")
             s = cuda.stream()
             d2 = numba_array(x)
-            got = comm.allreduce(d2, op, dims=dims, stream=s)
+            got = comm.allreduce(d2, op, dims=dims, stream=s, backend=backend)
             s.synchronize()
-            assert_bitwise(numba_host(got), host, f"numba stream= n={n} dims={dims}")
+            assert_bitwise(numba_host(got), host, f"numba stream= n={n} dims={dims} on {routed}")
             CALLS[0] += 3
 
 

@@ -1,6 +1,6 @@
 """The CUDA IPC allreduce (ddlkernels.algorithms.ipc) on real device memory, every rank on the one GPU.
 
-Every rank's CuPy arrays and CUDA torch tensors are read and written by its
+Every rank's CuPy arrays, CUDA torch tensors and Numba device arrays are read and written by its
 peers through CUDA IPC handles; the result must be the rank-order fold
 (``((x0 op x1) op x2) ...``, "avg" scaling in the last step) computed on the
 host by the numpy backend, bit for bit, and the same on every rank.  Edge
@@ -144,6 +144,44 @@ def test_torch_tensors_on_a_stream_of_their_own(comm, tdtype):
         check(bits(g), want.view(np.int16) if tdtype == "bfloat16" else want, f"torch {tdtype} n={n}")
         CALLS[0] += 1
     assert comm.algorithms["ipc"].staged() == staged, "torch's caching allocator's memory went through a stage"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16], ids=["float32", "bfloat16"])
+def test_numba_arrays_through_cuda_ipc(comm, dtype):
+    """Numba device arrays go to the CuPy backend and so over CUDA IPC, their memory (Numba's own cuMemAlloc)
+    exported where it lies; the result a Numba array; in place, and on a Numba stream of their own (an input
+    a Numba kernel writes there, the result read there, no host synchronization between)."""
+    cuda = G.numba_cuda()
+
+    @cuda.jit
+    def double(v):  # a kernel of the caller's that produces the input on its stream
+        i = cuda.grid(1)
+        if i < v.size:
+            v[i] = v[i] + v[i]
+
+    staged = comm.algorithms["ipc"].staged()
+    for n in (P + 1, 1000003):
+        x = data(n, dtype, salt=4)
+        bits = x.view(np.uint16) if dtype == BFLOAT16 else x
+        want = rank_order_fold(COMM.allgather(x), "sum")
+        d = cuda.to_device(bits)
+        d = d.view(BFLOAT16) if dtype == BFLOAT16 else d
+        got = comm.allreduce(d, "sum")
+        assert comm.last_algorithm == "ipc" and type(got) is type(d) and got.dtype == np.dtype(dtype)
+        host = lambda v: (v.view(np.uint16) if dtype == BFLOAT16 else v).copy_to_host()  # noqa: E731
+        check(host(got), want.view(bits.dtype), f"numba {dtype_name(dtype)} n={n}")
+        comm.allreduce(d, "sum", out=d)
+        check(host(d), want.view(bits.dtype), f"numba {dtype_name(dtype)} n={n} in place")
+        if dtype == np.float32:
+            s = cuda.stream()
+            e = cuda.to_device(x, stream=s)
+            double[(n + 255) // 256, 256, s](e)
+            got = comm.allreduce(e, "sum", stream=s)
+            h = got.copy_to_host(stream=s)
+            s.synchronize()
+            check(h, rank_order_fold(COMM.allgather(x + x), "sum"), f"numba on its stream n={n}")
+        CALLS[0] += 3
+    assert comm.algorithms["ipc"].staged() == staged, "Numba's memory went through a stage"
 
 
 def test_torch_expandable_segments_are_staged(comm):
