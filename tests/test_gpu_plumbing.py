@@ -538,6 +538,11 @@ _NUMBA_ON_CUPY = """if True:
         assert r.__cuda_array_interface__["data"][0] == at
         assert r.__cuda_array_interface__["stream"] is None  # bound to no stream: no later synchronization
         assert r.gpu_data.owner is not None
+    # stream=: a Numba stream's handle, a cuda.bindings CUstream in numba-cuda (no ctypes .value)
+    from numba.cuda.cudadrv import driver
+    be._wrap = lambda handle, device: ("wrapped", handle, device)
+    for h in (0, 2, 0x5A5A000):  # the legacy default stream, the per-thread one, a stream of the user's
+        assert be.stream_of(x, driver.Stream(driver.binding.CUstream(h))) == ("wrapped", h, None)
     rows = devicearray.DeviceNDArray(shape=(3, 5), strides=(40, 4), dtype=np.float32, gpu_data=Allocation())
     assert be.device_id(rows) == 0  # every other row of a 6 x 5 array
     try:
