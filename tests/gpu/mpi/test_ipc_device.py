@@ -149,16 +149,10 @@ def test_torch_tensors_on_a_stream_of_their_own(comm, tdtype):
 @pytest.mark.parametrize("dtype", [np.float32, BFLOAT16], ids=["float32", "bfloat16"])
 def test_numba_arrays_through_cuda_ipc(comm, dtype):
     """Numba device arrays go to the CuPy backend and so over CUDA IPC, their memory (Numba's own cuMemAlloc)
-    exported where it lies; the result a Numba array; in place, and on a Numba stream of their own (an input
-    a Numba kernel writes there, the result read there, no host synchronization between)."""
+    exported where it lies; the result a Numba array; in place, one element into an allocation, and on a
+    Numba stream of their own (an input a copy queued there writes, the result read there, no host
+    synchronization between)."""
     cuda = G.numba_cuda()
-
-    @cuda.jit
-    def double(v):  # a kernel of the caller's that produces the input on its stream
-        i = cuda.grid(1)
-        if i < v.size:
-            v[i] = v[i] + v[i]
-
     staged = comm.algorithms["ipc"].staged()
     for n in (P + 1, 1000003):
         x = data(n, dtype, salt=4)
@@ -172,15 +166,21 @@ def test_numba_arrays_through_cuda_ipc(comm, dtype):
         check(host(got), want.view(bits.dtype), f"numba {dtype_name(dtype)} n={n}")
         comm.allreduce(d, "sum", out=d)
         check(host(d), want.view(bits.dtype), f"numba {dtype_name(dtype)} n={n} in place")
+        whole = cuda.to_device(np.concatenate([bits[:1], bits]))
+        m = whole[1:]  # one element into its allocation: not on a 16-byte boundary
+        m = m.view(BFLOAT16) if dtype == BFLOAT16 else m
+        comm.allreduce(m, "sum", out=m)
+        check(host(m), want.view(bits.dtype), f"numba {dtype_name(dtype)} n={n} in place, misaligned")
         if dtype == np.float32:
             s = cuda.stream()
-            e = cuda.to_device(x, stream=s)
-            double[(n + 255) // 256, 256, s](e)
+            src = cuda.to_device(x + x)
+            e = cuda.device_array_like(src, stream=s)
+            e.copy_to_device(src, stream=s)  # a device-to-device copy queued on s produces the input
             got = comm.allreduce(e, "sum", stream=s)
             h = got.copy_to_host(stream=s)
             s.synchronize()
             check(h, rank_order_fold(COMM.allgather(x + x), "sum"), f"numba on its stream n={n}")
-        CALLS[0] += 3
+        CALLS[0] += 4
     assert comm.algorithms["ipc"].staged() == staged, "Numba's memory went through a stage"
 
 
