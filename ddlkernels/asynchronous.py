@@ -70,6 +70,7 @@ from ._dtypes import dtype_name, normalize_op
 from .fusion import FusionJob, reduce_packed
 from .safety.agreement import check_same_on_all_ranks
 from .backends import backend_for
+from .collectives.streams import runs_now
 
 __all__ = ["Handle", "allreduce_async", "allreduce_many_async", "progress_engine", "PROGRESS_MODES"]
 
@@ -456,14 +457,14 @@ def allreduce_async(x, op="sum", *, comm=None, out=None, progress="thread", stre
 
 def _on_caller_stream(job: FusionJob, stream):
     """For a device job, the caller's stream (``stream``, else its current one) as this thread's compute
-    stream; a no-op for host jobs."""
+    stream (not one capturing a CUDA graph); a no-op for host jobs."""
     be = job.backend
     if be is None or not be.device:
         if stream is not None:
             raise ValueError("stream= orders device work; the arrays of this call are host arrays")
         return contextlib.nullcontext()
     x0 = job.tensors[0]
-    return be.using(be.call_stream(x0, stream), be.device_id(x0))
+    return be.using(runs_now(be, be.call_stream(x0, stream)), be.device_id(x0))
 
 
 def _start(job: FusionJob, comm, progress, single, stream=None) -> Handle:

@@ -83,7 +83,7 @@ import numpy as np
 
 from ddlkernels._dtypes import BFLOAT16
 from ddlkernels.backends import _REGISTRY, torch_result
-from ddlkernels.backends._device import DeviceBackend, pack_layout, storage_dtype
+from ddlkernels.backends._device import CAPTURE_STATUS, DeviceBackend, pack_layout, storage_dtype
 
 __all__ = ["Emulator", "EmuArray", "EmuBackend", "emulated_device", "POLICIES"]
 
@@ -167,12 +167,13 @@ class _Op:
 class Stream:
     """An emulated stream: a FIFO of operations."""
 
-    __slots__ = ("queue", "name", "last")
+    __slots__ = ("queue", "name", "last", "capturing")
 
     def __init__(self, name):
         self.queue: list = []  # pending operations, oldest first
         self.name = name
         self.last = None  # the last operation queued (pending or done)
+        self.capturing = False  # capturing a CUDA graph (``EmuBackend.capture``): nothing may be queued
 
     def __repr__(self):
         return f"<emulated stream {self.name}: {len(self.queue)} pending>"
@@ -222,6 +223,8 @@ class Emulator:
         ``progress=False`` (a pool's finalizer: it may run inside any emulator call, ``_ready``'s scan of the
         queues included, which must not see them change under it)."""
         with self.lock:
+            if stream.capturing:  # CUDA would record it into the graph: run at a replay, not now
+                raise AssertionError(f"{what} queued on {stream.name} while it captures a CUDA graph")
             if stream not in self.streams:  # a stream of an earlier configuration
                 self.streams.append(stream)
             op = _Op(fn, stream, None, tuple(d for d in deps if d is not None and not d.done), what, tuple(ext))
@@ -610,6 +613,16 @@ class EmuBackend(DeviceBackend):
         s = getattr(self._current, "s", None)
         return self._default if s is None else s
 
+    @contextlib.contextmanager
+    def capture(self, stream):
+        """``stream`` captures a CUDA graph within the block (as ``cupy`` ``Stream.begin_capture`` .. ``end_capture``,
+        ``torch.cuda.graph``): queueing anything there fails."""
+        stream.capturing = True
+        try:
+            yield stream
+        finally:
+            stream.capturing = False
+
     def _new(self, shape, dtype, stream, shareable=True) -> np.ndarray:
         """"Device" memory from the pool of ``stream`` (the module comment), GARBAGE until written: in the
         shared heap while ``ipc`` (unless not ``shareable``: memory CUDA IPC cannot export, as from
@@ -691,6 +704,9 @@ class EmuBackend(DeviceBackend):
 
     def idle(self, stream):
         return self.emu.ran_all(stream)
+
+    def graph_capture(self, stream):
+        return CAPTURE_STATUS[1] if stream.capturing else None
 
     def sync_stream(self, stream):
         self.emu.sync_stream(stream)  # as cudaStreamSynchronize: no event of the backend's

@@ -582,3 +582,56 @@ def test_the_simulators_arrays_stay_on_the_numba_backend():
                          env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
                                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
     assert res.returncode == 0 and res.stdout.split() == ["ok"], res.stdout + res.stderr
+
+
+def test_graph_capture_reads_cudas_capture_status():
+    """``graph_capture`` of the CuPy and the Numba backend: None where the stream is not capturing, the reason
+    where it captures or its capture was invalidated, and where the query fails (the legacy stream while a
+    blocking stream captures).  The runtime's and the driver's answers are stand-ins: no GPU here."""
+    code = """if True:
+        import types
+        import numba.cuda.cudadrv.driver as drv
+        from cuda.bindings import driver as real
+        from ddlkernels.backends._cupy import CupyBackend
+        from ddlkernels.backends._numba import NumbaBackend
+
+        class Runtime:  # CuPy's runtime module, answering ``status`` (an int, or an exception to raise)
+            CUDARuntimeError = RuntimeError
+            status = 0
+
+            @classmethod
+            def streamIsCapturing(cls, ptr):
+                if isinstance(cls.status, Exception):
+                    raise cls.status
+                return cls.status
+
+        cupy_be = CupyBackend()
+        cupy_be._cp = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=Runtime))
+        stream = types.SimpleNamespace(ptr=0)
+        numba_be = NumbaBackend()
+        numba_be.simulated = False
+        answer = {}
+        drv.binding = types.SimpleNamespace(
+            CUstream=real.CUstream, CUresult=real.CUresult, CUstreamCaptureStatus=real.CUstreamCaptureStatus,
+            cuStreamIsCapturing=lambda h: answer["now"])
+        R, S = real.CUresult, real.CUstreamCaptureStatus
+        cases = [(0, (R.CUDA_SUCCESS, S.CU_STREAM_CAPTURE_STATUS_NONE), None),
+                 (1, (R.CUDA_SUCCESS, S.CU_STREAM_CAPTURE_STATUS_ACTIVE), "the stream is capturing a CUDA graph"),
+                 (2, (R.CUDA_SUCCESS, S.CU_STREAM_CAPTURE_STATUS_INVALIDATED), "capture was invalidated"),
+                 (RuntimeError("cudaErrorStreamCaptureImplicit"),
+                  (R.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, S.CU_STREAM_CAPTURE_STATUS_NONE),
+                  "while another stream captures a CUDA graph")]
+        for status, driver_answer, want in cases:
+            Runtime.status, answer["now"] = status, driver_answer
+            for be, s in ((cupy_be, stream), (numba_be, 0)):
+                got = be.graph_capture(s)
+                assert (got is None) if want is None else (want in got), (be.name, status, got)
+        assert "CAPTURE_IMPLICIT" in numba_be.graph_capture(0)
+        print("ok")
+    """
+    if not (has_module("cupy") and has_module("numba")):
+        pytest.skip("needs CuPy and numba-cuda installed (no GPU)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+                                  PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
+    assert res.returncode == 0 and res.stdout.split() == ["ok"], res.stdout + res.stderr

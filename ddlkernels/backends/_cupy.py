@@ -41,7 +41,7 @@ import numpy as np
 from .._dtypes import BFLOAT16
 from ..kernels.sources import compile_source, unit_of
 from . import BackendUnavailable, torch_result
-from ._device import DeviceBackend, pack_layout, storage_dtype
+from ._device import CAPTURE_ELSEWHERE, CAPTURE_STATUS, DeviceBackend, pack_layout, storage_dtype
 
 __all__ = ["CupyBackend"]
 
@@ -233,6 +233,13 @@ class CupyBackend(DeviceBackend):
 
     def idle(self, stream):
         return stream.done  # cudaStreamQuery
+
+    def graph_capture(self, stream):
+        rt = self._cp.cuda.runtime
+        try:
+            return CAPTURE_STATUS.get(int(rt.streamIsCapturing(stream.ptr)))
+        except rt.CUDARuntimeError as exc:  # the legacy stream while another captures in global mode
+            return CAPTURE_ELSEWHERE.format(exc)
 
     def pinned(self, nbytes):
         import cupyx

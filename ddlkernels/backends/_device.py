@@ -37,6 +37,8 @@ array library's own terms:
 ``query(ev)``              whether ev has happened (no block)
 ``idle(s)``                whether the work queued on s has all run (no block,
                            nothing queued; False where the backend cannot tell)
+``graph_capture(s)``       why work queued on s would be recorded into a CUDA
+                           graph rather than run (s captures), or None
 =========================  ====================================================
 
 A backend whose ``ipc`` is True also offers CUDA IPC between the processes
@@ -83,6 +85,11 @@ from . import Backend
 
 __all__ = ["DeviceBackend", "negative_zero", "storage_dtype", "pack_offsets", "pack_layout", "pack_pieces",
            "PIECE_BYTES"]
+
+#: ``graph_capture``'s answer by CUDA's capture status of a stream (cudaStreamCaptureStatus: 0 none, 1 active,
+#: 2 invalidated), and where the query itself fails
+CAPTURE_STATUS = {1: "the stream is capturing a CUDA graph", 2: "the stream's CUDA graph capture was invalidated"}
+CAPTURE_ELSEWHERE = "the stream cannot be used while another stream captures a CUDA graph ({})"
 
 _REDUCE_OPS = ("sum", "prod", "max", "min")
 _TABLES = 64  # pack tables kept per backend, one per (stream, tensors, offsets)
@@ -252,6 +259,11 @@ class DeviceBackend(Backend):
                 yield stream
         finally:
             self._tls.stream = prev
+
+    def graph_capture(self, stream) -> str | None:
+        """Why work queued on ``stream`` now would be recorded into a CUDA graph instead of running (the stream
+        captures one, or would break another stream's capture), or None: it runs."""
+        return None
 
     def sync_stream(self, stream) -> None:
         """Block until the work queued on ``stream`` so far has run (a backend may do it without an event)."""

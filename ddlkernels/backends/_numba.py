@@ -25,7 +25,7 @@ import numpy as np
 from .._dtypes import BFLOAT16
 from ..kernels.numba_cuda import launch_config, pack_kernel, reduce_kernel, unpack_kernel
 from . import BackendUnavailable, torch_result
-from ._device import DeviceBackend, pack_layout, storage_dtype
+from ._device import CAPTURE_ELSEWHERE, CAPTURE_STATUS, DeviceBackend, pack_layout, storage_dtype
 
 __all__ = ["NumbaBackend"]
 
@@ -109,6 +109,16 @@ class NumbaBackend(DeviceBackend):
         if q is None:  # the simulator's events have no query: its work is done when queued
             return True
         return bool(q())
+
+    def graph_capture(self, stream):
+        if self.simulated:  # the simulator has no graphs
+            return None
+        from numba.cuda.cudadrv.driver import binding
+
+        err, status = binding.cuStreamIsCapturing(binding.CUstream(int(stream)))
+        if err != binding.CUresult.CUDA_SUCCESS:  # the legacy stream while another captures in global mode
+            return CAPTURE_ELSEWHERE.format(err.name)
+        return CAPTURE_STATUS.get(int(status))
 
     def pinned(self, nbytes):
         return self._cuda.pinned_array(int(nbytes), dtype=np.uint8)

@@ -17,7 +17,7 @@ import contextlib
 
 from .arguments import where
 
-__all__ = ["device_call"]
+__all__ = ["device_call", "runs_now"]
 
 
 def device_call(self, be, x, stream):
@@ -28,7 +28,19 @@ def device_call(self, be, x, stream):
         if stream is not None:
             raise ValueError("stream= orders device work; the arrays of this call are host arrays")
         return contextlib.nullcontext()
-    return on_stream(self, be, be.call_stream(x, stream), be.device_id(x))
+    return on_stream(self, be, runs_now(be, be.call_stream(x, stream)), be.device_id(x))
+
+
+def runs_now(be, s):
+    """``s``, the stream of a device call, which must run what is queued on it now: a stream capturing a CUDA
+    graph is refused before any communication.  A collective exchanges its MPI messages and blocks on its
+    streams when it is called; in a graph only its kernels and copies would replay, without the peers."""
+    why = be.graph_capture(s)
+    if why is not None:
+        raise RuntimeError(f"ddlkernels cannot run inside a CUDA graph capture: {why}. A collective's "
+                           "messages go when it is called, not when the graph replays; call it outside the "
+                           "capture (torch.cuda.graph, cupy Stream.begin_capture)")
+    return s
 
 
 @contextlib.contextmanager

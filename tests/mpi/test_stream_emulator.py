@@ -593,6 +593,48 @@ def test_a_shard_out_over_the_input_raises_before_communicating():
         c.free()
 
 
+def test_a_stream_capturing_a_cuda_graph_is_refused_before_communicating():
+    """A call whose stream captures a CUDA graph (``torch.cuda.graph``, CuPy's ``begin_capture``) would record
+    its copies and kernels for a replay that sends no message: every collective, fused and asynchronous call
+    refuses it, on the current stream or ``stream=``, before anything is queued there (the emulator fails any
+    work queued on a capturing stream) or sent; once the capture ends the same calls give the host path's
+    results, so no rank was left with a message in flight."""
+    with emulated_device(seed=R, policy="lazy") as be:
+        c = comm_for(False)
+        n = 4 * P + 1
+        x = data(n, np.float32, salt=9)
+        s = be.new_stream()
+        d, out = be.to_device(x, stream=s), be.to_device(np.zeros(n, np.float32), stream=s)
+        lo, hi = c.shard_range(n)
+        calls = {
+            "allreduce": lambda **k: c.allreduce(d, "sum", **k),
+            "allreduce out=": lambda **k: c.allreduce(d, "sum", out=out, **k),
+            "reduce_scatter": lambda **k: c.reduce_scatter(d, "sum", **k),
+            "allgather": lambda **k: c.allgather(d[lo:hi], count=n, **k),
+            "allreduce_many": lambda **k: ddlkernels.allreduce_many([d, d[:3]], "sum", comm=c, **k),
+            "allreduce_async": lambda **k: ddlkernels.allreduce_async(d, "sum", comm=c, **k).wait(),
+            "allreduce_many_async": lambda **k: ddlkernels.allreduce_many_async([d], "sum", comm=c, **k).wait(),
+        }
+        be.sync_stream(s)  # the input is written before the capture begins
+        for name, call in calls.items():
+            for how in ("current", "stream="):
+                with be.capture(s):
+                    with pytest.raises(RuntimeError, match="inside a CUDA graph capture: the stream is capturing"):
+                        if how == "current":
+                            with be.current(s):
+                                call()
+                        else:
+                            call(stream=s)
+                assert s.queue == [], f"{name} ({how}) queued work on the capturing stream"
+        COMM.Barrier()  # nobody entered a collective
+        with be.current(s):
+            want = c.allreduce(x, "sum")
+            assert np.array_equal(be.to_host(calls["allreduce"](), s), want)
+            assert np.array_equal(be.to_host(calls["reduce_scatter"](), s), want[lo:hi])
+            assert np.array_equal(be.to_host(calls["allreduce_async"](), s), want)
+        c.free()
+
+
 def test_wait_orders_the_stream_it_is_given():
     """``Handle.wait(stream=s)`` orders ``s``, not the caller's current stream, after the reductions (and unpacks
     there); a later ``wait(stream=t)`` orders ``t`` too.  Under "lazy" nothing runs unless a read forces it, so

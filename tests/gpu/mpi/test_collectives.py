@@ -141,7 +141,7 @@ def test_cupy_reduce_scatter_and_allgather(comm, dtype, op):
 
 def test_cupy_on_a_stream_of_its_own(comm):
     """Input produced on a non-default CuPy stream, the call inside its context, the result read there."""
-    s = cp.cuda.Stream(non_blocking=True)
+    s = cp.cuda.Stream()  # a blocking stream: while it captures, the legacy stream may not be used
     for n in (P + 1, 4097):
         x = data(n, np.float32, salt=5)
         with s:
@@ -325,3 +325,37 @@ def test_torch_bfloat16_through_packed_buffers_shards_and_the_optimizer(comm):
             want = comm.allreduce(q.grad.cpu().float(), "avg")
             assert torch.allclose(p.grad.cpu().float(), want, rtol=2**-6, atol=2**-6), overlap
     CALLS[0] += 5 * len(hosts) + 4
+
+
+def test_a_call_inside_a_cuda_graph_capture_is_refused(comm):
+    """A stream capturing a CUDA graph would record the call's copies and kernels for replays that send no
+    message: CuPy's capture, torch's, and Numba's default (legacy) stream while another stream captures are
+    refused with RuntimeError before any message; the same calls after the capture give the host path's
+    results (no rank was left with a message in flight)."""
+    torch = G.torch_cuda()
+    cuda = G.numba_cuda()
+    x = data(4097, np.float32, salt=13)
+    want = comm.allreduce(x, "sum")
+    d, t, nd = cp.asarray(x), torch.from_numpy(x).cuda(), cuda.to_device(x)
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream()  # a blocking stream: while it captures, the legacy stream may not be used
+    for name, call, match in (
+            ("cupy", lambda: comm.allreduce(d, "sum"), "the stream is capturing a CUDA graph"),
+            ("cupy async", lambda: ddlkernels.allreduce_async(d, "sum", comm=comm), "the stream is capturing"),
+            ("numba, legacy stream", lambda: comm.allreduce(nd, "sum"), "while another stream captures")):
+        with s:
+            s.begin_capture()
+            try:
+                with pytest.raises(RuntimeError, match=match):
+                    call()
+            finally:
+                s.end_capture()
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="the stream is capturing a CUDA graph"):
+        with torch.cuda.graph(g):
+            comm.allreduce(t, "sum")
+    COMM.Barrier()  # nobody entered a collective
+    assert_bitwise(cp.asnumpy(comm.allreduce(d, "sum")), want, "cupy after the capture")
+    assert_bitwise(comm.allreduce(t, "sum").cpu().numpy(), want, "torch after the capture")
+    assert_bitwise(comm.allreduce(nd, "sum").copy_to_host(), want, "numba after the capture")
+    CALLS[0] += 3
