@@ -460,6 +460,14 @@ def test_numba_pack_word_ignores_what_empty_tensors_bind():
     assert _word(0x1000, [], [], []) == 8
 
 
+def _prints_ok(code, simulator):
+    """Run ``code`` in a fresh interpreter (Numba's simulator on or off as ``simulator`` says, which a process
+    decides once) with this checkout first on the path; it must print "ok" alone."""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM=simulator,
+                                  PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
+    assert res.returncode == 0 and res.stdout.split() == ["ok"], res.stdout + res.stderr
+
 class _FirstMissing:
     made = 0
 
@@ -562,10 +570,7 @@ def test_numba_arrays_go_to_the_cupy_backend_as_zero_copy_views():
     DeviceNDArray over a made-up allocation: no GPU needed."""
     if not (has_module("cupy") and has_module("numba")):
         pytest.skip("needs CuPy and numba-cuda installed (no GPU)")
-    res = subprocess.run([sys.executable, "-c", _NUMBA_ON_CUPY], capture_output=True, text=True, timeout=180,
-                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
-                                  PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
-    assert res.returncode == 0 and res.stdout.split() == ["ok"], res.stdout + res.stderr
+    _prints_ok(_NUMBA_ON_CUPY, simulator="0")
 
 
 def test_the_simulators_arrays_stay_on_the_numba_backend():
@@ -578,10 +583,7 @@ def test_the_simulators_arrays_stay_on_the_numba_backend():
         assert not is_cupy_array(d) and backend_for(d).name == "numba"
         print("ok")
     """
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-                                  PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
-    assert res.returncode == 0 and res.stdout.split() == ["ok"], res.stdout + res.stderr
+    _prints_ok(code, simulator="1")
 
 
 def test_graph_capture_reads_cudas_capture_status():
@@ -631,7 +633,4 @@ def test_graph_capture_reads_cudas_capture_status():
     """
     if not (has_module("cupy") and has_module("numba")):
         pytest.skip("needs CuPy and numba-cuda installed (no GPU)")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
-                                  PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
-    assert res.returncode == 0 and res.stdout.split() == ["ok"], res.stdout + res.stderr
+    _prints_ok(code, simulator="0")
