@@ -597,8 +597,8 @@ def test_a_stream_capturing_a_cuda_graph_is_refused_before_communicating():
     """A call whose stream captures a CUDA graph (``torch.cuda.graph``, CuPy's ``begin_capture``) would record
     its copies and kernels for a replay that sends no message: every collective, fused and asynchronous call
     refuses it, on the current stream or ``stream=``, before anything is queued there (the emulator fails any
-    work queued on a capturing stream) or sent; once the capture ends the same calls give the host path's
-    results, so no rank was left with a message in flight."""
+    work queued on a capturing stream) or sent, and so does the ``wait`` of a call started outside; once the
+    capture ends the same calls give the host path's results, so no rank was left with a message in flight."""
     with emulated_device(seed=R, policy="lazy") as be:
         c = comm_for(False)
         n = 4 * P + 1
@@ -627,8 +627,13 @@ def test_a_stream_capturing_a_cuda_graph_is_refused_before_communicating():
                             call(stream=s)
                 assert s.queue == [], f"{name} ({how}) queued work on the capturing stream"
         COMM.Barrier()  # nobody entered a collective
+        h = ddlkernels.allreduce_async(d, "sum", comm=c, stream=s)  # started outside, waited inside: refused too
+        with be.capture(s):
+            with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+                h.wait(stream=s)
         with be.current(s):
             want = c.allreduce(x, "sum")
+            assert np.array_equal(be.to_host(h.wait(), s), want)  # the handle is whole: waited outside
             assert np.array_equal(be.to_host(calls["allreduce"](), s), want)
             assert np.array_equal(be.to_host(calls["reduce_scatter"](), s), want[lo:hi])
             assert np.array_equal(be.to_host(calls["allreduce_async"](), s), want)
