@@ -546,6 +546,19 @@ _NUMBA_ON_CUPY = """if True:
         assert r.__cuda_array_interface__["data"][0] == at
         assert r.__cuda_array_interface__["stream"] is None  # bound to no stream: no later synchronization
         assert r.gpu_data.owner is not None
+    # CUDA IPC: the memory of a Numba array is staged, never exported (Numba gives it back to the driver
+    # while peers may hold it mapped); memory of CuPy's own is exported where it lies.  The driver's answers
+    # are stand-ins.
+    import cupy
+    import ddlkernels.backends._cupy as cupy_backend
+    cupy_backend._allocation_base = lambda ptr, make_context=None: ptr - 64
+    cupy.cuda.runtime.ipcGetMemHandle = lambda base: b"handle of %x" % base
+    mine = cupy.ndarray((16,), np.float32, cupy.cuda.MemoryPointer(
+        cupy.cuda.UnownedMemory(0x7F0000002040, 64, None, 0), 0))
+    assert be.ipc_export(mine) == (b"handle of 7f0000002000", 64)
+    numba_flat = be.flat(numba_array((3, 5), np.float32))
+    assert be.ipc_export(numba_flat) is None and be.ipc_export(numba_flat[4:]) is None
+
     # stream=: a Numba stream's handle, a cuda.bindings CUstream in numba-cuda (no ctypes .value)
     from numba.cuda.cudadrv import driver
     be._wrap = lambda handle, device: ("wrapped", handle, device)

@@ -28,7 +28,11 @@ torch's caching allocator hand out pieces of larger allocations:
 peer's allocation is opened with lazy peer access, so ranks on different
 GPUs of a node read each other's memory directly.  Memory that legacy IPC
 cannot export (cudaMallocAsync pools, managed or VMM memory) is not
-exported: the algorithm stages it.
+exported: the algorithm stages it.  Nor is a Numba array's: Numba hands an
+array's memory back to the driver (cuMemFree) soon after the array dies,
+which CUDA leaves undefined while a peer still has it mapped, where CuPy's
+and torch's pools keep theirs until asked (``Communicator.close_peer_memory``
+first).
 """
 
 from __future__ import annotations
@@ -122,6 +126,8 @@ class CupyBackend(DeviceBackend):
         self._functions: dict = {}  # (device, kernel name) -> cupy.cuda.function.Function
         self._external: dict = {}  # (stream handle, device) -> cupy.cuda.ExternalStream
         self._numba_stream = None  # the handle of Numba's default stream, once a Numba array asked for it
+        # The memory of a Numba array's view (``_numba_view``), which ``ipc_export`` refuses (the module comment).
+        self._NumbaMemory = type("NumbaMemory", (cupy.cuda.UnownedMemory,), {})
         # CuPy's own stream classes: one base class, public before CuPy 14 and private since.
         st = cupy.cuda.stream
         self._streams = getattr(st, "BaseStream", None) or getattr(st, "_BaseStream", None) or cupy.cuda.Stream
@@ -255,7 +261,7 @@ class CupyBackend(DeviceBackend):
     # -- CUDA IPC (the module comment) -------------------------------------------------
     def ipc_export(self, buf):
         nbytes = buf.shape[0] * buf.dtype.itemsize
-        if nbytes == 0:
+        if nbytes == 0 or isinstance(buf.data.mem, self._NumbaMemory):  # Numba frees to the driver: staged
             return None
         ptr = self._ptr(buf)
         try:
@@ -314,14 +320,15 @@ class CupyBackend(DeviceBackend):
         return cp.asarray(x)  # __cuda_array_interface__: zero-copy
 
     def _numba_view(self, x):
-        """A CuPy array over Numba device array ``x``'s memory, of its storage dtype (bfloat16 as uint16).
-        Not ``cupy.asarray(x)``: it synchronizes the stream ``x`` is bound to."""
+        """A CuPy array over Numba device array ``x``'s memory, of its storage dtype (bfloat16 as uint16),
+        marked as Numba's for ``ipc_export``.  Not ``cupy.asarray(x)``: it synchronizes the stream ``x`` is
+        bound to."""
         cp = self._cp
         if not x.is_c_contiguous():
             raise ValueError("device array is not C-contiguous")
         dtype = storage_dtype(np.dtype(x.dtype))
         ptr = x.__cuda_array_interface__["data"][0]
-        mem = cp.cuda.UnownedMemory(ptr, x.size * dtype.itemsize, x, self._device_at(ptr))
+        mem = self._NumbaMemory(ptr, x.size * dtype.itemsize, x, self._device_at(ptr))
         return cp.ndarray(tuple(x.shape), dtype, cp.cuda.MemoryPointer(mem, 0))
 
     def _device_at(self, ptr):

@@ -13,7 +13,7 @@ and can be made):
   * Numba device arrays on a GPU -> "cupy" if CuPy is installed and imports
     (a zero-copy view: a CuPy launch costs a tenth of a Numba one's host
     time, bench/results/device_kernels_h200.txt, and only the CuPy backend
-    maps peers' memory over CUDA IPC), else "numba";
+    does CUDA IPC, through a stage for Numba's memory), else "numba";
     ``backend="numba"`` keeps them on Numba's kernels.  The simulator's
     arrays -> "numba" (CuPy cannot see them).
   * Other CUDA arrays (a CUDA torch tensor, anything exporting
