@@ -17,6 +17,10 @@ DistributedDataParallel instead (docs/gpus.md)::
     model = torch.nn.parallel.DistributedDataParallel(model.to(ddt.set_device()))
     model.register_comm_hook(ddt.HookState(), ddt.allreduce_hook)   # buckets reduced by ddlkernels
 
+or every ``torch.distributed`` collective on ddlkernels (``process_group.py``)::
+
+    ddt.init_process_group("ddlkernels")             # DDP, dist.all_reduce, ... unchanged
+
 ``ddt.all_reduce(t)`` reduces in place, as ``torch.distributed.all_reduce``;
 ``broadcast_object`` and ``broadcast_optimizer_state`` resume a job as
 Horovod's do.
@@ -38,6 +42,9 @@ from .compression import Compression
 from .ddp import (HookState, all_reduce, allreduce_hook, bfloat16_compress_hook, fp16_compress_hook,
                   init_process_group, set_device)
 from .optimizer import OPTIMIZER_FUSION_BYTES, DistributedOptimizer, _DistributedOptimizer, backend_input_dtype
+from .process_group import ProcessGroupDDL, register as _register
+
+_register()  # init_process_group("ddlkernels") from here on
 
 __all__ = [
     "DistributedOptimizer",
@@ -52,4 +59,5 @@ __all__ = [
     "allreduce_hook",
     "fp16_compress_hook",
     "bfloat16_compress_hook",
+    "ProcessGroupDDL",
 ]

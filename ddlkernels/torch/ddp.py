@@ -12,8 +12,8 @@ import torch
 
 from ..communicator import as_communicator
 
-__all__ = ["all_reduce", "init_process_group", "set_device", "HookState", "allreduce_hook", "fp16_compress_hook",
-           "bfloat16_compress_hook"]
+__all__ = ["all_reduce", "init_process_group", "set_device", "ProgressStreams", "HookState", "allreduce_hook",
+           "fp16_compress_hook", "bfloat16_compress_hook"]
 
 
 def all_reduce(tensor, op="sum", *, comm=None, async_op: bool = False):
@@ -102,7 +102,33 @@ def set_device(comm=None) -> "torch.device":
 # -- DistributedDataParallel communication hooks -------------------------------------------
 
 
-class HookState:
+class ProgressStreams:
+    """A communicator's progress thread and, per CUDA device, the stream its collectives run on.
+
+    What the DDP hooks' state and the ``ddlkernels`` process group share.
+    Creating one is collective (the progress thread duplicates the communicator).
+    """
+
+    def __init__(self, comm=None):
+        from ..asynchronous import progress_engine
+
+        self.comm = as_communicator(comm)
+        self.size = self.comm.size
+        # The collectives run on the progress thread: DDP waits on the returned future from C++, which
+        # cannot poll MPI_Iallreduce requests (progress="hooks").
+        self.engine = progress_engine(self.comm, "thread")
+        self._streams: dict = {}  # CUDA device index -> the stream the collectives of that device run on
+
+    def stream(self, device):
+        """The CUDA stream this state reduces ``device``'s buckets on (made at the first): a stream of its own,
+        as NCCL's, so that the reductions run beside the backward kernels instead of in their queue."""
+        s = self._streams.get(device.index)
+        if s is None:
+            s = self._streams[device.index] = torch.cuda.Stream(device)
+        return s
+
+
+class HookState(ProgressStreams):
     """The state of ddlkernels' DDP hooks: the communicator and its progress thread.
 
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -116,27 +142,13 @@ class HookState:
     """
 
     def __init__(self, comm=None):
-        from ..asynchronous import progress_engine
-
-        self.comm = as_communicator(comm)
-        self.size = self.comm.size
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.size:
-            raise ValueError(f"the DDP hook's communicator has {self.size} ranks but torch.distributed's world "
+        c = as_communicator(comm)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != c.size:
+            raise ValueError(f"the DDP hook's communicator has {c.size} ranks but torch.distributed's world "
                              f"has {dist.get_world_size()}; pass the communicator of the process group's ranks")
-        # The ring runs on the progress thread: DDP waits on the returned future from C++, which
-        # cannot poll MPI_Iallreduce requests (progress="hooks").
-        self.engine = progress_engine(self.comm, "thread")
-        self._streams: dict = {}  # CUDA device index -> the stream the buckets of that device are reduced on
-
-    def stream(self, device):
-        """The CUDA stream this state reduces ``device``'s buckets on (made at the first): a stream of its own,
-        as NCCL's, so that the reductions run beside the backward kernels instead of in their queue."""
-        s = self._streams.get(device.index)
-        if s is None:
-            s = self._streams[device.index] = torch.cuda.Stream(device)
-        return s
+        super().__init__(c)
 
 
 _DEFAULT_HOOK_STATE = None

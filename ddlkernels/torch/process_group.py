@@ -1,0 +1,395 @@
+"""``torch.distributed`` on ddlkernels: ``init_process_group("ddlkernels")``, and DDP or any code of
+``dist.*`` collectives reduces with it, unchanged.
+
+Worked example, 2 ranks under ``mpirun``, a tensor ``t`` on each::
+
+    import ddlkernels.torch as ddt                   # registers the backend "ddlkernels"
+    ddt.init_process_group("ddlkernels")              # rank and size from MPI (or torch's own init)
+    w = dist.all_reduce(t, async_op=True)             # the group's progress thread: in call order,
+                                                      # ddlkernels' allreduce of t in place
+    ...                                               # the caller goes on meanwhile
+    w.wait()                                          # t holds the sum (CUDA: the caller's stream
+                                                      # is ordered after it, as NCCL's wait)
+    model = DistributedDataParallel(model)            # buckets reduced the same way, during backward
+
+Every operation of a group is one unit of work of the group's progress thread
+(``ddlkernels.asynchronous``, the engine of ``allreduce_async`` and of the DDP
+hook), run in the order the ranks call them, which is the order torch
+requires of every rank.  For CUDA tensors the call records an event on the
+caller's current stream; on the progress thread a stream of the group's own
+waits for it and the collective runs there (ddlkernels runs a torch tensor's
+call on torch's current stream); the ``Work``'s future is a CUDA-aware
+``torch.futures.Future``, so ``wait()`` makes the waiting stream wait for the
+result instead of blocking on the device.
+
+The collectives and how they map (``shard_range`` cuts a flat buffer in
+rank order for the flat ring: reduce_scatter and allgather take ``dims=(p,)``
+where the Communicator's own box would cut it otherwise):
+
+    all_reduce, all_reduce_coalesced   allreduce, allreduce_many in place
+    reduce                             allreduce into a new tensor, copied on the root
+    broadcast                          MPI_Bcast of the root's bytes (through host memory for CUDA)
+    all_gather(_into_tensor, _single)  allgather into the rank-order whole
+    reduce_scatter(_tensor, _single)   reduce_scatter of the rank-order whole
+    barrier                            MPI_Barrier, after the group's earlier work
+
+Ops: SUM, AVG, MAX, MIN, PRODUCT.  Point-to-point, gather, scatter and
+all_to_all raise ``NotImplementedError`` on every rank before any message (a
+gloo group beside this one serves them: ``dist.new_group(backend="gloo")``).
+A group of some ranks (``dist.new_group(ranks, backend="ddlkernels")``) runs
+on the MPI communicator of those ranks; a torch rank must be the process's
+``MPI.COMM_WORLD`` rank (``ddt.init_process_group`` makes it so).
+
+torch's support for a process group written in Python is the same that
+torch's own tests use (``dist.ProcessGroup`` and ``dist._Work`` subclassed);
+``tests/mpi/test_torch_process_group.py`` checks every collective against gloo's,
+and DDP trained on it against DDP on gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .._dtypes import check_dtype, normalize_op
+from ..communicator import Communicator
+
+__all__ = ["ProcessGroupDDL", "BACKEND", "register"]
+
+#: The name ``init_process_group`` and ``new_group`` take.
+BACKEND = "ddlkernels"
+
+
+class _Work(dist._Work):
+    """A collective queued on the group's progress thread; done when its future is."""
+
+    def __init__(self, fut):
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout=None):
+        self._fut.wait()  # raises the collective's error; for CUDA, orders the current streams after it
+        return True
+
+    def is_completed(self):
+        return self._fut.done()
+
+    def get_future(self):
+        return self._fut
+
+
+class ProcessGroupDDL(dist.ProcessGroup):
+    """A torch process group whose collectives are ddlkernels' (the module comment).
+
+    ``comm``: the mpi4py ``Intracomm`` of the group's ranks, in the group's
+    rank order.  Collective: the progress thread duplicates it.
+    """
+
+    def __init__(self, comm, owns_comm=False):
+        from .ddp import ProgressStreams
+
+        super().__init__(comm.Get_rank(), comm.Get_size())
+        self._state = ProgressStreams(Communicator(comm))
+        self._owned = comm if owns_comm else None  # a group's own communicator, freed with the group
+        self._name = self._desc = ""
+
+    def shutdown(self):
+        """``destroy_process_group``: the queued collectives run, then the progress thread ends and the
+        group's communicators are freed (collective, as destroying a group is)."""
+        self._state.engine.close()
+        self._state.comm.free()
+        if self._owned is not None:
+            self._owned.Free()
+            self._owned = None
+
+    def getBackendName(self):
+        return BACKEND
+
+    # The name and description torch gives a group live in the C++ group's backends, which a group written
+    # in Python has none of: kept here (torch's destroy_process_group(group) unregisters it by name).
+    def _set_group_name(self, name):
+        self._name = name
+
+    def _set_group_desc(self, desc):
+        self._desc = desc
+
+    @property
+    def group_name(self):
+        return self._name
+
+    @property
+    def group_desc(self):
+        return self._desc
+
+    def getGroupName(self):
+        return self._name
+
+    def getGroupDesc(self):
+        return self._desc
+
+    @property
+    def communicator(self) -> Communicator:
+        """The Communicator whose progress thread runs this group's collectives."""
+        return self._state.engine.comm
+
+    # -- what every operation shares -------------------------------------------------------------
+    def _submit(self, tensors, fn, result):
+        """Queue ``fn(c)`` (``c``: the progress thread's Communicator) after the work the caller queued on
+        ``tensors``' device; a ``Work`` whose future holds ``result`` once ``fn`` has run."""
+        devices = {t.device for t in tensors if t.is_cuda}
+        if len(devices) > 1:
+            raise ValueError(f"{BACKEND}: one collective's tensors lie on one device, got {sorted(map(str, devices))}")
+        dev = next(iter(devices), None)
+        fut = torch.futures.Future(devices=[dev]) if dev is not None else torch.futures.Future()
+        ready = None
+        if dev is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(dev))
+        state = self._state
+
+        def run(c):
+            try:
+                with contextlib.ExitStack() as stack:
+                    if dev is not None:
+                        side = state.stream(dev)
+                        stack.enter_context(torch.cuda.stream(side))
+                        side.wait_event(ready)
+                        for t in tensors:  # made on the caller's stream, used on this one until its work has run
+                            t.record_stream(side)
+                    fn(c)
+                fut.set_result(result)
+            except BaseException as exc:
+                fut.set_exception(exc)
+                raise
+
+        state.engine.submit(run)
+        return _Work(fut)
+
+    @staticmethod
+    def _checked(tensors, what, count=1):
+        """``tensors`` (a list of ``count``), each contiguous and of a dtype ddlkernels reduces: checked here,
+        on the caller's thread, so that a bad call raises on its rank before any message."""
+        if len(tensors) != count:
+            raise ValueError(f"{BACKEND}: {what} takes {count} tensor(s) a process, got {len(tensors)}")
+        for t in tensors:
+            if not t.is_contiguous():
+                raise ValueError(f"{BACKEND}: {what} needs contiguous tensors (call .contiguous() first)")
+            check_dtype(_np_dtype(t))
+        return tensors
+
+    @staticmethod
+    def _op(reduce_op, what):
+        try:
+            return normalize_op(reduce_op)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{BACKEND}: {what}: {exc} (SUM, AVG, MAX, MIN and PRODUCT are supported)") from None
+
+    def _rank_order(self, c, count):
+        """``dims`` under which ``c`` cuts ``count`` elements into equal blocks in rank order: None (the
+        Communicator's own box) where it already does, else the flat ring's ``(p,)``."""
+        p, block = c.size, count // c.size
+        if all(c.shard_range(count, rank=q) == (q * block, (q + 1) * block) for q in range(p)):
+            return None
+        return (p,)
+
+    # -- the collectives -------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        (t,) = self._checked(tensors, "all_reduce")
+        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
+        return self._submit(tensors, lambda c: c.allreduce(t, op, out=t), tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        self._checked(tensors, "all_reduce_coalesced", len(tensors))
+        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce_coalesced")
+
+        def fn(c):
+            from ..fusion import allreduce_many
+
+            allreduce_many(tensors, op, comm=c, out=tensors)
+
+        return self._submit(tensors, fn, tensors)
+
+    def reduce(self, tensors, opts):
+        (t,) = self._checked(tensors, "reduce")
+        op, root = self._op(opts.reduceOp, "reduce"), int(opts.rootRank)
+
+        def fn(c):
+            got = c.allreduce(t, op)  # every rank's input left alone, as NCCL's reduce
+            if c.rank == root:
+                t.copy_(got)
+
+        return self._submit(tensors, fn, tensors)
+
+    def broadcast(self, tensors, opts):
+        (t,) = self._checked(tensors, "broadcast")
+        root = int(opts.rootRank)
+
+        def fn(c):
+            host = t.detach().cpu() if t.is_cuda else t.detach()
+            c.comm.Bcast(_numpy(host), root=root)
+            if host is not t and c.rank != root:
+                t.copy_(host)
+
+        return self._submit(tensors, fn, tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        (t,) = self._checked(input_tensors, "all_gather")
+        if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
+            raise ValueError(f"{BACKEND}: all_gather takes one list of {self.size()} output tensors")
+        outs = output_tensors[0]
+        n = t.numel()
+        for o in outs:
+            if o.numel() != n or o.dtype != t.dtype or o.device != t.device:
+                raise ValueError(f"{BACKEND}: all_gather's outputs must be like its input ({n} elements of "
+                                 f"{t.dtype} on {t.device})")
+
+        def fn(c):
+            whole = c.allgather(t.reshape(-1), count=n * c.size, dims=self._rank_order(c, n * c.size))
+            for q, o in enumerate(outs):
+                o.copy_(whole[q * n:(q + 1) * n].view(o.shape))
+
+        return self._submit([t, *outs], fn, output_tensors)
+
+    def _allgather_base(self, output, input, opts=None):
+        self._checked([input, output], "all_gather_into_tensor", 2)
+        n, whole = input.numel(), output.numel()
+        if whole != n * self.size() or output.dtype != input.dtype:
+            raise ValueError(f"{BACKEND}: all_gather_into_tensor's output holds {self.size()} x the input "
+                             f"({n} elements of {input.dtype}), got {whole} of {output.dtype}")
+
+        def fn(c):
+            c.allgather(input.reshape(-1), count=whole, out=output.reshape(-1), dims=self._rank_order(c, whole))
+
+        return self._submit([input, output], fn, [output])
+
+    all_gather_single = _allgather_base  # the name torch calls it by from 2.13 on
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._coalesced(self._allgather_base, outputs, inputs, opts)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def _coalesced(self, one, outputs, inputs, opts):
+        """``one`` for each pair: the works run in order on the progress thread, so the last one's completion
+        is every one's."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{BACKEND}: {len(outputs)} outputs for {len(inputs)} inputs")
+        works = [one(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else self._submit([], lambda c: None, outputs)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        self._checked([output, input], "reduce_scatter_tensor", 2)
+        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
+        n, whole = output.numel(), input.numel()
+        if whole != n * self.size() or output.dtype != input.dtype:
+            raise ValueError(f"{BACKEND}: reduce_scatter_tensor's input holds {self.size()} x the output "
+                             f"({n} elements of {output.dtype}), got {whole} of {input.dtype}")
+
+        def fn(c):
+            c.reduce_scatter(input.reshape(-1), op, out=output.reshape(-1), dims=self._rank_order(c, whole))
+
+        return self._submit([output, input], fn, [output])
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        (o,) = self._checked(output_tensors, "reduce_scatter")
+        if len(input_tensors) != 1 or len(input_tensors[0]) != self.size():
+            raise ValueError(f"{BACKEND}: reduce_scatter takes one list of {self.size()} input tensors")
+        ins = self._checked(input_tensors[0], "reduce_scatter", self.size())
+        if any(i.numel() != o.numel() or i.dtype != o.dtype for i in ins):
+            raise ValueError(f"{BACKEND}: reduce_scatter's inputs must be like its output")
+        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
+        n = o.numel()
+
+        def fn(c):
+            whole = torch.cat([i.reshape(-1) for i in ins])  # on this thread's stream, after the caller's work
+            c.reduce_scatter(whole, op, out=o.reshape(-1), dims=self._rank_order(c, n * c.size))
+
+        return self._submit([o, *ins], fn, output_tensors)
+
+    reduce_scatter_single = _reduce_scatter_base  # the name torch calls it by from 2.13 on
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._coalesced(self._reduce_scatter_base, outputs, inputs, opts)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def barrier(self, opts=None):
+        return self._submit([], lambda c: c.comm.Barrier(), None)
+
+    # -- what it does not do, said on every rank before any message -----------------------------
+    def _refuse(self, what):
+        raise NotImplementedError(f"the {BACKEND} process group has no {what}; a gloo group beside it has: "
+                                  f"dist.new_group(backend='gloo')")
+
+    def send(self, tensors, dst, tag):
+        self._refuse("send")
+
+    def recv(self, tensors, src, tag):
+        self._refuse("recv")
+
+    def recv_anysource(self, tensors, tag):
+        self._refuse("recv")
+
+    def gather(self, output_tensors, input_tensors, opts):
+        self._refuse("gather")
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        self._refuse("scatter")
+
+    def alltoall(self, output_tensors, input_tensors, opts):
+        self._refuse("all_to_all")
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+        self._refuse("all_to_all_single")
+
+    all_to_all_single = alltoall_base
+
+
+def _np_dtype(t):
+    """The numpy dtype ddlkernels reduces ``t`` as (bfloat16 as ml_dtypes' where it is installed)."""
+    if t.dtype == torch.bfloat16:
+        from .._dtypes import BFLOAT16
+
+        if BFLOAT16 is None:
+            raise TypeError("bfloat16 tensors need ml_dtypes: pip install ml_dtypes")
+        return BFLOAT16
+    try:
+        return np.dtype(str(t.dtype).replace("torch.", ""))
+    except TypeError:
+        raise TypeError(f"{BACKEND}: tensors of {t.dtype} are not reduced (supported: float16, bfloat16, "
+                        f"float32, float64, int32, int64)") from None
+
+
+def _numpy(host):
+    """A numpy view of contiguous CPU tensor ``host``'s bytes (bfloat16 through its int16 bits)."""
+    return (host.view(torch.int16) if host.dtype == torch.bfloat16 else host).numpy()
+
+
+def _create(options, _backend_options=None):
+    """``register_backend``'s creator (its extended form): the group's MPI communicator from the global ranks
+    torch names, checked against torch's own rank numbers."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    ranks = list(options.global_ranks_in_group)
+    if not ranks:  # the default group
+        if (options.group_rank, options.group_size) != (world.Get_rank(), world.Get_size()):
+            raise RuntimeError(f"{BACKEND}: torch's rank {options.group_rank} of {options.group_size} is MPI's "
+                               f"{world.Get_rank()} of {world.Get_size()}; start with "
+                               f"ddlkernels.torch.init_process_group('{BACKEND}'), which takes MPI's")
+        return ProcessGroupDDL(world)
+    group = world.Get_group().Incl(ranks)
+    try:
+        comm = world.Create_group(group)  # collective over the group's ranks alone
+    finally:
+        group.Free()
+    return ProcessGroupDDL(comm, owns_comm=True)
+
+
+def register() -> None:
+    """Make ``"ddlkernels"`` a ``torch.distributed`` backend (done by ``import ddlkernels.torch``)."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])

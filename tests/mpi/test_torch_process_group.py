@@ -1,0 +1,213 @@
+"""``torch.distributed`` on the ``ddlkernels`` process group, against gloo in the same job.
+
+The default group is ``init_process_group("ddlkernels")`` (rank and size from
+MPI); a gloo group of the same ranks computes every reference.  Each
+collective, on data unique per rank and element, must give gloo's bits (the
+sums of small integers and of multiples of 1/16 are exact in any order; max
+and min are exact); DDP trained on the ddlkernels group must end within a
+stated tolerance of DDP on gloo and identical on every rank.  A group of some
+ranks, asynchronous calls, coalesced ones, and the refusals (an op, a
+non-contiguous tensor, point-to-point) raised on every rank before any message.
+"""
+
+import importlib
+import types
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import assert_same_on_all_ranks
+
+torch = pytest.importorskip("torch", reason="torch not installed (pip install -e .[torch])")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+ddt = importlib.import_module("ddlkernels.torch")
+pg_module = importlib.import_module("ddlkernels.torch.process_group")
+
+COMM = MPI.COMM_WORLD
+P, RANK = COMM.Get_size(), COMM.Get_rank()
+torch.set_num_threads(1)
+SIZES = sorted({0, 1, max(P - 1, 1), P + 1, 7, 4097})
+DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16]
+OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn): the new where present
+GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+SCATTER_FROM = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    ddt.init_process_group(pg_module.BACKEND)
+    assert dist.get_backend() == pg_module.BACKEND and isinstance(dist.group.WORLD, ddt.ProcessGroupDDL)
+    g = dist.new_group(backend="gloo")
+    yield g
+    COMM.Barrier()
+    dist.destroy_process_group()
+
+
+def data(n, dtype, salt=0, rank=RANK):
+    """Unique per rank and element, exact in every dtype (multiples of 1/16 up to 2^6)."""
+    key = torch.arange(n, dtype=torch.int64) * P + rank + 7919 * salt
+    v = (key * 37) % 251 - 125
+    return (v if not dtype.is_floating_point else v / 16.0).to(dtype)
+
+
+def same(got, want, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    assert torch.equal(got.view(torch.int16) if got.dtype == torch.bfloat16 else got,
+                       want.view(torch.int16) if want.dtype == torch.bfloat16 else want), what
+
+
+def test_all_reduce_every_dtype_op_and_size_as_gloo(gloo):
+    for dtype in DTYPES:
+        for name, op in OPS.items():
+            for n in SIZES:
+                x = data(n, dtype, salt=n)
+                ref = x.float() if dtype in (torch.float16, torch.bfloat16) else x.clone()  # gloo: no 16-bit max
+                dist.all_reduce(ref, op=op, group=gloo)
+                got = x.clone()
+                dist.all_reduce(got, op=op)
+                same(got, ref.to(dtype), f"all_reduce {dtype} {name} n={n}")
+                assert_same_on_all_ranks(COMM, got.float().numpy(), f"all_reduce {dtype} {name} n={n}")
+
+
+def test_avg_product_async_and_coalesced(gloo):
+    x = data(4097, torch.float64, salt=1)
+    avg = x.clone()
+    dist.all_reduce(avg, op=dist.ReduceOp.AVG)
+    ref = x.clone()
+    dist.all_reduce(ref, group=gloo)
+    assert torch.allclose(avg, ref / P, rtol=0, atol=1e-12)
+    small = torch.tensor([1.0, -2.0, 0.5]) * (RANK + 1)
+    prod, pref = small.clone(), small.clone()
+    dist.all_reduce(prod, op=dist.ReduceOp.PRODUCT)
+    dist.all_reduce(pref, op=dist.ReduceOp.PRODUCT, group=gloo)
+    same(prod, pref, "product")
+    z = torch.complex(data(9, torch.float32, salt=8), data(9, torch.float32, salt=9))  # torch passes its floats
+    zref = z.clone()
+    dist.all_reduce(z)
+    dist.all_reduce(zref, group=gloo)
+    assert torch.equal(z, zref), "complex sum"
+    # Asynchronous: the works complete in call order; wait() gives each its result.
+    ts = [data(n, torch.float32, salt=n) for n in SIZES]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    for t, w, n in zip(ts, works, SIZES):
+        w.wait()
+        assert w.is_completed()
+        r = data(n, torch.float32, salt=n)
+        dist.all_reduce(r, group=gloo)
+        same(t, r, f"async n={n}")
+    # Coalesced: one call for several tensors of several dtypes and shapes.
+    tensors = [data(n, d, salt=3).reshape(-1, 1) for n, d in zip((5, 4097, 0), (torch.float32, torch.int64,
+                                                                                    torch.float16))]
+    refs = [t.clone() for t in tensors]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for t in tensors:
+            dist.all_reduce(t)
+    cm.wait()
+    for r in refs:
+        dist.all_reduce(r, group=gloo)
+    for t, r in zip(tensors, refs):
+        same(t, r, f"coalesced {t.dtype}")
+
+
+@pytest.mark.parametrize("n", [1, 5, 4097])
+def test_gather_scatter_broadcast_reduce_barrier_as_gloo(gloo, n):
+    x = data(n, torch.float32, salt=2)
+    # all_gather (a list) and into one tensor
+    outs, refs = [torch.empty(n) for _ in range(P)], [torch.empty(n) for _ in range(P)]
+    dist.all_gather(outs, x)
+    dist.all_gather(refs, x, group=gloo)
+    for q in range(P):
+        same(outs[q], refs[q], f"all_gather block {q}")
+    whole, wref = torch.empty(n * P), torch.cat(refs)
+    GATHER_INTO(whole, x)
+    same(whole, wref, GATHER_INTO.__name__)
+    # reduce_scatter of one tensor and of a list
+    big = data(n * P, torch.float32, salt=3)
+    shard, sref = torch.empty(n), big.clone()
+    SCATTER_FROM(shard, big)
+    dist.all_reduce(sref, group=gloo)
+    same(shard, sref[RANK * n:(RANK + 1) * n], SCATTER_FROM.__name__)
+    shard2 = torch.empty(n)
+    dist.reduce_scatter(shard2, list(big.chunk(P)))
+    same(shard2, shard, "reduce_scatter")
+    for root in range(P):
+        b = data(n, torch.float64, salt=4)
+        dist.broadcast(b, src=root)
+        same(b, data(n, torch.float64, salt=4, rank=root), f"broadcast from {root}")
+        r = data(n, torch.int64, salt=5)
+        dist.reduce(r, dst=root)
+        rr = data(n, torch.int64, salt=5)
+        dist.all_reduce(rr, group=gloo)
+        same(r, rr if RANK == root else data(n, torch.int64, salt=5), f"reduce to {root}")
+    dist.barrier()
+
+
+def test_ddp_on_the_group_trains_as_ddp_on_gloo(gloo):
+    """A few SGD steps of DDP with momentum (small buckets: several per step) on data unique to each rank."""
+    def train(group):
+        torch.manual_seed(3)
+        m = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        ddp = torch.nn.parallel.DistributedDataParallel(m, process_group=group, bucket_cap_mb=0.002)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for step in range(4):
+            g = torch.Generator().manual_seed(7919 * step + RANK)
+            x, y = torch.randn(6, 10, generator=g), torch.randint(0, 4, (6,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+    ours, theirs = train(None), train(gloo)
+    assert_same_on_all_ranks(COMM, ours.numpy(), "DDP on the ddlkernels group")
+    # Sums of the same gradients in another order: float32 rounding apart, nothing more.
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (ours - theirs).abs().max()
+
+
+def test_a_group_of_some_ranks(gloo):
+    if P < 2:
+        pytest.skip("a group of some ranks needs 2 ranks or more")
+    members = list(range(0, P, 2)) if P > 2 else [1]
+    sub = dist.new_group(members, backend=pg_module.BACKEND)
+    x = data(37, torch.int32, salt=6)
+    if RANK in members:
+        got = x.clone()
+        dist.all_reduce(got, group=sub)
+        want = sum(data(37, torch.int32, salt=6, rank=q).long() for q in members).to(torch.int32)
+        same(got, want, "all_reduce over the group's ranks")
+        assert dist.get_rank(sub) == members.index(RANK) and dist.get_world_size(sub) == len(members)
+        engine = sub._state.engine
+        dist.destroy_process_group(sub)
+        assert engine.closed, "the group's progress thread outlived the group"
+    dist.barrier()
+
+
+def test_refusals_come_before_any_message(gloo):
+    cases = [(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.BAND), ValueError,
+              "SUM, AVG, MAX, MIN and PRODUCT"),
+             (lambda: dist.all_reduce(torch.ones(4, 4).t()), ValueError, "contiguous"),
+             (lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)), TypeError, "int16"),
+             (lambda: dist.all_to_all_single(torch.empty(P), torch.ones(P)), NotImplementedError, "all_to_all")]
+    if P > 1:  # torch refuses a send to oneself by itself
+        cases.append((lambda: dist.send(torch.ones(1), dst=(RANK + 1) % P), NotImplementedError, "beside it"))
+    for call, err, match in cases:
+        with pytest.raises(err, match=match):
+            call()
+    t = data(11, torch.float32, salt=7)  # nobody sent anything: the next collective pairs up as ever
+    ref = t.clone()
+    dist.all_reduce(t)
+    dist.all_reduce(ref, group=gloo)
+    same(t, ref, "after the refusals")
+
+
+def test_torch_ranks_must_be_mpis():
+    """The default group's creator refuses torch ranks other than MPI's (every rank alike, nothing sent)."""
+    wrong = types.SimpleNamespace(global_ranks_in_group=[], group_rank=(RANK + 1) % P, group_size=P)
+    if P > 1:
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            pg_module._create(wrong)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        pg_module._create(types.SimpleNamespace(global_ranks_in_group=[], group_rank=RANK, group_size=P + 1))
