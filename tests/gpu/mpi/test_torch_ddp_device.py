@@ -5,7 +5,9 @@ backward kernels that wrote it and before DDP's use of the result by CUDA events
 shows as parameters that differ between ranks or from the same training with DDP's own gloo
 allreduce.  With the default state the Communicator's tuner picks among its device algorithms (the
 staged ring, "host", CUDA IPC) bucket size by bucket size, trials included; "ring" pins the staged
-ring.  Tolerances as tests/mpi/test_torch_ddp.py states them for the same model and data.
+ring.  Tolerances as tests/mpi/test_torch_ddp.py states them for the same model and data.  DDP over
+the ``ddlkernels`` process group (``dist.new_group(backend="ddlkernels")``) the same way, and its
+collectives on tensors of a stream of their own.
 
 Never the simulator (tests/gpu/gpu_env.py): without a device every test skips.
 """
@@ -50,13 +52,13 @@ def ring(ddt):
         state.engine.close()
 
 
-def train(torch, hook=None, state=None):
-    """STEPS of SGD with momentum through DDP on the GPU (buckets of ~2 KB: several per step); the
-    parameters, flat, on the host."""
+def train(torch, hook=None, state=None, group=None):
+    """STEPS of SGD with momentum through DDP on the GPU (buckets of ~2 KB: several per step) over ``group``
+    (default: the gloo one); the parameters, flat, on the host."""
     torch.manual_seed(3)
     net = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
                               torch.nn.Linear(32, 4)).cuda()
-    ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=2e-3)
+    ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=2e-3, process_group=group)
     if hook is not None:
         ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
@@ -82,3 +84,33 @@ def test_ddp_with_the_hook_on_a_cuda_model(ddt, ring, hook, state, rtol, atol):
     assert len(set(COMM.allgather(crc))) == 1, f"{hook}: parameters differ between ranks"
     err = (ours - gloo).abs()
     assert torch.all(err <= atol + rtol * gloo.abs()), f"{hook}: max difference {float(err.max()):.3g} from gloo"
+
+
+def test_ddp_and_collectives_on_the_ddlkernels_process_group(ddt):
+    """``dist.new_group(backend="ddlkernels")`` on CUDA tensors: DDP over it against DDP over gloo (the same
+    tolerance as the hook's), and all_reduce / reduce_scatter_tensor of tensors a kernel on a stream of
+    their own produced, asynchronous, the result read on that stream after ``wait()``."""
+    torch = G.torch_cuda()
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="ddlkernels")
+    ours, gloo = train(torch, group=group), train(torch)
+    crc = zlib.crc32(ours.numpy().view(np.uint8).tobytes())
+    assert len(set(COMM.allgather(crc))) == 1, "DDP on the ddlkernels group: parameters differ between ranks"
+    err = (ours - gloo).abs()
+    assert torch.all(err <= 1e-6 + 2e-6 * gloo.abs()), f"max difference {float(err.max()):.3g} from gloo"
+    s = torch.cuda.Stream()
+    n = 1000003
+    base = torch.arange(n * P, dtype=torch.float32) % 251
+    with torch.cuda.stream(s):
+        x = (base.cuda() + R) * 2  # kernels on s produce the input
+        w = dist.all_reduce(x, group=group, async_op=True)
+        w.wait()  # s waits for the result; the host does not wait for the device
+        got = x.cpu()
+        shard = torch.empty(n, device="cuda")
+        y = (base.cuda() + R) * 2
+        dist.reduce_scatter_tensor(shard, y, group=group)
+        part = shard.cpu()
+    want = (base * P + P * (P - 1) / 2) * 2
+    assert torch.equal(got, want), "all_reduce of a tensor made on a stream of its own"
+    assert torch.equal(part, want[R * n:(R + 1) * n]), "reduce_scatter_tensor of a tensor made on its stream"
