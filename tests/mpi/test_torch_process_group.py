@@ -163,8 +163,9 @@ def test_ddp_on_the_group_trains_as_ddp_on_gloo(gloo):
 
     ours, theirs = train(None), train(gloo)
     assert_same_on_all_ranks(COMM, ours.numpy(), "DDP on the ddlkernels group")
-    # Sums of the same gradients in another order: float32 rounding apart, nothing more.
-    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), (ours - theirs).abs().max()
+    # Sums of the same gradients in another order: float32 rounding apart (test_torch_ddp.py's tolerance).
+    err = (ours - theirs).abs()
+    assert torch.all(err <= 1e-6 + 2e-6 * theirs.abs()), f"max difference {float(err.max()):.3g} from gloo"
 
 
 def test_a_group_of_some_ranks(gloo):
