@@ -49,6 +49,7 @@ and DDP trained on it against DDP on gloo.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import torch
@@ -71,7 +72,16 @@ class _Work(dist._Work):
         self._fut = fut
 
     def wait(self, timeout=None):
-        self._fut.wait()  # raises the collective's error; for CUDA, orders the current streams after it
+        """Until the collective has run (raising its error); for CUDA, the current streams ordered after it.
+        ``timeout`` (a ``timedelta``; zero or None: none): a ``RuntimeError`` once it has passed."""
+        seconds = timeout.total_seconds() if timeout is not None else 0
+        if seconds > 0:
+            deadline = time.monotonic() + seconds
+            while not self._fut.done():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{BACKEND}: a collective did not complete within {timeout}")
+                time.sleep(1e-4)
+        self._fut.wait()
         return True
 
     def is_completed(self):

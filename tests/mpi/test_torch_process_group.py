@@ -10,6 +10,7 @@ ranks, asynchronous calls, coalesced ones, and the refusals (an op, a
 non-contiguous tensor, point-to-point) raised on every rank before any message.
 """
 
+import datetime
 import importlib
 import types
 
@@ -94,7 +95,7 @@ def test_avg_product_async_and_coalesced(gloo):
     ts = [data(n, torch.float32, salt=n) for n in SIZES]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
     for t, w, n in zip(ts, works, SIZES):
-        w.wait()
+        w.wait(timeout=datetime.timedelta(seconds=60))
         assert w.is_completed()
         r = data(n, torch.float32, salt=n)
         dist.all_reduce(r, group=gloo)
@@ -197,6 +198,18 @@ def test_refusals_come_before_any_message(gloo):
     for call, err, match in cases:
         with pytest.raises(err, match=match):
             call()
+    if P > 1:  # a collective a peer has not joined yet: wait() gives up after its timeout
+        late = torch.ones(3)
+        w = dist.all_reduce(late, async_op=True) if RANK == 0 else None
+        if RANK == 0:
+            with pytest.raises(RuntimeError, match="did not complete within"):
+                w.wait(timeout=datetime.timedelta(milliseconds=200))
+        COMM.Barrier()
+        if RANK != 0:
+            dist.all_reduce(late)
+        else:
+            w.wait()
+        assert torch.equal(late, torch.full((3,), float(P))), "the late collective"
     t = data(11, torch.float32, salt=7)  # nobody sent anything: the next collective pairs up as ever
     ref = t.clone()
     dist.all_reduce(t)
