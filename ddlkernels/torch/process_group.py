@@ -1,5 +1,5 @@
-"""``torch.distributed`` on ddlkernels: ``init_process_group("ddlkernels")``, and DDP or any code of
-``dist.*`` collectives reduces with it, unchanged.
+"""``torch.distributed`` on ddlkernels: ``init_process_group("ddlkernels")``, and DDP, FSDP or any code
+of ``dist.*`` collectives reduces with it, unchanged.
 
 Worked example, 2 ranks under ``mpirun``, a tensor ``t`` on each::
 
@@ -29,8 +29,8 @@ where the Communicator's own box would cut it otherwise):
     all_reduce, all_reduce_coalesced   allreduce, allreduce_many in place
     reduce                             allreduce into a new tensor, copied on the root
     broadcast                          MPI_Bcast of the root's bytes (through host memory for CUDA)
-    all_gather(_into_tensor, _single)  allgather into the rank-order whole
-    reduce_scatter(_tensor, _single)   reduce_scatter of the rank-order whole
+    all_gather(_into_tensor, _single)  allgather into the rank-order whole (in place through a copy)
+    reduce_scatter(_tensor, _single)   reduce_scatter of the rank-order whole (likewise)
     barrier                            MPI_Barrier, after the group's earlier work
 
 Ops: SUM, AVG, MAX, MIN, PRODUCT.  Point-to-point, gather, scatter and
@@ -43,7 +43,7 @@ on the MPI communicator of those ranks; a torch rank must be the process's
 torch's support for a process group written in Python is the same that
 torch's own tests use (``dist.ProcessGroup`` and ``dist._Work`` subclassed);
 ``tests/mpi/test_torch_process_group.py`` checks every collective against gloo's,
-and DDP trained on it against DDP on gloo.
+DDP trained on it against DDP on gloo, and FSDP2 against one process.
 """
 
 from __future__ import annotations
@@ -271,7 +271,11 @@ class ProcessGroupDDL(dist.ProcessGroup):
                              f"({n} elements of {input.dtype}), got {whole} of {output.dtype}")
 
         def fn(c):
-            c.allgather(input.reshape(-1), count=whole, out=output.reshape(-1), dims=self._rank_order(c, whole))
+            # FSDP gathers in place (the input is this rank's block of the output), as NCCL allows; ddlkernels
+            # refuses an output over its input, so the input is copied aside first.
+            src = input.reshape(-1)
+            c.allgather(src.clone() if _overlap(input, output) else src, count=whole, out=output.reshape(-1),
+                        dims=self._rank_order(c, whole))
 
         return self._submit([input, output], fn, [output])
 
@@ -299,7 +303,11 @@ class ProcessGroupDDL(dist.ProcessGroup):
                              f"({n} elements of {output.dtype}), got {whole} of {input.dtype}")
 
         def fn(c):
-            c.reduce_scatter(input.reshape(-1), op, out=output.reshape(-1), dims=self._rank_order(c, whole))
+            dims = self._rank_order(c, whole)
+            if not _overlap(output, input):
+                c.reduce_scatter(input.reshape(-1), op, out=output.reshape(-1), dims=dims)
+            else:  # the output is this rank's block of the input (in place, as NCCL allows): through a new one
+                output.reshape(-1).copy_(c.reduce_scatter(input.reshape(-1), op, dims=dims))
 
         return self._submit([output, input], fn, [output])
 
@@ -371,6 +379,13 @@ def _np_dtype(t):
     except TypeError:
         raise TypeError(f"{BACKEND}: tensors of {t.dtype} are not reduced (supported: float16, bfloat16, "
                         f"float32, float64, int32, int64)") from None
+
+
+def _overlap(a, b) -> bool:
+    """Whether the memory of contiguous tensors ``a`` and ``b`` overlaps."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.numel() * b.element_size() and \
+        b0 < a0 + a.numel() * a.element_size()
 
 
 def _numpy(host):

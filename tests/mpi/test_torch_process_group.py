@@ -135,6 +135,15 @@ def test_gather_scatter_broadcast_reduce_barrier_as_gloo(gloo, n):
     shard2 = torch.empty(n)
     dist.reduce_scatter(shard2, list(big.chunk(P)))
     same(shard2, shard, "reduce_scatter")
+    # In place, as FSDP calls them (NCCL allows it): the input is this rank's block of the output, and the
+    # output this rank's block of the input.
+    whole2 = torch.empty(n * P)
+    whole2[RANK * n:(RANK + 1) * n] = x
+    GATHER_INTO(whole2, whole2[RANK * n:(RANK + 1) * n])
+    same(whole2, wref, "in-place " + GATHER_INTO.__name__)
+    big2 = big.clone()
+    SCATTER_FROM(big2[RANK * n:(RANK + 1) * n], big2)
+    same(big2[RANK * n:(RANK + 1) * n], shard, "in-place " + SCATTER_FROM.__name__)
     for root in range(P):
         b = data(n, torch.float64, salt=4)
         dist.broadcast(b, src=root)
@@ -167,6 +176,41 @@ def test_ddp_on_the_group_trains_as_ddp_on_gloo(gloo):
     # Sums of the same gradients in another order: float32 rounding apart (test_torch_ddp.py's tolerance).
     err = (ours - theirs).abs()
     assert torch.all(err <= 1e-6 + 2e-6 * theirs.abs()), f"max difference {float(err.max()):.3g} from gloo"
+
+
+def test_fsdp2_on_the_group_trains_as_one_process(gloo):
+    """FSDP2 (``fully_shard``: parameters sharded, gathered in place, gradients reduce-scattered) over the
+    ddlkernels group: after a few SGD steps the gathered parameters match one process training the same
+    model on every rank's data (the mean of the per-rank losses)."""
+    fsdp = pytest.importorskip("torch.distributed.fsdp", reason="torch without FSDP")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("torch without FSDP2 (fully_shard, torch >= 2.6)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    def inputs(step, rank):
+        return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+    mesh = init_device_mesh("cpu", (P,))  # its group: a new one of the default backend, ddlkernels
+    model, ref = make(), make()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fsdp.fully_shard(layer, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        model(inputs(step, RANK)).square().sum().backward()
+        opt.step()
+        ropt.zero_grad()
+        (sum(ref(inputs(step, q)).square().sum() for q in range(P)) / P).backward()
+        ropt.step()
+    got = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), f"{k}: {float((got[k] - v).abs().max()):.3g}"
 
 
 def test_a_group_of_some_ranks(gloo):
