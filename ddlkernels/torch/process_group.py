@@ -28,14 +28,15 @@ where the Communicator's own box would cut it otherwise):
 
     all_reduce, all_reduce_coalesced   allreduce, allreduce_many in place
     reduce                             allreduce into a new tensor, copied on the root
-    broadcast                          MPI_Bcast of the root's bytes (through host memory for CUDA)
     all_gather(_into_tensor, _single)  allgather into the rank-order whole (in place through a copy)
     reduce_scatter(_tensor, _single)   reduce_scatter of the rank-order whole (likewise)
+    broadcast, gather, scatter,        MPI's own collective on the bytes, any dtype (through host
+    all_to_all(_single)                memory for CUDA tensors): nothing to reduce, only to move
     barrier                            MPI_Barrier, after the group's earlier work
 
-Ops: SUM, AVG, MAX, MIN, PRODUCT.  Point-to-point, gather, scatter and
-all_to_all raise ``NotImplementedError`` on every rank before any message (a
-gloo group beside this one serves them: ``dist.new_group(backend="gloo")``).
+Ops: SUM, AVG, MAX, MIN, PRODUCT.  Point-to-point raises
+``NotImplementedError``, sending nothing: in a queue run in call order a blocking send would wait for a receive queued behind it (a gloo
+group beside this one serves it: ``dist.new_group(backend="gloo")``).
 A group of some ranks (``dist.new_group(ranks, backend="ddlkernels")``) runs
 on the MPI communicator of those ranks; a torch rank must be the process's
 ``MPI.COMM_WORLD`` rank (``ddt.init_process_group`` makes it so).
@@ -195,7 +196,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
         try:
             return normalize_op(reduce_op)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{BACKEND}: {what}: {exc} (SUM, AVG, MAX, MIN and PRODUCT are supported)") from None
+            raise ValueError(f"{BACKEND}: {what}: {exc}") from None
 
     def _rank_order(self, c, count):
         """``dims`` under which ``c`` cuts ``count`` elements into equal blocks in rank order: None (the
@@ -234,14 +235,14 @@ class ProcessGroupDDL(dist.ProcessGroup):
         return self._submit(tensors, fn, tensors)
 
     def broadcast(self, tensors, opts):
-        (t,) = self._checked(tensors, "broadcast")
+        (t,) = self._contiguous(tensors, "broadcast")
         root = int(opts.rootRank)
 
         def fn(c):
-            host = t.detach().cpu() if t.is_cuda else t.detach()
-            c.comm.Bcast(_numpy(host), root=root)
-            if host is not t and c.rank != root:
-                t.copy_(host)
+            raw = _bytes(t)  # t's own memory for a CPU tensor, a host copy of a CUDA one
+            c.comm.Bcast(raw, root=root)
+            if t.is_cuda and c.rank != root:
+                _put(t, raw)
 
         return self._submit(tensors, fn, tensors)
 
@@ -337,10 +338,87 @@ class ProcessGroupDDL(dist.ProcessGroup):
     def barrier(self, opts=None):
         return self._submit([], lambda c: c.comm.Barrier(), None)
 
-    # -- what it does not do, said on every rank before any message -----------------------------
+    # -- data moved as it is, through host memory (MPI's own collectives on the bytes) -----------------
+    def gather(self, output_tensors, input_tensors, opts):
+        (t,) = self._contiguous(input_tensors, "gather")
+        root = int(opts.rootRank)
+        outs = self._like(output_tensors, t, "gather") if self.rank() == root else []
+
+        def fn(c):
+            whole = np.empty(t.numel() * t.element_size() * c.size, np.uint8) if c.rank == root else None
+            c.comm.Gather(_bytes(t), whole, root=root)
+            for o, raw in zip(outs, np.split(whole, c.size) if whole is not None else ()):
+                _put(o, raw)
+
+        return self._submit([t, *outs], fn, output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        (t,) = self._contiguous(output_tensors, "scatter")
+        root = int(opts.rootRank)
+        ins = self._like(input_tensors, t, "scatter") if self.rank() == root else []
+
+        def fn(c):
+            whole = np.concatenate([_bytes(i) for i in ins]) if c.rank == root else None
+            raw = np.empty(t.numel() * t.element_size(), np.uint8)
+            c.comm.Scatter(whole, raw, root=root)
+            _put(t, raw)
+
+        return self._submit([t, *ins], fn, output_tensors)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        self._contiguous([output, input], "all_to_all_single", 2)
+        if output.dtype != input.dtype:
+            raise ValueError(f"{BACKEND}: all_to_all_single's output is {output.dtype}, its input {input.dtype}")
+        send = _splits(input, input_split_sizes, self.size(), "input")
+        recv = _splits(output, output_split_sizes, self.size(), "output")
+
+        def fn(c):
+            raw = np.empty(output.numel() * output.element_size(), np.uint8)
+            c.comm.Alltoallv([_bytes(input), send], [raw, recv])
+            _put(output, raw)
+
+        return self._submit([output, input], fn, output)
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        p = self.size()
+        if len(output_tensors) != p or len(input_tensors) != p:
+            raise ValueError(f"{BACKEND}: all_to_all takes {p} input and {p} output tensors")
+        self._contiguous([*output_tensors, *input_tensors], "all_to_all", 2 * p)
+        send = _counts([i.numel() * i.element_size() for i in input_tensors])
+        recv = _counts([o.numel() * o.element_size() for o in output_tensors])
+
+        def fn(c):
+            raw = np.empty(sum(recv[0]), np.uint8)
+            c.comm.Alltoallv([np.concatenate([_bytes(i) for i in input_tensors]), send], [raw, recv])
+            for o, lo, n in zip(output_tensors, recv[1], recv[0]):
+                _put(o, raw[lo:lo + n])
+
+        return self._submit([*output_tensors, *input_tensors], fn, output_tensors)
+
+    @staticmethod
+    def _contiguous(tensors, what, count=1):
+        """``tensors`` (a list of ``count``), each contiguous: what a collective that moves bytes needs."""
+        if len(tensors) != count:
+            raise ValueError(f"{BACKEND}: {what} takes {count} tensor(s) a process, got {len(tensors)}")
+        if not all(t.is_contiguous() for t in tensors):
+            raise ValueError(f"{BACKEND}: {what} needs contiguous tensors (call .contiguous() first)")
+        return tensors
+
+    def _like(self, lists, t, what):
+        """The one list of ``size()`` tensors like ``t`` of a gather's outputs or a scatter's inputs."""
+        if len(lists) != 1 or len(lists[0]) != self.size():
+            raise ValueError(f"{BACKEND}: {what} takes one list of {self.size()} tensors on the root")
+        if any(x.numel() != t.numel() or x.dtype != t.dtype for x in lists[0]):
+            raise ValueError(f"{BACKEND}: {what}'s list holds tensors like {t.numel()} elements of {t.dtype}")
+        return self._contiguous(lists[0], what, self.size())
+
+    # -- what it does not do, said on every rank before any message -------------------------------
     def _refuse(self, what):
-        raise NotImplementedError(f"the {BACKEND} process group has no {what}; a gloo group beside it has: "
-                                  f"dist.new_group(backend='gloo')")
+        raise NotImplementedError(f"the {BACKEND} process group has no {what}: its collectives run in call order "
+                                  f"on one thread, where a blocking send would wait for a receive queued behind "
+                                  f"it; a gloo group beside it has: dist.new_group(backend='gloo')")
 
     def send(self, tensors, dst, tag):
         self._refuse("send")
@@ -350,20 +428,6 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
     def recv_anysource(self, tensors, tag):
         self._refuse("recv")
-
-    def gather(self, output_tensors, input_tensors, opts):
-        self._refuse("gather")
-
-    def scatter(self, output_tensors, input_tensors, opts):
-        self._refuse("scatter")
-
-    def alltoall(self, output_tensors, input_tensors, opts):
-        self._refuse("all_to_all")
-
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
-        self._refuse("all_to_all_single")
-
-    all_to_all_single = alltoall_base
 
 
 def _np_dtype(t):
@@ -388,9 +452,36 @@ def _overlap(a, b) -> bool:
         b0 < a0 + a.numel() * a.element_size()
 
 
-def _numpy(host):
-    """A numpy view of contiguous CPU tensor ``host``'s bytes (bfloat16 through its int16 bits)."""
-    return (host.view(torch.int16) if host.dtype == torch.bfloat16 else host).numpy()
+def _bytes(t):
+    """Contiguous tensor ``t``'s bytes as a numpy uint8 array: a view of a CPU tensor's memory, a host copy of
+    a CUDA one (on the current stream, waited for)."""
+    raw = t.detach().reshape(-1).view(torch.uint8)
+    return (raw.cpu() if raw.is_cuda else raw).numpy()
+
+
+def _put(t, raw):
+    """The bytes ``raw`` (numpy uint8) into contiguous tensor ``t``, on the current stream."""
+    t.copy_(torch.from_numpy(raw).view(t.dtype).reshape(t.shape))
+
+
+def _counts(sizes):
+    """(counts, displacements) of consecutive blocks of ``sizes`` bytes, for MPI's v-collectives."""
+    return list(sizes), [int(d) for d in np.cumsum([0, *sizes[:-1]])] if sizes else []
+
+
+def _splits(t, split_sizes, p, what):
+    """all_to_all_single's (counts, displacements) in bytes of ``t`` cut by ``split_sizes`` rows (empty: ``p``
+    equal parts), checked here."""
+    rows = t.shape[0] if t.dim() else 1
+    if not split_sizes:
+        if rows % p:
+            raise ValueError(f"{BACKEND}: all_to_all_single's {what} has {rows} rows, not a multiple of {p}")
+        split_sizes = [rows // p] * p
+    if len(split_sizes) != p or sum(split_sizes) != rows:
+        raise ValueError(f"{BACKEND}: all_to_all_single's {what} splits {list(split_sizes)} do not cut {rows} rows "
+                         f"into {p}")
+    row = t.numel() // rows * t.element_size() if rows else 0
+    return _counts([int(s) * row for s in split_sizes])
 
 
 def _create(options, _backend_options=None):

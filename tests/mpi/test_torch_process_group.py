@@ -6,8 +6,9 @@ collective, on data unique per rank and element, must give gloo's bits (the
 sums of small integers and of multiples of 1/16 are exact in any order; max
 and min are exact); DDP trained on the ddlkernels group must end within a
 stated tolerance of DDP on gloo and identical on every rank.  A group of some
-ranks, asynchronous calls, coalesced ones, and the refusals (an op, a
-non-contiguous tensor, point-to-point) raised on every rank before any message.
+ranks, asynchronous calls, coalesced ones, gather, scatter and all_to_all of any
+dtype, and the refusals (an op, a non-contiguous tensor, uneven splits,
+point-to-point) raised on every rank before any message.
 """
 
 import datetime
@@ -156,6 +157,37 @@ def test_gather_scatter_broadcast_reduce_barrier_as_gloo(gloo, n):
     dist.barrier()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int64, torch.bool])
+def test_gather_scatter_and_all_to_all_move_every_byte(gloo, dtype):
+    """Nothing to reduce, any dtype (bool and 16-bit floats included): each block where it belongs."""
+    def block(n, rank, salt):
+        return data(n, torch.int64, salt=salt, rank=rank).to(dtype)
+
+    for root in range(P):
+        outs = [torch.empty(5, dtype=dtype) for _ in range(P)] if RANK == root else None
+        dist.gather(block(5, RANK, 1), outs, dst=root)
+        if RANK == root:
+            for q in range(P):
+                same(outs[q], block(5, q, 1), f"gather to {root}: block of {q}")
+        got = torch.empty(5, dtype=dtype)
+        dist.scatter(got, [block(5, root, q) for q in range(P)] if RANK == root else None, src=root)
+        same(got, block(5, root, RANK), f"scatter from {root}")
+    # all_to_all_single, equal parts and uneven ones (rows of 3: rank q sends r (q + r) % 3 + 1 rows)
+    x = torch.cat([block(4 * 3, RANK, q) for q in range(P)]).reshape(-1, 3)
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x)
+    same(y, torch.cat([block(4 * 3, q, RANK) for q in range(P)]).reshape(-1, 3), "all_to_all_single")
+    rows = [(q + RANK) % 3 + 1 for q in range(P)]
+    x = torch.cat([block(r * 3, RANK, q) for q, r in enumerate(rows)]).reshape(-1, 3)
+    y = torch.empty(sum(rows), 3, dtype=dtype)
+    dist.all_to_all_single(y, x, output_split_sizes=rows, input_split_sizes=rows)
+    same(y, torch.cat([block(r * 3, q, RANK) for q, r in enumerate(rows)]).reshape(-1, 3), "uneven")
+    outs = [torch.empty(r, dtype=dtype) for r in rows]
+    dist.all_to_all(outs, [block(r, RANK, q) for q, r in enumerate(rows)])
+    for q, r in enumerate(rows):
+        same(outs[q], block(r, q, RANK), f"all_to_all: block from {q}")
+
+
 def test_ddp_on_the_group_trains_as_ddp_on_gloo(gloo):
     """A few SGD steps of DDP with momentum (small buckets: several per step) on data unique to each rank."""
     def train(group):
@@ -236,7 +268,8 @@ def test_refusals_come_before_any_message(gloo):
               "SUM, AVG, MAX, MIN and PRODUCT"),
              (lambda: dist.all_reduce(torch.ones(4, 4).t()), ValueError, "contiguous"),
              (lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)), TypeError, "int16"),
-             (lambda: dist.all_to_all_single(torch.empty(P), torch.ones(P)), NotImplementedError, "all_to_all")]
+             (lambda: dist.all_to_all_single(torch.empty(P), torch.ones(P), [1] * P, [2] * P), ValueError,
+              "do not cut")]
     if P > 1:  # torch refuses a send to oneself by itself
         cases.append((lambda: dist.send(torch.ones(1), dst=(RANK + 1) % P), NotImplementedError, "beside it"))
     for call, err, match in cases:
