@@ -179,22 +179,19 @@ class ProcessGroupDDL(dist.ProcessGroup):
         state.engine.submit(run)
         return _Work(fut)
 
-    @staticmethod
-    def _checked(tensors, what, count=1):
+    @classmethod
+    def _checked(cls, tensors, what, count=1):
         """``tensors`` (a list of ``count``), each contiguous and of a dtype ddlkernels reduces: checked here,
         on the caller's thread, so that a bad call raises on its rank before any message."""
-        if len(tensors) != count:
-            raise ValueError(f"{BACKEND}: {what} takes {count} tensor(s) a process, got {len(tensors)}")
-        for t in tensors:
-            if not t.is_contiguous():
-                raise ValueError(f"{BACKEND}: {what} needs contiguous tensors (call .contiguous() first)")
+        for t in cls._contiguous(tensors, what, count):
             check_dtype(_np_dtype(t))
         return tensors
 
     @staticmethod
-    def _op(reduce_op, what):
+    def _op(opts, what):
+        """The ddlkernels op of ``opts.reduceOp`` (SUM without options)."""
         try:
-            return normalize_op(reduce_op)
+            return normalize_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{BACKEND}: {what}: {exc}") from None
 
@@ -209,12 +206,12 @@ class ProcessGroupDDL(dist.ProcessGroup):
     # -- the collectives -------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         (t,) = self._checked(tensors, "all_reduce")
-        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
+        op = self._op(opts, "all_reduce")
         return self._submit(tensors, lambda c: c.allreduce(t, op, out=t), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         self._checked(tensors, "all_reduce_coalesced", len(tensors))
-        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce_coalesced")
+        op = self._op(opts, "all_reduce_coalesced")
 
         def fn(c):
             from ..fusion import allreduce_many
@@ -225,7 +222,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
     def reduce(self, tensors, opts):
         (t,) = self._checked(tensors, "reduce")
-        op, root = self._op(opts.reduceOp, "reduce"), int(opts.rootRank)
+        op, root = self._op(opts, "reduce"), int(opts.rootRank)
 
         def fn(c):
             got = c.allreduce(t, op)  # every rank's input left alone, as NCCL's reduce
@@ -297,7 +294,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output, input, opts=None):
         self._checked([output, input], "reduce_scatter_tensor", 2)
-        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
+        op = self._op(opts, "reduce_scatter_tensor")
         n, whole = output.numel(), input.numel()
         if whole != n * self.size() or output.dtype != input.dtype:
             raise ValueError(f"{BACKEND}: reduce_scatter_tensor's input holds {self.size()} x the output "
@@ -319,7 +316,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
         ins = self._checked(input_tensors[0], "reduce_scatter", self.size())
         if any(i.numel() != o.numel() or i.dtype != o.dtype for i in ins):
             raise ValueError(f"{BACKEND}: reduce_scatter's inputs must be like its output")
-        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
+        op = self._op(opts, "reduce_scatter")
         n = o.numel()
 
         def fn(c):
