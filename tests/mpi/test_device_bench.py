@@ -111,7 +111,8 @@ def test_every_line_of_every_collective_right(kind):
         wrong = {name: m["wrong"] for name, m in row["lines"].items() if m["wrong"]}
         assert not wrong, f"{kind} {size} B: {wrong}"
         assert all(m["ms"] > 0 for m in row["lines"].values())
-    optional = ("ddlkernels ipc", "ddlkernels hier", "ddlkernels torch", "mpi device", "gloo", "nccl")
+    optional = ("ddlkernels ipc", "ddlkernels hier", "ddlkernels torch", "mpi device", "gloo", "nccl",
+                "ddlkernels group")
     for name in optional:  # each ran, or says why not
         assert (name in rows[0]["lines"]) != bool(missing.get(name)), (name, missing)
     # hier: allreduce where the ranks of this one node make nodes of 2+ ranks (node labels), and it ran hier

@@ -27,6 +27,8 @@ The lines (each where it can run; ``sweep``'s ``missing`` says why one could not
     hand-rolled         copy down into pinned memory, MPI's collective, copy back: the loop users write
     mpi device          MPI's collective on the CuPy buffers themselves, where MPI is CUDA-aware
     gloo                torch.distributed's gloo on CUDA tensors
+    ddlkernels group    the same torch.distributed calls on the "ddlkernels" process group
+                        (ddlkernels.torch.process_group): what DDP and FSDP users get from it
     nccl                torch.distributed's NCCL, when no two ranks share a GPU
     ddlkernels host     the same bytes as numpy arrays
     device copy         every rank copies its input once on its GPU: a floor no collective beats
@@ -56,7 +58,7 @@ __all__ = ["gpu_everywhere", "gpu_or_say_why", "gpu_name", "CupyDevice", "sweep"
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather")
 #: lines of other libraries, left out (with the reason) where they refuse a call
-OPTIONAL = ("gloo", "nccl")
+OPTIONAL = ("gloo", "nccl", "ddlkernels group")
 
 
 class CupyDevice:
@@ -140,14 +142,16 @@ def gpu_name(cp) -> str:
 
 
 def _torch_groups(comm, dev, own_gpu):
-    """torch.distributed on ``comm``'s ranks (gloo, and an NCCL group when ``own_gpu``), or why not."""
+    """torch.distributed on ``comm``'s ranks (gloo as the default group, an NCCL group when ``own_gpu``, and
+    a ``ddlkernels`` one): ``(torch, nccl group or None, ddlkernels group, None)``, or ``(None, None, None,
+    why not)``."""
     try:
         import torch
         import torch.distributed as dist
     except ImportError as exc:
-        return None, None, f"no torch ({exc})"
+        return None, None, None, f"no torch ({exc})"
     if not torch.cuda.is_available():
-        return None, None, "torch has no CUDA"
+        return None, None, None, "torch has no CUDA"
     if not dist.is_initialized():
         if comm.Get_rank() == 0:
             with socket.socket() as s:
@@ -161,7 +165,15 @@ def _torch_groups(comm, dev, own_gpu):
         torch.cuda.set_device(dev.index())
         dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
     nccl = dist.new_group(backend="nccl") if own_gpu and dist.is_nccl_available() else None
-    return torch, nccl, None
+    global _DDL_GROUP
+    if _DDL_GROUP is None:  # one for the process, as the default group: each has a progress thread
+        import ddlkernels.torch as ddt  # registers the "ddlkernels" backend
+
+        _DDL_GROUP = dist.new_group(backend=ddt.process_group.BACKEND)
+    return torch, nccl, _DDL_GROUP, None
+
+
+_DDL_GROUP = None  # the "ddlkernels" process group of the sweeps (``_torch_groups``)
 
 
 def _blocks(n, p):
@@ -186,7 +198,8 @@ def _case(kind, n, p, r, dt, bounds):
 
 def _lines(comm, dev, dtype, kind):
     """name -> (setup(n) -> state with "want", run(state), result(state) -> host array or None); name -> why
-    not run; the Communicators made, by role ("tuned", "ipc", "hier", "staged", "host"), to free."""
+    not run; the Communicators made, by role ("tuned", "ipc", "hier", "staged", "host"), to free, and the
+    "ddlkernels" process group's ("group"), to settle only."""
     import ddlkernels
     from mpi4py import MPI
 
@@ -280,9 +293,9 @@ def _lines(comm, dev, dtype, kind):
         out["mpi device"] = (mpi_setup, mpi_run, lambda s: dev.to_host(s["out"]))
     else:
         missing["mpi device"] = f"MPI is not CUDA-aware ({why_not})"
-    torch, nccl, why = _torch_groups(comm, dev, own_gpu)
+    torch, nccl, ddl_group, why = _torch_groups(comm, dev, own_gpu)
     if torch is None:
-        missing["gloo"] = missing["nccl"] = missing["ddlkernels torch"] = why
+        missing["gloo"] = missing["nccl"] = missing["ddlkernels torch"] = missing["ddlkernels group"] = why
     else:
         import torch.distributed as dist
 
@@ -296,8 +309,8 @@ def _lines(comm, dev, dtype, kind):
 
         def t_setup(n):
             x, m, want = _case(kind, n, p, r, dt, _blocks(n, p))
-            return {"n": n, "t": torch.as_tensor(x, device="cuda"), "want": want,
-                    "y": torch.empty(m, dtype=torch.as_tensor(x[:0]).dtype, device="cuda")}
+            t, y = torch.as_tensor(x, device="cuda"), torch.empty(m, dtype=torch.as_tensor(x[:0]).dtype, device="cuda")
+            return {"n": n, "t": t, "want": want, "y": y, "x": t, "out": y}  # x, out: what a tuner is asked of
 
         def t_run(group):
             def run(s):
@@ -312,6 +325,7 @@ def _lines(comm, dev, dtype, kind):
             return run
 
         out["gloo"] = (t_setup, t_run(None), lambda s: s["y"].cpu().numpy())
+        out["ddlkernels group"] = (t_setup, t_run(ddl_group), lambda s: s["y"].cpu().numpy())
         if nccl is not None:
             out["nccl"] = (t_setup, t_run(nccl), lambda s: s["y"].cpu().numpy())
         else:
@@ -327,7 +341,9 @@ def _lines(comm, dev, dtype, kind):
         return {"a": dev.array(pattern(n, r, p, dt)), "b": dev.empty(n, dt)}
 
     out["device copy"] = (copy_setup, lambda s: dev.copy(s["b"], s["a"]), None)
-    made = {"tuned": tuned, "ipc": ipc, "hier": hier, "staged": staged, "host": host}
+    made = {"tuned": tuned, "ipc": ipc, "hier": hier, "staged": staged, "host": host,
+            # the group's Communicator, which its progress thread runs; settled from here while it idles
+            "group": None if torch is None else ddl_group.communicator}
     return out, missing, {name: c for name, c in made.items() if c is not None}
 
 
@@ -435,8 +451,9 @@ def sweep(comm, dev, sizes, dtype="float32", iters=10, warmup=3, collective="all
                 row["ipc_staged"] = comm.allreduce(comms["ipc"].algorithms["ipc"].staged())  # all ranks, all calls
             rows.append(row)
     finally:
-        for c in comms.values():
-            c.free()
+        for role, c in comms.items():
+            if role != "group":  # the process group's own, which lives as long as the group (``_torch_groups``)
+                c.free()
     return rows, missing
 
 
