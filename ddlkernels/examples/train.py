@@ -5,13 +5,16 @@
     mpirun -n 4 python -m mpi4py -m ddlkernels.examples.train --overlap both   # alternate per step
     mpirun -n 4 python -m mpi4py -m ddlkernels.examples.train --overlap both --progress both
     mpirun -n 4 python -m mpi4py -m ddlkernels.examples.train --method ddp     # DDP + ddlkernels' hook
+    mpirun -n 4 python -m mpi4py -m ddlkernels.examples.train --method group   # DDP on the "ddlkernels" group
     mpirun -n 2 python -m mpi4py -m ddlkernels.examples.train --device cuda --method both
 
 ``--method optimizer`` (default) trains with ``ddlkernels.torch.DistributedOptimizer``;
 ``--method ddp`` with ``torch.nn.parallel.DistributedDataParallel`` whose buckets
 ddlkernels reduces (``register_comm_hook(HookState(comm), allreduce_hook)``; the
-gloo process group only broadcasts the start); ``both`` runs one after the
-other.  ``--device cuda`` puts each rank on the GPU of its local rank
+gloo process group only broadcasts the start); ``--method group`` with plain
+DistributedDataParallel over the ``"ddlkernels"`` torch process group
+(``ddlkernels.torch.process_group``: no hook, every collective DDP makes is
+ddlkernels'); ``both`` runs optimizer and ddp one after the other.  ``--device cuda`` puts each rank on the GPU of its local rank
 (``ddlkernels.torch.set_device``: one per local rank, or all on the one GPU;
 docs/gpus.md has the launch lines).
 
@@ -76,8 +79,9 @@ def parse_args(argv=None):
     ap.add_argument("--progress", choices=["auto", "thread", "hooks", "both"], default="auto",
                     help="who moves overlapped reductions forward: a background thread, MPI_Iallreduce polled from "
                          "the gradient hooks, or both (alternated step by step with --overlap)")
-    ap.add_argument("--method", choices=["optimizer", "ddp", "both"], default="optimizer",
-                    help="DistributedOptimizer, DistributedDataParallel with ddlkernels' comm hook, or both in turn")
+    ap.add_argument("--method", choices=["optimizer", "ddp", "group", "both"], default="optimizer",
+                    help="DistributedOptimizer, DistributedDataParallel with ddlkernels' comm hook, DDP over the "
+                         "'ddlkernels' process group, or optimizer and ddp in turn")
     ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
                     help="where to train: cuda pins each rank to its local rank's GPU; auto = cuda if torch sees one")
     ap.add_argument("--solo-iters", type=int, default=200, help="iterations of the one-rank baseline (0: skip)")
@@ -247,8 +251,9 @@ def train(torch, args, comm, data, mode: str, device=None):
     return info
 
 
-def train_ddp(torch, args, comm, data, device=None):
-    """Train with DistributedDataParallel whose buckets ddlkernels reduces (``allreduce_hook``) over ``comm``.
+def train_ddp(torch, args, comm, data, device=None, group=False):
+    """Train with DistributedDataParallel whose buckets ddlkernels reduces over ``comm``: through
+    ``allreduce_hook``, or (``group``) as DDP's own allreduce over a ``"ddlkernels"`` process group.
 
     Same model, data split, optimizer and digest check as ``train``; DDP's
     process group (gloo: it also takes CUDA tensors, and lets several ranks
@@ -257,6 +262,7 @@ def train_ddp(torch, args, comm, data, device=None):
     its waiting is inside ``backward()``.
     """
     import ddlkernels.torch as ddt
+    import torch.distributed as dist
     from mpi4py import MPI
 
     device = device or torch.device("cpu")
@@ -267,8 +273,10 @@ def train_ddp(torch, args, comm, data, device=None):
     model = build_model(torch, args.hidden, args.seed).to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=args.fusion_bytes / 2**20)
-    ddp.register_comm_hook(ddt.HookState(comm), ddt.allreduce_hook)
+        bucket_cap_mb=args.fusion_bytes / 2**20,
+        process_group=dist.new_group(backend=ddt.process_group.BACKEND) if group else None)
+    if not group:
+        ddp.register_comm_hook(ddt.HookState(comm), ddt.allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
     xs, ys = torch.from_numpy(xtr).to(device), torch.from_numpy(ytr).to(device)
     xt, yt = torch.from_numpy(xte).to(device), torch.from_numpy(yte).to(device)
@@ -302,9 +310,10 @@ def train_ddp(torch, args, comm, data, device=None):
     arr = np.array(per_iter[iters:] if args.epochs > 1 else per_iter, dtype=np.float64)
     worst = np.empty_like(arr)
     comm.Allreduce(arr, worst, op=MPI.MAX)
-    timing = {"ddp+hook": {"iteration_s": float(np.mean(worst)), "iteration_median_s": float(np.median(worst)),
-                           "iterations": int(len(worst))}}
-    return {"method": "ddp", "device": str(device), "mode": "ddp+hook", "epochs": rows,
+    mode = "ddp+group" if group else "ddp+hook"
+    timing = {mode: {"iteration_s": float(np.mean(worst)), "iteration_median_s": float(np.median(worst)),
+                     "iterations": int(len(worst))}}
+    return {"method": "group" if group else "ddp", "device": str(device), "mode": mode, "epochs": rows,
             "final_accuracy": rows[-1][2], "identical_checks": checks, "timing": timing}
 
 
@@ -333,12 +342,13 @@ def main(argv=None):
     results = []
     for method in (["optimizer", "ddp"] if args.method == "both" else [args.method]):
         if rank == 0:
-            what = f"overlap {args.overlap}" if method == "optimizer" else "DDP + ddlkernels.torch.allreduce_hook"
+            what = {"optimizer": f"overlap {args.overlap}", "ddp": "DDP + ddlkernels.torch.allreduce_hook",
+                    "group": "DDP over the 'ddlkernels' process group"}[method]
             print(f"\n{what}:\n  epoch        loss  held-out acc", flush=True)
         if method == "optimizer":
             r = train(torch, args, comm, data, args.overlap, device)
         else:
-            r = train_ddp(torch, args, comm, data, device)
+            r = train_ddp(torch, args, comm, data, device, group=method == "group")
         if rank == 0:
             _report(r, p, per_rank, t1)
         results.append(r)

@@ -3,7 +3,8 @@
 The paper's methodology (Cho et al., "PowerAI DDL", section 3): the same
 accuracy first, then time.  Every rank also computes the 1-rank run itself
 (on ``MPI.COMM_SELF``), with DistributedOptimizer; the N-rank runs use
-DistributedOptimizer and DDP with ddlkernels' hook.  On the CPU here; the same
+DistributedOptimizer, DDP with ddlkernels' hook, and DDP over the "ddlkernels"
+process group.  On the CPU here; the same
 code with ``--device cuda`` is not run by this suite (no GPU).
 """
 
@@ -42,6 +43,7 @@ def runs():
         "one rank": train_mod.train(torch, args, MPI.COMM_SELF, data, "on"),
         "optimizer": train_mod.train(torch, args, COMM, data, "on"),
         "ddp": train_mod.train_ddp(torch, args, COMM, data),
+        "group": train_mod.train_ddp(torch, args, COMM, data, group=True),
     }
     if not had_group:
         COMM.Barrier()
@@ -53,7 +55,7 @@ def test_the_one_rank_run_converges(runs):
     assert runs["one rank"]["final_accuracy"] > 0.85, runs["one rank"]["epochs"]
 
 
-@pytest.mark.parametrize("method", ["optimizer", "ddp"])
+@pytest.mark.parametrize("method", ["optimizer", "ddp", "group"])
 def test_n_ranks_reach_the_one_rank_accuracy(runs, method):
     one, n = runs["one rank"]["final_accuracy"], runs[method]["final_accuracy"]
     assert abs(n - one) <= TOLERANCE, f"{method} on {P} ranks: {100 * n:.2f} % vs one rank {100 * one:.2f} %"
