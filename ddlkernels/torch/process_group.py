@@ -171,7 +171,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
                         for t in tensors:  # made on the caller's stream, used on this one until its work has run
                             t.record_stream(side)
                     fn(c)
-                fut.set_result(result)
+                    fut.set_result(result)  # on the group's stream: a CUDA future records its event there
             except BaseException as exc:
                 fut.set_exception(exc)
                 raise
