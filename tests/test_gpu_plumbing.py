@@ -468,6 +468,7 @@ def _prints_ok(code, simulator):
                                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
     assert res.returncode == 0 and res.stdout.split() == ["ok"], res.stdout + res.stderr
 
+
 class _FirstMissing:
     made = 0
 
