@@ -31,7 +31,8 @@ Needs the optional extra: ``pip install ddlkernels[torch]`` (torch >= 2.1).
 from __future__ import annotations
 
 try:
-    import torch  # noqa: F401
+    import torch
+    import torch.distributed
 except ImportError as _exc:  # pragma: no cover - exercised by tests with torch hidden
     raise ImportError(
         "ddlkernels.torch needs PyTorch, which is not installed: pip install ddlkernels[torch]"
@@ -42,9 +43,11 @@ from .compression import Compression
 from .ddp import (HookState, all_reduce, allreduce_hook, bfloat16_compress_hook, fp16_compress_hook,
                   init_process_group, set_device)
 from .optimizer import OPTIMIZER_FUSION_BYTES, DistributedOptimizer, _DistributedOptimizer, backend_input_dtype
-from .process_group import ProcessGroupDDL, register as _register
 
-_register()  # init_process_group("ddlkernels") from here on
+if torch.distributed.is_available():  # a torch built without it has no process groups to extend
+    from .process_group import ProcessGroupDDL, register as _register
+
+    _register()  # init_process_group("ddlkernels") from here on
 
 __all__ = [
     "DistributedOptimizer",
@@ -59,5 +62,4 @@ __all__ = [
     "allreduce_hook",
     "fp16_compress_hook",
     "bfloat16_compress_hook",
-    "ProcessGroupDDL",
-]
+] + (["ProcessGroupDDL"] if torch.distributed.is_available() else [])
