@@ -24,6 +24,7 @@ CODE = """if True:
 
 def test_a_torch_without_distributed_still_imports_the_rest():
     pytest.importorskip("torch", reason="torch not installed (pip install -e .[torch])")
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=180,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
+                         env=dict(os.environ, PYTHONPATH=path))
     assert res.returncode == 0 and res.stdout.split() == ["ok"], res.stdout + res.stderr

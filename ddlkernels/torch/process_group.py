@@ -35,8 +35,9 @@ where the Communicator's own box would cut it otherwise):
     barrier                            MPI_Barrier, after the group's earlier work
 
 Ops: SUM, AVG, MAX, MIN, PRODUCT.  Point-to-point raises
-``NotImplementedError``, sending nothing: in a queue run in call order a blocking send would wait for a receive queued behind it (a gloo
-group beside this one serves it: ``dist.new_group(backend="gloo")``).
+``NotImplementedError``, sending nothing: in a queue run in call order a
+blocking send would wait for a receive queued behind it (a gloo group beside
+this one serves it: ``dist.new_group(backend="gloo")``).
 A group of some ranks (``dist.new_group(ranks, backend="ddlkernels")``) runs
 on the MPI communicator of those ranks; a torch rank must be the process's
 ``MPI.COMM_WORLD`` rank (``ddt.init_process_group`` makes it so).
