@@ -33,11 +33,10 @@ where the Communicator's own box would cut it otherwise):
     broadcast, gather, scatter,        MPI's own collective on the bytes, any dtype (through host
     all_to_all(_single)                memory for CUDA tensors): nothing to reduce, only to move
     barrier                            MPI_Barrier, after the group's earlier work
+    send, recv, isend, irecv,          MPI_Isend / MPI_Irecv of the bytes, beside the queue, never
+    batch_isend_irecv                  in it (``ddlkernels.torch.p2p``)
 
-Ops: SUM, AVG, MAX, MIN, PRODUCT.  Point-to-point raises
-``NotImplementedError``, sending nothing: in a queue run in call order a
-blocking send would wait for a receive queued behind it (a gloo group beside
-this one serves it: ``dist.new_group(backend="gloo")``).
+Ops: SUM, AVG, MAX, MIN, PRODUCT.
 A group of some ranks (``dist.new_group(ranks, backend="ddlkernels")``) runs
 on the MPI communicator of those ranks; a torch rank must be the process's
 ``MPI.COMM_WORLD`` rank (``ddt.init_process_group`` makes it so).
@@ -93,6 +92,17 @@ class _Work(dist._Work):
         return self._fut
 
 
+class _MessageWork(_Work):
+    """A send or receive (``ddlkernels.torch.p2p``); a receive from any rank knows its sender once done."""
+
+    def __init__(self, fut, message):
+        super().__init__(fut)
+        self._message = message
+
+    def _source_rank(self):
+        return self._message.source
+
+
 class ProcessGroupDDL(dist.ProcessGroup):
     """A torch process group whose collectives are ddlkernels' (the module comment).
 
@@ -102,9 +112,11 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
     def __init__(self, comm, owns_comm=False):
         from .ddp import ProgressStreams
+        from .p2p import Messages
 
         super().__init__(comm.Get_rank(), comm.Get_size())
         self._state = ProgressStreams(Communicator(comm))
+        self._messages = Messages(comm)
         self._owned = comm if owns_comm else None  # a group's own communicator, freed with the group
         self._name = self._desc = ""
 
@@ -112,6 +124,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
         """``destroy_process_group``: the queued collectives run, then the progress thread ends and the
         group's communicators are freed (collective, as destroying a group is)."""
         self._state.engine.close()
+        self._messages.close()
         self._state.comm.free()
         if self._owned is not None:
             self._owned.Free()
@@ -412,20 +425,18 @@ class ProcessGroupDDL(dist.ProcessGroup):
             raise ValueError(f"{BACKEND}: {what}'s list holds tensors like {t.numel()} elements of {t.dtype}")
         return self._contiguous(lists[0], what, self.size())
 
-    # -- what it does not do, said on every rank before any message -------------------------------
-    def _refuse(self, what):
-        raise NotImplementedError(f"the {BACKEND} process group has no {what}: its collectives run in call order "
-                                  f"on one thread, where a blocking send would wait for a receive queued behind "
-                                  f"it; a gloo group beside it has: dist.new_group(backend='gloo')")
-
+    # -- point-to-point: beside the collectives' queue, never in it (ddlkernels.torch.p2p) ----------------
     def send(self, tensors, dst, tag):
-        self._refuse("send")
+        (t,) = self._contiguous(tensors, "send")
+        return self._messages.post(t, dst, tag, True, _MessageWork)
 
     def recv(self, tensors, src, tag):
-        self._refuse("recv")
+        (t,) = self._contiguous(tensors, "recv")
+        return self._messages.post(t, src, tag, False, _MessageWork)
 
     def recv_anysource(self, tensors, tag):
-        self._refuse("recv")
+        (t,) = self._contiguous(tensors, "recv")
+        return self._messages.post(t, None, tag, False, _MessageWork)
 
 
 def _np_dtype(t):

@@ -7,8 +7,9 @@ sums of small integers and of multiples of 1/16 are exact in any order; max
 and min are exact); DDP trained on the ddlkernels group must end within a
 stated tolerance of DDP on gloo and identical on every rank.  A group of some
 ranks, asynchronous calls, coalesced ones, gather, scatter and all_to_all of any
-dtype, and the refusals (an op, a non-contiguous tensor, uneven splits,
-point-to-point) raised on every rank before any message.
+dtype, point-to-point messages of every dtype beside the collectives, and the
+refusals (an op, a non-contiguous tensor, uneven splits, a peer or tag MPI
+cannot take) raised before any message.
 """
 
 import datetime
@@ -188,6 +189,122 @@ def test_gather_scatter_and_all_to_all_move_every_byte(gloo, dtype):
         same(outs[q], block(r, q, RANK), f"all_to_all: block from {q}")
 
 
+def raw(n, dtype, sender, salt):
+    """``n`` elements of ``dtype`` whose bytes are random per sender and salt (NaNs and subnormals among them)."""
+    g = torch.Generator().manual_seed(1000 * salt + sender)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8).bool()
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.randint(0, 256, (n * size,), generator=g, dtype=torch.uint8).view(dtype)
+
+
+def same_bytes(got, want, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), what
+
+
+P2P_DTYPES = [*DTYPES, torch.bool, torch.int8, torch.complex64]
+
+
+def test_point_to_point_moves_every_byte_in_call_order():
+    """A ring of isend/irecv pairs (batch_isend_irecv), every dtype and size; tags matched out of call order;
+    two messages on one tag in call order; a receive from any rank names its sender."""
+    nxt, prv = (RANK + 1) % P, (RANK - 1) % P
+    for k, dtype in enumerate(P2P_DTYPES):
+        for n in SIZES:
+            got = torch.empty(n, dtype=dtype)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, prv), dist.P2POp(dist.isend,
+                                                                                       raw(n, dtype, RANK, k), nxt)])
+            for w in works:
+                w.wait()
+            same_bytes(got, raw(n, dtype, prv, k), f"ring of {n} {dtype}")
+    # Tags: sent 5 then 3, received 3 then 5; 32 on tag 7 arrive in the order they were sent.
+    tags = (5, 3, *[7] * 32)
+    sends = [dist.isend(raw(9, torch.float32, RANK, 50 + i), dst=nxt, tag=t) for i, t in enumerate(tags)]
+    bufs = [torch.empty(9) for _ in tags]
+    for i in (1, 0, *range(2, len(tags))):
+        dist.recv(bufs[i], src=prv, tag=tags[i])
+    for w in sends:
+        w.wait()
+    for i, buf in enumerate(bufs):
+        same_bytes(buf, raw(9, torch.float32, prv, 50 + i), f"message {i} by tag and order")
+    # From any rank: rank 0 hears every other rank, in whatever order they arrive, and learns who sent what.
+    if RANK == 0:
+        heard = set()
+        for _ in range(P - 1):
+            buf = torch.empty(17, dtype=torch.int64)
+            src = dist.recv(buf, tag=11)
+            heard.add(src)
+            same_bytes(buf, raw(17, torch.int64, src, 60), f"from rank {src}, received from any rank")
+        assert heard == set(range(1, P)), heard
+    else:
+        dist.send(raw(17, torch.int64, RANK, 60), dst=0, tag=11)
+
+
+def test_a_message_waits_for_no_collective(gloo):
+    """A send and a receive each called before a collective the peer makes first: neither waits behind the
+    other's queue (a message larger than any eager limit: the send completes only once it is received)."""
+    if P < 2:
+        pytest.skip("messages between ranks need 2 ranks")
+    n = 3 << 20  # 12 MiB of float32
+    g, gref = data(41, torch.float32, salt=8), data(41, torch.float32, salt=8)
+    dist.all_reduce(gref, group=gloo)
+    g2 = g.clone()
+    got = torch.empty(n)
+    if RANK == 0:  # sends, then reduces; rank 1 reduces, then receives
+        w = dist.isend(raw(n, torch.float32, 0, 70), dst=1)
+        dist.all_reduce(g)
+        w.wait()
+    elif RANK == 1:
+        dist.all_reduce(g)
+        assert dist.recv(got, src=0) == 0
+        same_bytes(got, raw(n, torch.float32, 0, 70), "the message sent before a collective")
+    else:
+        dist.all_reduce(g)
+    if RANK == 1:  # the other way round: rank 1 receives, then reduces; rank 0 reduces, then sends
+        r = dist.irecv(got, src=0)
+        h = dist.all_reduce(g2, async_op=True)
+        r.wait()
+        h.wait()
+        assert r._source_rank() == 0
+        same_bytes(got, raw(n, torch.float32, 0, 71), "the message received before a collective")
+    elif RANK == 0:
+        dist.all_reduce(g2)
+        dist.send(raw(n, torch.float32, 0, 71), dst=1)
+    else:
+        dist.all_reduce(g2)
+    same(g, gref, "the all_reduce between the messages")
+    same(g2, gref, "the second all_reduce between the messages")
+
+
+def test_a_message_of_another_size_raises_where_it_lands(gloo):
+    if P < 2:
+        pytest.skip("messages between ranks need 2 ranks")
+    if RANK == 0:
+        for n in (5, 3):
+            dist.send(raw(n, torch.float32, 0, 80), dst=1, tag=n)
+    elif RANK == 1:
+        with pytest.raises(ValueError, match="longer message"):
+            dist.recv(torch.empty(4), src=0, tag=5)
+        with pytest.raises(ValueError, match="got a message of 12 bytes"):
+            dist.recv(torch.empty(4), src=0, tag=3)
+    t = data(7, torch.int32, salt=9)  # the group goes on
+    ref = t.clone()
+    dist.all_reduce(t)
+    dist.all_reduce(ref, group=gloo)
+    same(t, ref, "after the mismatched messages")
+
+
+def test_a_receive_left_at_shutdown_fails_and_nothing_hangs(gloo):
+    sub = dist.new_group(list(range(P)), backend=pg_module.BACKEND)
+    w = dist.irecv(torch.empty(3), src=RANK, tag=99, group=sub)  # nobody sends it
+    messages = sub._messages
+    dist.destroy_process_group(sub)
+    with pytest.raises(RuntimeError, match="shut down before this recv completed"):
+        w.wait()
+    assert messages._thread is None or not messages._thread.is_alive(), "the poller outlived its group"
+
+
 def test_ddp_on_the_group_trains_as_ddp_on_gloo(gloo):
     """A few SGD steps of DDP with momentum (small buckets: several per step) on data unique to each rank."""
     def train(group):
@@ -270,8 +387,10 @@ def test_refusals_come_before_any_message(gloo):
              (lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)), TypeError, "int16"),
              (lambda: dist.all_to_all_single(torch.empty(P), torch.ones(P), [1] * P, [2] * P), ValueError,
               "do not cut")]
-    if P > 1:  # torch refuses a send to oneself by itself
-        cases.append((lambda: dist.send(torch.ones(1), dst=(RANK + 1) % P), NotImplementedError, "beside it"))
+    world = dist.group.WORLD
+    cases += [(lambda: world.send([torch.ones(1)], P, 0), ValueError, f"rank {P} of a group of {P}"),
+              (lambda: dist.isend(torch.ones(1), dst=RANK, tag=-1), ValueError, "tags 0 to"),
+              (lambda: dist.irecv(torch.ones(4, 4).t(), src=RANK), ValueError, "contiguous")]
     for call, err, match in cases:
         with pytest.raises(err, match=match):
             call()

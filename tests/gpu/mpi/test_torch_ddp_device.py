@@ -7,7 +7,7 @@ allreduce.  With the default state the Communicator's tuner picks among its devi
 staged ring, "host", CUDA IPC) bucket size by bucket size, trials included; "ring" pins the staged
 ring.  Tolerances as tests/mpi/test_torch_ddp.py states them for the same model and data.  DDP over
 the ``ddlkernels`` process group (``dist.new_group(backend="ddlkernels")``) the same way, and its
-collectives on tensors of a stream of their own.
+collectives and its send / recv on tensors of a stream of their own.
 
 Never the simulator (tests/gpu/gpu_env.py): without a device every test skips.
 """
@@ -114,3 +114,39 @@ def test_ddp_and_collectives_on_the_ddlkernels_process_group(ddt):
     want = (base * P + P * (P - 1) / 2) * 2
     assert torch.equal(got, want), "all_reduce of a tensor made on a stream of its own"
     assert torch.equal(part, want[R * n:(R + 1) * n]), "reduce_scatter_tensor of a tensor made on its stream"
+    dist.destroy_process_group(group)
+
+
+def test_messages_of_cuda_tensors_on_the_ddlkernels_process_group(ddt):
+    """send / recv of CUDA tensors made and read on a stream of their own: the send's copy to host waits for
+    the kernel that made the tensor; the receive's copy into the tensor comes before the read that follows
+    ``wait()``; bfloat16 and 0 elements too, and a receive from any rank."""
+    torch = G.torch_cuda()
+    import torch.distributed as dist
+
+    if P < 2:
+        pytest.skip("messages between ranks need 2 ranks")
+    group = dist.new_group(backend="ddlkernels")
+    nxt, prv = (R + 1) % P, (R - 1) % P
+    s = torch.cuda.Stream()
+    for n, dtype in ((1 << 22, torch.float32), (4097, torch.bfloat16), (0, torch.float16)):
+        base = torch.arange(n, dtype=torch.float32) % 251
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(50_000_000)  # the kernels that make x run late: a send that does not wait reads 0s
+            x = (base.cuda() + R).to(dtype)
+            got = torch.zeros(n, dtype=dtype, device="cuda")
+            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, prv, group),
+                                            dist.P2POp(dist.isend, x, nxt, group)])
+            for w in works:
+                w.wait()
+            seen = (got.float() * 1).cpu()  # a kernel on s after wait(): the received bytes
+        assert torch.equal(seen, (base + prv).to(dtype).float()), f"ring of {n} {dtype} on a stream of its own"
+    t = torch.full((5,), float(R), device="cuda")
+    if R == 0:
+        for _ in range(P - 1):
+            buf = torch.empty(5, device="cuda")
+            src = dist.recv(buf, group=group)
+            assert torch.equal(buf.cpu(), torch.full((5,), float(src))), f"from rank {src}"
+    else:
+        dist.send(t, dst=0, group=group)
+    dist.destroy_process_group(group)
