@@ -54,6 +54,7 @@ class _Message:
         self.fut, self.tensor, self.peer, self.tag, self.send = fut, tensor, peer, tag, send
         self.stream = stream  # the group's message stream of the tensor's device; None for a CPU tensor
         self.copied = None  # a CUDA send: the event of its copy to host
+        self.finished = None  # a CUDA receive: the event of its copy into the tensor
         self.request = None
         self.source = peer  # a receive from any rank: the sender, once known
         raw = tensor.detach().reshape(-1).view(torch.uint8)
@@ -73,6 +74,8 @@ class _Message:
                 host.copy_(raw, non_blocking=True)
                 self.copied = torch.cuda.Event()
                 self.copied.record(stream)
+        else:
+            self.finished = torch.cuda.Event()
 
     def postable(self) -> bool:
         """Whether MPI may take the bytes now (a CUDA send: once its copy to host has run)."""
@@ -92,8 +95,9 @@ class _Message:
                 raise ValueError(f"ddlkernels: recv of {self.host.size} bytes ({self.tensor.numel()} x "
                                  f"{self.tensor.dtype}) got a message of {got} bytes from rank {self.source}")
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            if self.stream is not None and not self.send:
+            if self.finished is not None:
                 self.tensor.view(-1).view(torch.uint8).copy_(self.pinned, non_blocking=True)
+                self.finished.record(self.stream)
             self.fut.set_result([self.tensor])  # a CUDA future records its event on the message stream
 
 

@@ -68,9 +68,10 @@ BACKEND = "ddlkernels"
 class _Work(dist._Work):
     """A collective queued on the group's progress thread; done when its future is."""
 
-    def __init__(self, fut):
+    def __init__(self, fut, finished=None):
         super().__init__()
         self._fut = fut
+        self._finished = finished  # CUDA: an event recorded after the work's last copy or kernel
 
     def wait(self, timeout=None):
         """Until the collective has run (raising its error); for CUDA, the current streams ordered after it.
@@ -86,7 +87,8 @@ class _Work(dist._Work):
         return True
 
     def is_completed(self):
-        return self._fut.done()
+        """Whether the work has run, on the device too (as NCCL's: its kernels done, not only queued)."""
+        return self._fut.done() and (self._finished is None or self._finished.query())
 
     def get_future(self):
         return self._fut
@@ -96,7 +98,7 @@ class _MessageWork(_Work):
     """A send or receive (``ddlkernels.torch.p2p``); a receive from any rank knows its sender once done."""
 
     def __init__(self, fut, message):
-        super().__init__(fut)
+        super().__init__(fut, message.finished)
         self._message = message
 
     def _source_rank(self):
@@ -169,9 +171,9 @@ class ProcessGroupDDL(dist.ProcessGroup):
             raise ValueError(f"{BACKEND}: one collective's tensors lie on one device, got {sorted(map(str, devices))}")
         dev = next(iter(devices), None)
         fut = torch.futures.Future(devices=[dev]) if dev is not None else torch.futures.Future()
-        ready = None
+        ready = finished = None
         if dev is not None:
-            ready = torch.cuda.Event()
+            ready, finished = torch.cuda.Event(), torch.cuda.Event()
             ready.record(torch.cuda.current_stream(dev))
         state = self._state
 
@@ -185,13 +187,15 @@ class ProcessGroupDDL(dist.ProcessGroup):
                         for t in tensors:  # made on the caller's stream, used on this one until its work has run
                             t.record_stream(side)
                     fn(c)
+                    if finished is not None:
+                        finished.record(side)
                     fut.set_result(result)  # on the group's stream: a CUDA future records its event there
             except BaseException as exc:
                 fut.set_exception(exc)
                 raise
 
         state.engine.submit(run)
-        return _Work(fut)
+        return _Work(fut, finished)
 
     @classmethod
     def _checked(cls, tensors, what, count=1):

@@ -140,6 +140,8 @@ def test_messages_of_cuda_tensors_on_the_ddlkernels_process_group(ddt):
             for w in works:
                 w.wait()
             seen = (got.float() * 1).cpu()  # a kernel on s after wait(): the received bytes
+        torch.cuda.synchronize()
+        assert all(w.is_completed() for w in works), "is_completed() once the device has run everything"
         assert torch.equal(seen, (base + prv).to(dtype).float()), f"ring of {n} {dtype} on a stream of its own"
     t = torch.full((5,), float(R), device="cuda")
     if R == 0:
