@@ -28,7 +28,8 @@ where the Communicator's own box would cut it otherwise):
 
     all_reduce, all_reduce_coalesced   allreduce, allreduce_many in place
     reduce                             allreduce into a new tensor, copied on the root
-    all_gather(_into_tensor, _single)  allgather into the rank-order whole (in place through a copy)
+    all_gather(_into_tensor, _single)  allgather into the rank-order whole (in place through a copy);
+                                       any dtype: others' bytes as int64/int32 words, or MPI_Allgather
     reduce_scatter(_tensor, _single)   reduce_scatter of the rank-order whole (likewise)
     broadcast, gather, scatter,        MPI's own collective on the bytes, any dtype (through host
     all_to_all(_single)                memory for CUDA tensors): nothing to reduce, only to move
@@ -262,7 +263,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
         return self._submit(tensors, fn, tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        (t,) = self._checked(input_tensors, "all_gather")
+        (t,) = self._contiguous(input_tensors, "all_gather")
         if len(output_tensors) != 1 or len(output_tensors[0]) != self.size():
             raise ValueError(f"{BACKEND}: all_gather takes one list of {self.size()} output tensors")
         outs = output_tensors[0]
@@ -271,27 +272,45 @@ class ProcessGroupDDL(dist.ProcessGroup):
             if o.numel() != n or o.dtype != t.dtype or o.device != t.device:
                 raise ValueError(f"{BACKEND}: all_gather's outputs must be like its input ({n} elements of "
                                  f"{t.dtype} on {t.device})")
+        word, nbytes = _word(t), n * t.element_size()
+        words = None if word is None else _as_words(t, word, copy=True)
 
         def fn(c):
-            whole = c.allgather(t.reshape(-1), count=n * c.size, dims=self._rank_order(c, n * c.size))
+            if word is None:
+                whole = np.empty(nbytes * c.size, np.uint8)
+                c.comm.Allgather(_bytes(t), whole)
+                whole = torch.from_numpy(whole)
+            else:
+                m = words.numel() * c.size
+                whole = c.allgather(words, count=m, dims=self._rank_order(c, m)).view(torch.uint8)
             for q, o in enumerate(outs):
-                o.copy_(whole[q * n:(q + 1) * n].view(o.shape))
+                o.reshape(-1).view(torch.uint8).copy_(whole[q * nbytes:(q + 1) * nbytes])
 
         return self._submit([t, *outs], fn, output_tensors)
 
     def _allgather_base(self, output, input, opts=None):
-        self._checked([input, output], "all_gather_into_tensor", 2)
+        self._contiguous([input, output], "all_gather_into_tensor", 2)
         n, whole = input.numel(), output.numel()
         if whole != n * self.size() or output.dtype != input.dtype:
             raise ValueError(f"{BACKEND}: all_gather_into_tensor's output holds {self.size()} x the input "
                              f"({n} elements of {input.dtype}), got {whole} of {output.dtype}")
+        word = _word(input)
+        src = None if word is None else _as_words(input, word, copy=True)
+        dst = None if word is None else _as_words(output, word)
 
         def fn(c):
+            if word is None:
+                raw = np.empty(output.numel() * output.element_size(), np.uint8)
+                c.comm.Allgather(_bytes(input), raw)
+                _put(output, raw)
+                return
             # FSDP gathers in place (the input is this rank's block of the output), as NCCL allows; ddlkernels
             # refuses an output over its input, so the input is copied aside first.
-            src = input.reshape(-1)
-            c.allgather(src.clone() if _overlap(input, output) else src, count=whole, out=output.reshape(-1),
-                        dims=self._rank_order(c, whole))
+            m = src.numel() * c.size
+            s = src.clone() if _overlap(src, output) else src
+            got = c.allgather(s, count=m, out=dst, dims=self._rank_order(c, m))
+            if dst is None:  # an output off the words' boundary: gathered aside, its bytes copied in
+                output.reshape(-1).view(torch.uint8).copy_(got.view(torch.uint8))
 
         return self._submit([input, output], fn, [output])
 
@@ -456,6 +475,32 @@ def _np_dtype(t):
     except TypeError:
         raise TypeError(f"{BACKEND}: tensors of {t.dtype} are not reduced (supported: float16, bfloat16, "
                         f"float32, float64, int32, int64)") from None
+
+
+def _word(t):
+    """The dtype ddlkernels' allgather moves contiguous ``t``'s bytes as, bit for bit: ``t``'s own where ddlkernels
+    takes it, else int64 or int32 words (FSDP2 gathers parameters of mixed dtypes as uint8); None where neither
+    word divides the bytes (MPI's Allgather moves them then).  From the dtype and size alone, which every rank
+    shares: the ranks take the same path."""
+    try:
+        check_dtype(_np_dtype(t))
+        return t.dtype
+    except TypeError:
+        pass
+    nbytes = t.numel() * t.element_size()
+    return next((w for w, size in ((torch.int64, 8), (torch.int32, 4)) if nbytes % size == 0), None)
+
+
+def _as_words(t, word, copy=False):
+    """Contiguous ``t`` flat as ``word`` elements: a view, or (``copy``) a copy where ``t`` does not start on a
+    word's boundary; None there otherwise."""
+    flat = t.detach().reshape(-1)
+    if word == t.dtype:
+        return flat
+    raw = flat.view(torch.uint8)
+    if raw.storage_offset() % torch.empty(0, dtype=word).element_size():
+        return raw.clone().view(word) if copy else None
+    return raw.view(word)
 
 
 def _overlap(a, b) -> bool:

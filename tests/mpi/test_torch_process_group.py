@@ -206,6 +206,55 @@ def same_bytes(got, want, what):
 P2P_DTYPES = [*DTYPES, torch.bool, torch.int8, torch.complex64]
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.int16, torch.complex64, torch.float32])
+def test_all_gather_of_any_dtype_moves_every_byte(dtype):
+    """all_gather and all_gather_into_tensor of dtypes ddlkernels does not reduce (FSDP2 gathers mixed parameters
+    as uint8): byte counts of words of 8, of 4 and of neither, tensors off a word's boundary, in place."""
+    for n in (0, 1, 3, 4, 8, 13, 4096):
+        x = raw(n, dtype, RANK, 90 + n)
+        want = torch.cat([raw(n, dtype, q, 90 + n) for q in range(P)])
+        outs = [torch.empty(n, dtype=dtype) for _ in range(P)]
+        dist.all_gather(outs, x)
+        same_bytes(torch.cat(outs), want, f"all_gather of {n} {dtype}")
+        # Input and output one byte into a buffer: no word view of either.
+        size = x.element_size()
+        buf = torch.empty((n * P + 1) * size + 1, dtype=torch.uint8)
+        src = torch.empty((n + 1) * size + 1, dtype=torch.uint8)[1:1 + n * size]
+        src.copy_(x.view(torch.uint8).reshape(-1))
+        out = buf[1:1 + n * P * size]
+        GATHER_INTO(out, src)
+        same_bytes(out, want.reshape(-1).view(torch.uint8), f"all_gather_into_tensor of {n} {dtype}, off by one")
+        whole = torch.empty(n * P, dtype=dtype)  # in place: the input is this rank's block of the output
+        whole[RANK * n:(RANK + 1) * n] = x
+        GATHER_INTO(whole, whole[RANK * n:(RANK + 1) * n])
+        same_bytes(whole, want, f"in-place all_gather_into_tensor of {n} {dtype}")
+
+
+def test_object_collectives():
+    """torch's object collectives, made of all_gather and broadcast of uint8 and int64, and of send and recv."""
+    obj = {"rank": RANK, "list": list(range(RANK + 1)), "text": "x" * (RANK * 7 + 1)}
+    every = [None] * P
+    dist.all_gather_object(every, obj)
+    assert every == [{"rank": q, "list": list(range(q + 1)), "text": "x" * (q * 7 + 1)} for q in range(P)]
+    for root in range(P):
+        objs = [f"from {root}", root * 10, None] if RANK == root else [None] * 3
+        dist.broadcast_object_list(objs, src=root)
+        assert objs == [f"from {root}", root * 10, None]
+        got = [None] * P if RANK == root else None
+        dist.gather_object(("g", RANK), got, dst=root)
+        assert RANK != root or got == [("g", q) for q in range(P)]
+        mine = [None]
+        dist.scatter_object_list(mine, [f"s{root}.{q}" for q in range(P)] if RANK == root else None, src=root)
+        assert mine == [f"s{root}.{RANK}"]
+    if P > 1:
+        if RANK == 0:
+            dist.send_object_list([{"to": 1}, "x"], dst=1)
+        elif RANK == 1:
+            got = [None, None]
+            dist.recv_object_list(got, src=0)
+            assert got == [{"to": 1}, "x"]
+
+
 def test_point_to_point_moves_every_byte_in_call_order():
     """A ring of isend/irecv pairs (batch_isend_irecv), every dtype and size; tags matched out of call order;
     two messages on one tag in call order; a receive from any rank names its sender."""
