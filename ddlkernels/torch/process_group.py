@@ -37,7 +37,9 @@ where the Communicator's own box would cut it otherwise):
     send, recv, isend, irecv,          MPI_Isend / MPI_Irecv of the bytes, beside the queue, never
     batch_isend_irecv                  in it (``ddlkernels.torch.p2p``)
 
-Ops: SUM, AVG, MAX, MIN, PRODUCT.
+Ops: SUM, AVG, MAX, MIN, PRODUCT.  uint8, int8 and bool, which gloo reduces
+and ddlkernels' kernels do not, reduce by MPI's own collectives through host
+memory (on bool SUM and MAX are "or", MIN and PRODUCT "and"; no AVG).
 A group of some ranks (``dist.new_group(ranks, backend="ddlkernels")``) runs
 on the MPI communicator of those ranks; a torch rank must be the process's
 ``MPI.COMM_WORLD`` rank (``ddt.init_process_group`` makes it so).
@@ -203,16 +205,27 @@ class ProcessGroupDDL(dist.ProcessGroup):
         """``tensors`` (a list of ``count``), each contiguous and of a dtype ddlkernels reduces: checked here,
         on the caller's thread, so that a bad call raises on its rank before any message."""
         for t in cls._contiguous(tensors, what, count):
-            check_dtype(_np_dtype(t))
+            if t.dtype not in _MPI_REDUCED:
+                check_dtype(_np_dtype(t))
         return tensors
 
     @staticmethod
-    def _op(opts, what):
-        """The ddlkernels op of ``opts.reduceOp`` (SUM without options)."""
+    def _op(opts, what, dtype=None):
+        """The ddlkernels op of ``opts.reduceOp`` (SUM without options); for a ``dtype`` of ``_MPI_REDUCED``, the
+        MPI op that reduces it as gloo does."""
         try:
-            return normalize_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+            op = normalize_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{BACKEND}: {what}: {exc}") from None
+        if dtype not in _MPI_REDUCED:
+            return op
+        from mpi4py import MPI
+
+        ops = _MPI_REDUCED[dtype]
+        if op not in ops:
+            raise ValueError(f"{BACKEND}: {what} of {dtype} takes {', '.join(o.upper() for o in ops)}, not "
+                             f"{op.upper()}")
+        return getattr(MPI, ops[op])
 
     def _rank_order(self, c, count):
         """``dims`` under which ``c`` cuts ``count`` elements into equal blocks in rank order: None (the
@@ -225,26 +238,37 @@ class ProcessGroupDDL(dist.ProcessGroup):
     # -- the collectives -------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         (t,) = self._checked(tensors, "all_reduce")
-        op = self._op(opts, "all_reduce")
+        op = self._op(opts, "all_reduce", t.dtype)
+        if t.dtype in _MPI_REDUCED:
+            return self._submit(tensors, lambda c: _mpi_allreduce(c, t, op), tensors)
         return self._submit(tensors, lambda c: c.allreduce(t, op, out=t), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         self._checked(tensors, "all_reduce_coalesced", len(tensors))
+        ours = [t for t in tensors if t.dtype not in _MPI_REDUCED]
         op = self._op(opts, "all_reduce_coalesced")
+        theirs = [(t, self._op(opts, "all_reduce_coalesced", t.dtype)) for t in tensors if t.dtype in _MPI_REDUCED]
 
         def fn(c):
             from ..fusion import allreduce_many
 
-            allreduce_many(tensors, op, comm=c, out=tensors)
+            if ours:
+                allreduce_many(ours, op, comm=c, out=ours)
+            for t, mpi_op in theirs:
+                _mpi_allreduce(c, t, mpi_op)
 
         return self._submit(tensors, fn, tensors)
 
     def reduce(self, tensors, opts):
         (t,) = self._checked(tensors, "reduce")
-        op, root = self._op(opts, "reduce"), int(opts.rootRank)
+        op, root = self._op(opts, "reduce", t.dtype), int(opts.rootRank)
 
         def fn(c):
-            got = c.allreduce(t, op)  # every rank's input left alone, as NCCL's reduce
+            if t.dtype in _MPI_REDUCED:  # the sum into a copy: every rank's input left alone, as NCCL's reduce
+                got = t.clone()
+                _mpi_allreduce(c, got, op)
+            else:
+                got = c.allreduce(t, op)
             if c.rank == root:
                 t.copy_(got)
 
@@ -331,13 +355,15 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output, input, opts=None):
         self._checked([output, input], "reduce_scatter_tensor", 2)
-        op = self._op(opts, "reduce_scatter_tensor")
+        op = self._op(opts, "reduce_scatter_tensor", output.dtype)
         n, whole = output.numel(), input.numel()
         if whole != n * self.size() or output.dtype != input.dtype:
             raise ValueError(f"{BACKEND}: reduce_scatter_tensor's input holds {self.size()} x the output "
                              f"({n} elements of {output.dtype}), got {whole} of {input.dtype}")
 
         def fn(c):
+            if output.dtype in _MPI_REDUCED:
+                return _mpi_reduce_scatter(c, input, output, op)
             dims = self._rank_order(c, whole)
             if not _overlap(output, input):
                 c.reduce_scatter(input.reshape(-1), op, out=output.reshape(-1), dims=dims)
@@ -353,11 +379,13 @@ class ProcessGroupDDL(dist.ProcessGroup):
         ins = self._checked(input_tensors[0], "reduce_scatter", self.size())
         if any(i.numel() != o.numel() or i.dtype != o.dtype for i in ins):
             raise ValueError(f"{BACKEND}: reduce_scatter's inputs must be like its output")
-        op = self._op(opts, "reduce_scatter")
+        op = self._op(opts, "reduce_scatter", o.dtype)
         n = o.numel()
 
         def fn(c):
             whole = torch.cat([i.reshape(-1) for i in ins])  # on this thread's stream, after the caller's work
+            if o.dtype in _MPI_REDUCED:
+                return _mpi_reduce_scatter(c, whole, o, op)
             c.reduce_scatter(whole, op, out=o.reshape(-1), dims=self._rank_order(c, n * c.size))
 
         return self._submit([o, *ins], fn, output_tensors)
@@ -460,6 +488,39 @@ class ProcessGroupDDL(dist.ProcessGroup):
     def recv_anysource(self, tensors, tag):
         (t,) = self._contiguous(tensors, "recv")
         return self._messages.post(t, None, tag, False, _MessageWork)
+
+
+#: dtypes gloo reduces that ddlkernels does not, reduced by MPI's own collectives through host memory (flags and
+#: counts, small): each one's torch ops and the MPI ops that reduce them as gloo does (on bool SUM and MAX are
+#: "or", PRODUCT and MIN "and"; MPI takes only logical ops on C_BOOL).
+_MPI_REDUCED = {torch.uint8: {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"},
+                torch.int8: {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"},
+                torch.bool: {"sum": "LOR", "max": "LOR", "min": "LAND", "prod": "LAND"}}
+
+
+def _host(t):
+    """Contiguous ``t`` flat as a numpy array: a CPU tensor's own memory, a host copy of a CUDA one (on the
+    current stream, waited for)."""
+    flat = t.detach().reshape(-1)
+    return (flat.cpu() if flat.is_cuda else flat).numpy()
+
+
+def _mpi_allreduce(c, t, op):
+    """MPI's Allreduce of ``t`` (a dtype of ``_MPI_REDUCED``) in place."""
+    from mpi4py import MPI
+
+    arr = _host(t)
+    c.comm.Allreduce(MPI.IN_PLACE, arr, op=op)
+    if t.is_cuda:
+        t.copy_(torch.from_numpy(arr).reshape(t.shape))
+
+
+def _mpi_reduce_scatter(c, whole, out, op):
+    """MPI's Reduce_scatter_block of ``whole`` into ``out`` (a dtype of ``_MPI_REDUCED``; in place too)."""
+    send = _host(whole)
+    got = np.empty(out.numel(), send.dtype)
+    c.comm.Reduce_scatter_block(send, got, op=op)
+    out.copy_(torch.from_numpy(got).reshape(out.shape))
 
 
 def _np_dtype(t):

@@ -206,6 +206,45 @@ def same_bytes(got, want, what):
 P2P_DTYPES = [*DTYPES, torch.bool, torch.int8, torch.complex64]
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.bool])
+def test_flags_and_bytes_reduce_as_gloo(gloo, dtype):
+    """uint8, int8 and bool, which gloo reduces and ddlkernels' kernels do not (MPI's own reductions): every op
+    gloo takes, all_reduce, reduce, reduce_scatter and reduce_scatter_tensor (in place too), sums that wrap."""
+    ops = {**OPS, "product": dist.ReduceOp.PRODUCT}
+    for n in (0, 1, P + 1, 257):
+        def x(salt):
+            v = raw(n * P, dtype, RANK, salt)
+            return v if dtype == torch.bool else v % 7 + (100 if salt % 2 else 0)  # products stay small sometimes
+
+        for k, (name, op) in enumerate(ops.items()):
+            t, ref = x(k), ref_of(x(k), op, gloo)
+            dist.all_reduce(t, op=op)
+            same_bytes(t, ref, f"all_reduce {name} of {n * P} {dtype}")
+            summed = ref_of(x(k + 10), op, gloo)
+            for root in range(P):
+                r = x(k + 10)
+                dist.reduce(r, dst=root, op=op)
+                same_bytes(r, summed if RANK == root else x(k + 10), f"reduce {name} to {root}")
+            full = ref_of(x(k + 20), op, gloo)[RANK * n:(RANK + 1) * n]
+            shard = torch.empty(n, dtype=dtype)
+            SCATTER_FROM(shard, x(k + 20), op=op)
+            same_bytes(shard, full, f"{SCATTER_FROM.__name__} {name} of {n} {dtype}")
+            shard2 = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter(shard2, list(x(k + 20).chunk(P)) if n else [torch.empty(0, dtype=dtype)] * P, op=op)
+            same_bytes(shard2, full, f"reduce_scatter {name} of {n} {dtype}")
+            inplace = x(k + 20)
+            SCATTER_FROM(inplace[RANK * n:(RANK + 1) * n], inplace, op=op)
+            same_bytes(inplace[RANK * n:(RANK + 1) * n], full, f"in-place {SCATTER_FROM.__name__} {name}")
+    with pytest.raises(ValueError, match="not AVG"):
+        dist.all_reduce(torch.ones(3, dtype=dtype), op=dist.ReduceOp.AVG)
+
+
+def ref_of(t, op, gloo):
+    """gloo's all_reduce of ``t``, a bool's bytes made 0 or 1 (gloo adds bools as bytes: True is 2 and more)."""
+    dist.all_reduce(t, op=op, group=gloo)
+    return t.view(torch.uint8).ne(0) if t.dtype == torch.bool else t
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.int16, torch.complex64, torch.float32])
 def test_all_gather_of_any_dtype_moves_every_byte(dtype):
     """all_gather and all_gather_into_tensor of dtypes ddlkernels does not reduce (FSDP2 gathers mixed parameters
@@ -434,6 +473,7 @@ def test_refusals_come_before_any_message(gloo):
               "SUM, AVG, MAX, MIN and PRODUCT"),
              (lambda: dist.all_reduce(torch.ones(4, 4).t()), ValueError, "contiguous"),
              (lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)), TypeError, "int16"),
+             (lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool), op=dist.ReduceOp.AVG), ValueError, "not AVG"),
              (lambda: dist.all_to_all_single(torch.empty(P), torch.ones(P), [1] * P, [2] * P), ValueError,
               "do not cut")]
     world = dist.group.WORLD
