@@ -235,6 +235,14 @@ def test_flags_and_bytes_reduce_as_gloo(gloo, dtype):
             inplace = x(k + 20)
             SCATTER_FROM(inplace[RANK * n:(RANK + 1) * n], inplace, op=op)
             same_bytes(inplace[RANK * n:(RANK + 1) * n], full, f"in-place {SCATTER_FROM.__name__} {name}")
+    # Coalesced beside a dtype of ddlkernels' own, as one call
+    mixed = [raw(5, dtype, RANK, 40), data(9, torch.float32, salt=40)]
+    refs = [ref_of(m.clone(), dist.ReduceOp.MAX, gloo) for m in mixed]
+    with dist._coalescing_manager():
+        for m in mixed:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    for m, r in zip(mixed, refs):
+        same_bytes(m, r, f"coalesced MAX of {m.dtype}")
     with pytest.raises(ValueError, match="not AVG"):
         dist.all_reduce(torch.ones(3, dtype=dtype), op=dist.ReduceOp.AVG)
 
