@@ -40,6 +40,9 @@ where the Communicator's own box would cut it otherwise):
 Ops: SUM, AVG, MAX, MIN, PRODUCT.  uint8, int8 and bool, which gloo reduces
 and ddlkernels' kernels do not, reduce by MPI's own collectives through host
 memory (on bool SUM and MAX are "or", MIN and PRODUCT "and"; no AVG).
+torch's ``timeout=`` bounds every collective's wait for the other ranks
+(``ddlkernels.CollectiveTimeout``, the group unusable after it, as NCCL's
+after its watchdog) and a message's ``wait()`` without a timeout of its own.
 A group of some ranks (``dist.new_group(ranks, backend="ddlkernels")``) runs
 on the MPI communicator of those ranks; a torch rank must be the process's
 ``MPI.COMM_WORLD`` rank (``ddt.init_process_group`` makes it so).
@@ -61,6 +64,7 @@ import torch.distributed as dist
 
 from .._dtypes import check_dtype, normalize_op
 from ..communicator import Communicator
+from ..safety.deadline import CollectiveTimeout, Deadline, complete
 
 __all__ = ["ProcessGroupDDL", "BACKEND", "register"]
 
@@ -71,20 +75,23 @@ BACKEND = "ddlkernels"
 class _Work(dist._Work):
     """A collective queued on the group's progress thread; done when its future is."""
 
-    def __init__(self, fut, finished=None):
+    def __init__(self, fut, finished=None, limit=None):
         super().__init__()
         self._fut = fut
         self._finished = finished  # CUDA: an event recorded after the work's last copy or kernel
+        self._limit = limit  # seconds a wait() without a timeout of its own waits (None: no limit)
 
     def wait(self, timeout=None):
-        """Until the collective has run (raising its error); for CUDA, the current streams ordered after it.
-        ``timeout`` (a ``timedelta``; zero or None: none): a ``RuntimeError`` once it has passed."""
+        """Until the work has run (raising its error); for CUDA, the current streams ordered after it.
+        ``timeout`` (a ``timedelta``; zero or None: the work's own limit, if any): a ``RuntimeError`` once it
+        has passed."""
         seconds = timeout.total_seconds() if timeout is not None else 0
+        seconds = seconds if seconds > 0 else self._limit or 0
         if seconds > 0:
             deadline = time.monotonic() + seconds
             while not self._fut.done():
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{BACKEND}: a collective did not complete within {timeout}")
+                    raise RuntimeError(f"{BACKEND}: {self._what()} did not complete within {seconds:g} s")
                 time.sleep(1e-4)
         self._fut.wait()
         return True
@@ -96,32 +103,44 @@ class _Work(dist._Work):
     def get_future(self):
         return self._fut
 
+    def _what(self):
+        return "a collective"
+
 
 class _MessageWork(_Work):
     """A send or receive (``ddlkernels.torch.p2p``); a receive from any rank knows its sender once done."""
 
-    def __init__(self, fut, message):
-        super().__init__(fut, message.finished)
+    def __init__(self, fut, message, limit):
+        super().__init__(fut, message.finished, limit)
         self._message = message
 
     def _source_rank(self):
         return self._message.source
+
+    def _what(self):
+        m = self._message
+        return f"a send to rank {m.peer}" if m.send else f"a recv from rank {m.peer}" if m.peer >= 0 else \
+            "a recv from any rank"
 
 
 class ProcessGroupDDL(dist.ProcessGroup):
     """A torch process group whose collectives are ddlkernels' (the module comment).
 
     ``comm``: the mpi4py ``Intracomm`` of the group's ranks, in the group's
-    rank order.  Collective: the progress thread duplicates it.
+    rank order.  ``timeout``: seconds a collective may wait for the other
+    ranks (torch's ``timeout=``; None: no limit), then it raises
+    ``ddlkernels.CollectiveTimeout`` and the group is unusable, as NCCL's
+    after its watchdog.  Collective: the progress thread duplicates it.
     """
 
-    def __init__(self, comm, owns_comm=False):
+    def __init__(self, comm, owns_comm=False, timeout=None):
         from .ddp import ProgressStreams
         from .p2p import Messages
 
         super().__init__(comm.Get_rank(), comm.Get_size())
-        self._state = ProgressStreams(Communicator(comm))
+        self._state = ProgressStreams(Communicator(comm, timeout=timeout))
         self._messages = Messages(comm)
+        self._timeout = timeout
         self._owned = comm if owns_comm else None  # a group's own communicator, freed with the group
         self._name = self._desc = ""
 
@@ -280,7 +299,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
         def fn(c):
             raw = _bytes(t)  # t's own memory for a CPU tensor, a host copy of a CUDA one
-            c.comm.Bcast(raw, root=root)
+            _mpi(c, "broadcast", lambda: c.comm.Ibcast(raw, root=root), raw)
             if t.is_cuda and c.rank != root:
                 _put(t, raw)
 
@@ -301,8 +320,8 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
         def fn(c):
             if word is None:
-                whole = np.empty(nbytes * c.size, np.uint8)
-                c.comm.Allgather(_bytes(t), whole)
+                whole, mine = np.empty(nbytes * c.size, np.uint8), _bytes(t)
+                _mpi(c, "all_gather", lambda: c.comm.Iallgather(mine, whole), mine, whole)
                 whole = torch.from_numpy(whole)
             else:
                 m = words.numel() * c.size
@@ -324,8 +343,8 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
         def fn(c):
             if word is None:
-                raw = np.empty(output.numel() * output.element_size(), np.uint8)
-                c.comm.Allgather(_bytes(input), raw)
+                raw, mine = np.empty(output.numel() * output.element_size(), np.uint8), _bytes(input)
+                _mpi(c, "all_gather_into_tensor", lambda: c.comm.Iallgather(mine, raw), mine, raw)
                 _put(output, raw)
                 return
             # FSDP gathers in place (the input is this rank's block of the output), as NCCL allows; ddlkernels
@@ -398,7 +417,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def barrier(self, opts=None):
-        return self._submit([], lambda c: c.comm.Barrier(), None)
+        return self._submit([], lambda c: _mpi(c, "barrier", c.comm.Ibarrier), None)
 
     # -- data moved as it is, through host memory (MPI's own collectives on the bytes) -----------------
     def gather(self, output_tensors, input_tensors, opts):
@@ -408,7 +427,8 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
         def fn(c):
             whole = np.empty(t.numel() * t.element_size() * c.size, np.uint8) if c.rank == root else None
-            c.comm.Gather(_bytes(t), whole, root=root)
+            mine = _bytes(t)
+            _mpi(c, "gather", lambda: c.comm.Igather(mine, whole, root=root), mine, whole)
             for o, raw in zip(outs, np.split(whole, c.size) if whole is not None else ()):
                 _put(o, raw)
 
@@ -422,7 +442,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
         def fn(c):
             whole = np.concatenate([_bytes(i) for i in ins]) if c.rank == root else None
             raw = np.empty(t.numel() * t.element_size(), np.uint8)
-            c.comm.Scatter(whole, raw, root=root)
+            _mpi(c, "scatter", lambda: c.comm.Iscatter(whole, raw, root=root), whole, raw)
             _put(t, raw)
 
         return self._submit([t, *ins], fn, output_tensors)
@@ -436,7 +456,8 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
         def fn(c):
             raw = np.empty(output.numel() * output.element_size(), np.uint8)
-            c.comm.Alltoallv([_bytes(input), send], [raw, recv])
+            mine = _bytes(input)
+            _mpi(c, "all_to_all_single", lambda: c.comm.Ialltoallv([mine, send], [raw, recv]), mine, raw)
             _put(output, raw)
 
         return self._submit([output, input], fn, output)
@@ -453,7 +474,8 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
         def fn(c):
             raw = np.empty(sum(recv[0]), np.uint8)
-            c.comm.Alltoallv([np.concatenate([_bytes(i) for i in input_tensors]), send], [raw, recv])
+            mine = np.concatenate([_bytes(i) for i in input_tensors])
+            _mpi(c, "all_to_all", lambda: c.comm.Ialltoallv([mine, send], [raw, recv]), mine, raw)
             for o, lo, n in zip(output_tensors, recv[1], recv[0]):
                 _put(o, raw[lo:lo + n])
 
@@ -477,17 +499,37 @@ class ProcessGroupDDL(dist.ProcessGroup):
         return self._contiguous(lists[0], what, self.size())
 
     # -- point-to-point: beside the collectives' queue, never in it (ddlkernels.torch.p2p) ----------------
+    def _message_work(self, fut, message):
+        """A message's ``Work``: its ``wait()`` without a timeout of its own waits the group's, as gloo's."""
+        return _MessageWork(fut, message, self._timeout)
+
     def send(self, tensors, dst, tag):
         (t,) = self._contiguous(tensors, "send")
-        return self._messages.post(t, dst, tag, True, _MessageWork)
+        return self._messages.post(t, dst, tag, True, self._message_work)
 
     def recv(self, tensors, src, tag):
         (t,) = self._contiguous(tensors, "recv")
-        return self._messages.post(t, src, tag, False, _MessageWork)
+        return self._messages.post(t, src, tag, False, self._message_work)
 
     def recv_anysource(self, tensors, tag):
         (t,) = self._contiguous(tensors, "recv")
-        return self._messages.post(t, None, tag, False, _MessageWork)
+        return self._messages.post(t, None, tag, False, self._message_work)
+
+
+def _mpi(c, what, start, *buffers):
+    """MPI's nonblocking collective ``start()`` on ``c``'s communicator, waited for against ``c``'s timeout as
+    ddlkernels' own collectives are: after a ``CollectiveTimeout`` ``c`` is unusable and the request and its
+    ``buffers`` are kept for MPI (a late rank may still complete it)."""
+    c._usable()
+    deadline = None if c.timeout is None else Deadline(what, c.rank, c.timeout)
+    req = start()
+    if deadline is not None:
+        deadline.pending.append(buffers)
+    try:
+        complete(req, deadline, f"MPI's {what}")
+    except CollectiveTimeout as exc:
+        c._break(str(exc))
+        raise
 
 
 #: dtypes gloo reduces that ddlkernels does not, reduced by MPI's own collectives through host memory (flags and
@@ -510,7 +552,7 @@ def _mpi_allreduce(c, t, op):
     from mpi4py import MPI
 
     arr = _host(t)
-    c.comm.Allreduce(MPI.IN_PLACE, arr, op=op)
+    _mpi(c, "all_reduce", lambda: c.comm.Iallreduce(MPI.IN_PLACE, arr, op=op), arr)
     if t.is_cuda:
         t.copy_(torch.from_numpy(arr).reshape(t.shape))
 
@@ -519,7 +561,7 @@ def _mpi_reduce_scatter(c, whole, out, op):
     """MPI's Reduce_scatter_block of ``whole`` into ``out`` (a dtype of ``_MPI_REDUCED``; in place too)."""
     send = _host(whole)
     got = np.empty(out.numel(), send.dtype)
-    c.comm.Reduce_scatter_block(send, got, op=op)
+    _mpi(c, "reduce_scatter", lambda: c.comm.Ireduce_scatter_block(send, got, op=op), send, got)
     out.copy_(torch.from_numpy(got).reshape(out.shape))
 
 
@@ -615,13 +657,19 @@ def _create(options, _backend_options=None):
             raise RuntimeError(f"{BACKEND}: torch's rank {options.group_rank} of {options.group_size} is MPI's "
                                f"{world.Get_rank()} of {world.Get_size()}; start with "
                                f"ddlkernels.torch.init_process_group('{BACKEND}'), which takes MPI's")
-        return ProcessGroupDDL(world)
+        return ProcessGroupDDL(world, timeout=_seconds(options))
     group = world.Get_group().Incl(ranks)
     try:
         comm = world.Create_group(group)  # collective over the group's ranks alone
     finally:
         group.Free()
-    return ProcessGroupDDL(comm, owns_comm=True)
+    return ProcessGroupDDL(comm, owns_comm=True, timeout=_seconds(options))
+
+
+def _seconds(options):
+    """torch's ``timeout`` of a group in seconds (None where it has none)."""
+    t = getattr(options, "timeout", None)
+    return t.total_seconds() if t is not None and t.total_seconds() > 0 else None
 
 
 def register() -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+import ddlkernels
 from helpers import assert_same_on_all_ranks
 
 torch = pytest.importorskip("torch", reason="torch not installed (pip install -e .[torch])")
@@ -508,6 +509,37 @@ def test_refusals_come_before_any_message(gloo):
     dist.all_reduce(t)
     dist.all_reduce(ref, group=gloo)
     same(t, ref, "after the refusals")
+
+
+def test_the_group_timeout_ends_a_wait_for_a_rank_that_does_not_come(gloo):
+    """torch's ``timeout=`` of a group: a collective no other rank joins raises ``CollectiveTimeout`` naming it,
+    and the group refuses every later collective (its messages are in flight); a receive nobody sends gives up
+    at its wait().  The late ranks then join the barrier, so nothing is left in flight."""
+    if P < 2:
+        pytest.skip("a rank that does not come needs 2 ranks")
+    sub = dist.new_group(backend=pg_module.BACKEND, timeout=datetime.timedelta(seconds=0.5))
+    assert sub.communicator.timeout == 0.5
+    if RANK == 0:
+        with pytest.raises(ddlkernels.CollectiveTimeout, match="barrier timed out after 0.5 s on rank 0"):
+            dist.barrier(group=sub)
+        with pytest.raises(RuntimeError, match="unusable"):
+            dist.all_reduce(torch.ones(3), group=sub)
+    else:
+        w = dist.irecv(torch.empty(2), src=0, tag=5, group=sub)
+        with pytest.raises(RuntimeError, match="a recv from rank 0 did not complete within 0.5 s"):
+            w.wait()
+    COMM.Barrier()
+    if RANK != 0:
+        dist.barrier(group=sub)  # completes rank 0's abandoned one
+    else:
+        for q in range(1, P):
+            dist.send(torch.ones(2), dst=q, group=sub, tag=5)  # the receives left posted complete
+    dist.destroy_process_group(sub)
+    t = data(5, torch.float32, salt=12)  # the default group goes on
+    ref = t.clone()
+    dist.all_reduce(t)
+    dist.all_reduce(ref, group=gloo)
+    same(t, ref, "the default group after a subgroup timed out")
 
 
 def test_torch_ranks_must_be_mpis():
