@@ -171,6 +171,16 @@ def test_chunk_cost_counts_chunks_and_fits_their_cost():
     assert "us per chunk (slope)" in out and "wrong elements in all: 0" in out, out
 
 
+def test_process_group_study_times_every_call_beside_gloo():
+    pytest.importorskip("torch", reason="torch not installed (pip install -e .[torch])")
+    out = run("bench/studies/process_group.py", "--sizes", "4K,1000", "--repeat", "1", "--warmup", "0")
+    lines = [ln.split() for ln in out.splitlines() if ln and not ln.startswith(("#", "call"))]
+    calls = [ln[0] for ln in lines if len(ln) == 6]
+    assert calls == 2 * ["all_reduce", calls[1], calls[2], "broadcast", "send/recv"], out
+    assert all(ln[-1] == "0" for ln in lines if len(ln) == 6), out
+    assert "wrong results in all: 0" in out, out
+
+
 def test_device_benchmarks_time_nothing_without_a_gpu(tmp_path):
     """Without a CUDA device the device sweep, the kernel benchmark and the GPU studies say why and exit 2,
     with no line of numbers (never a host stand-in), and so does tests/gpu/run_on_device.sh, which runs them
