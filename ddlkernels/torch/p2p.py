@@ -43,14 +43,16 @@ import torch
 __all__ = ["Messages"]
 
 #: The poller's sleep between tests while messages are in flight grows from the first to the second (seconds):
-#: a small message completes in microseconds, a long wait should not spin a core.
+#: a small message completes in microseconds, a long wait should not spin a core.  While a caller blocks in a
+#: message's ``wait()`` it stays at the first: that caller has nothing else to do.
 _NAP = (2e-5, 1e-3)
 
 
 class _Message:
     """One send or receive: its tensor, the host bytes MPI moves, its request once posted, its future."""
 
-    def __init__(self, fut, tensor, peer, tag, send, stream):
+    def __init__(self, owner, fut, tensor, peer, tag, send, stream):
+        self.owner = owner  # the group's Messages
         self.fut, self.tensor, self.peer, self.tag, self.send = fut, tensor, peer, tag, send
         self.stream = stream  # the group's message stream of the tensor's device; None for a CPU tensor
         self.copied = None  # a CUDA send: the event of its copy to host
@@ -115,6 +117,7 @@ class Messages:
         self._lock = threading.Lock()
         self._new: list = []  # messages called and not yet picked up by the poller, in call order
         self._wake = threading.Event()
+        self._waiters = 0  # callers blocked in a message's wait() (``hurry``)
         self._thread = None
         self._closed = False
         self._streams: dict = {}  # CUDA device index -> the stream of this group's messages on it
@@ -139,7 +142,7 @@ class Messages:
         cuda = tensor.is_cuda
         fut = torch.futures.Future(devices=[tensor.device]) if cuda else torch.futures.Future()
         source = self._mpi.ANY_SOURCE if peer is None else int(peer)
-        m = _Message(fut, tensor, source, tag, send, self._stream(tensor.device) if cuda else None)
+        m = _Message(self, fut, tensor, source, tag, send, self._stream(tensor.device) if cuda else None)
         with self._lock:
             self._new.append(m)
             if self._thread is None:
@@ -180,11 +183,23 @@ class Messages:
                     m.fut.set_exception(exc)
                 moved = True
             posted = still
-            if moved:
+            if moved or self._waiters:
                 nap = _NAP[0]
             elif waiting or posted:
                 nap = min(2 * nap, _NAP[1])
             self._wake.wait(nap if waiting or posted else None)
+
+    @contextlib.contextmanager
+    def hurry(self):
+        """Around a caller's blocking wait for a message: the poller tests at its shortest nap meanwhile."""
+        with self._lock:
+            self._waiters += 1
+        self._wake.set()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiters -= 1
 
     def _test(self, m) -> bool:
         """Whether ``m``'s request has completed; a message longer than the receive's tensor as ``ValueError``."""

@@ -56,7 +56,7 @@ DDP trained on it against DDP on gloo, and FSDP2 against one process.
 from __future__ import annotations
 
 import contextlib
-import time
+import threading
 
 import numpy as np
 import torch
@@ -87,12 +87,11 @@ class _Work(dist._Work):
         has passed."""
         seconds = timeout.total_seconds() if timeout is not None else 0
         seconds = seconds if seconds > 0 else self._limit or 0
-        if seconds > 0:
-            deadline = time.monotonic() + seconds
-            while not self._fut.done():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{BACKEND}: {self._what()} did not complete within {seconds:g} s")
-                time.sleep(1e-4)
+        if seconds > 0 and not self._fut.done():
+            done = threading.Event()
+            self._fut.add_done_callback(lambda _: done.set())
+            if not done.wait(seconds):
+                raise RuntimeError(f"{BACKEND}: {self._what()} did not complete within {seconds:g} s")
         self._fut.wait()
         return True
 
@@ -113,6 +112,10 @@ class _MessageWork(_Work):
     def __init__(self, fut, message, limit):
         super().__init__(fut, message.finished, limit)
         self._message = message
+
+    def wait(self, timeout=None):
+        with self._message.owner.hurry():
+            return super().wait(timeout)
 
     def _source_rank(self):
         return self._message.source
