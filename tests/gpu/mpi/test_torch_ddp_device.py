@@ -152,3 +152,34 @@ def test_messages_of_cuda_tensors_on_the_ddlkernels_process_group(ddt):
     else:
         dist.send(t, dst=0, group=group)
     dist.destroy_process_group(group)
+
+
+def test_flags_and_bytes_of_cuda_tensors_on_the_ddlkernels_process_group(ddt):
+    """CUDA tensors of dtypes ddlkernels' kernels do not reduce: a uint8 all_reduce MAX and a bool one (MPI's
+    reductions through host memory), and a uint8 all_gather_into_tensor (int32 words through the device
+    allgather; one byte off the words' boundary through a copy), each made by a kernel on a stream of its own."""
+    torch = G.torch_cuda()
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="ddlkernels")
+    s = torch.cuda.Stream()
+    n = 4096
+    base = torch.arange(n * P, dtype=torch.int64)
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)  # the kernels that make the inputs run late
+        flags = ((base.cuda() * 7 + R * 13) % 251).to(torch.uint8)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        votes = (base.cuda() % P == R)
+        dist.all_reduce(votes, group=group)  # SUM of bool: or
+        mine = ((base[:n].cuda() * 3 + R) % 256).to(torch.uint8)
+        whole = torch.empty(n * P, dtype=torch.uint8, device="cuda")
+        dist.all_gather_into_tensor(whole, mine, group=group)
+        off = torch.empty(n * P + 1, dtype=torch.uint8, device="cuda")[1:]
+        dist.all_gather_into_tensor(off, mine, group=group)
+        got = [flags.cpu(), votes.cpu(), whole.cpu(), off.cpu()]
+    want_flags = torch.stack([(base * 7 + q * 13) % 251 for q in range(P)]).amax(0).to(torch.uint8)
+    assert torch.equal(got[0], want_flags), "all_reduce MAX of uint8"
+    assert bool(got[1].all()), "all_reduce of bool: every element is some rank's"
+    want = torch.cat([((base[:n] * 3 + q) % 256).to(torch.uint8) for q in range(P)])
+    assert torch.equal(got[2], want) and torch.equal(got[3], want), "all_gather_into_tensor of uint8"
+    dist.destroy_process_group(group)
