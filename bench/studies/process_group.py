@@ -97,8 +97,9 @@ def main(argv=None):
               f"--repeat {args.repeat} --warmup {args.warmup}")
         print(f"# date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}; cpus: {os.cpu_count()}; "
               f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-        print(f"# torch {torch.__version__}; {MPI.Get_library_version().splitlines()[0]}; {P} ranks, float32 CPU "
-              f"tensors; median of {args.repeat}, slowest rank")
+        mpi = MPI.Get_library_version().splitlines()[0].rstrip("\0")
+        print(f"# torch {torch.__version__}; {mpi}; {P} ranks, float32 CPU tensors; median of {args.repeat}, "
+              f"slowest rank")
         print(f"{'call':24s}{'size':>10s}{'ddlkernels ms':>15s}{'gloo ms':>10s}{'gloo/ddl':>10s}{'wrong':>7s}")
     wrong_all = 0
     for nbytes in (parse_size(s) for s in args.sizes.split(",")):
@@ -120,7 +121,8 @@ def main(argv=None):
             if name == "send/recv":
                 a, b = a / 2, b / 2
             if RANK == 0:
-                print(f"{name:24s}{format_size(nbytes):>10s}{a * 1e3:15.3f}{b * 1e3:10.3f}{b / a:10.2f}{wrong:7d}", flush=True)
+                print(f"{name:24s}{format_size(nbytes):>10s}{a * 1e3:15.3f}{b * 1e3:10.3f}{b / a:10.2f}{wrong:7d}",
+                      flush=True)
     if RANK == 0:
         print(f"\nwrong results in all: {wrong_all}")
     COMM.Barrier()

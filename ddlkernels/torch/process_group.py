@@ -40,9 +40,11 @@ where the Communicator's own box would cut it otherwise):
 Ops: SUM, AVG, MAX, MIN, PRODUCT.  uint8, int8 and bool, which gloo reduces
 and ddlkernels' kernels do not, reduce by MPI's own collectives through host
 memory (on bool SUM and MAX are "or", MIN and PRODUCT "and"; no AVG).
-torch's ``timeout=`` bounds every collective's wait for the other ranks
-(``ddlkernels.CollectiveTimeout``, the group unusable after it, as NCCL's
-after its watchdog) and a message's ``wait()`` without a timeout of its own.
+torch's ``timeout=`` of the group bounds each collective's run: past it a
+watchdog fails the collective's ``Work`` and those behind it
+(``ddlkernels.CollectiveTimeout``) and the group is unusable, as NCCL's
+after its watchdog (``ddlkernels.torch.watchdog``); it bounds a message's
+``wait()`` without a timeout of its own too.
 A group of some ranks (``dist.new_group(ranks, backend="ddlkernels")``) runs
 on the MPI communicator of those ranks; a torch rank must be the process's
 ``MPI.COMM_WORLD`` rank (``ddt.init_process_group`` makes it so).
@@ -64,7 +66,7 @@ import torch.distributed as dist
 
 from .._dtypes import check_dtype, normalize_op
 from ..communicator import Communicator
-from ..safety.deadline import CollectiveTimeout, Deadline, complete
+from ..safety.deadline import abandon
 
 __all__ = ["ProcessGroupDDL", "BACKEND", "register"]
 
@@ -130,32 +132,39 @@ class ProcessGroupDDL(dist.ProcessGroup):
     """A torch process group whose collectives are ddlkernels' (the module comment).
 
     ``comm``: the mpi4py ``Intracomm`` of the group's ranks, in the group's
-    rank order.  ``timeout``: seconds a collective may wait for the other
-    ranks (torch's ``timeout=``; None: no limit), then it raises
-    ``ddlkernels.CollectiveTimeout`` and the group is unusable, as NCCL's
-    after its watchdog.  Collective: the progress thread duplicates it.
+    rank order.  ``timeout``: seconds a collective may run (torch's
+    ``timeout=``; None: no limit), then its ``Work`` and those queued behind
+    it fail with ``ddlkernels.CollectiveTimeout`` and the group is unusable,
+    as NCCL's after its watchdog (``ddlkernels.torch.watchdog``).
+    Collective: the progress thread duplicates it.
     """
 
     def __init__(self, comm, owns_comm=False, timeout=None):
         from .ddp import ProgressStreams
         from .p2p import Messages
+        from .watchdog import Watchdog
 
         super().__init__(comm.Get_rank(), comm.Get_size())
-        self._state = ProgressStreams(Communicator(comm, timeout=timeout))
+        self._state = ProgressStreams(Communicator(comm))
         self._messages = Messages(comm)
         self._timeout = timeout
+        self._watchdog = Watchdog(timeout, comm.Get_rank(), BACKEND)
         self._owned = comm if owns_comm else None  # a group's own communicator, freed with the group
         self._name = self._desc = ""
 
     def shutdown(self):
         """``destroy_process_group``: the queued collectives run, then the progress thread ends and the
         group's communicators are freed (collective, as destroying a group is)."""
+        self._watchdog.close()
         self._state.engine.close()
         self._messages.close()
-        self._state.comm.free()
-        if self._owned is not None:
-            self._owned.Free()
-            self._owned = None
+        if self._watchdog.broken is not None:  # a collective timed out: its messages may be in flight
+            abandon(self._state.comm, self._owned)
+        else:
+            self._state.comm.free()
+            if self._owned is not None:
+                self._owned.Free()
+        self._owned = None
 
     def getBackendName(self):
         return BACKEND
@@ -188,9 +197,12 @@ class ProcessGroupDDL(dist.ProcessGroup):
         return self._state.engine.comm
 
     # -- what every operation shares -------------------------------------------------------------
-    def _submit(self, tensors, fn, result):
+    def _submit(self, tensors, fn, result, what):
         """Queue ``fn(c)`` (``c``: the progress thread's Communicator) after the work the caller queued on
-        ``tensors``' device; a ``Work`` whose future holds ``result`` once ``fn`` has run."""
+        ``tensors``' device; a ``Work`` whose future holds ``result`` once ``fn`` has run.  ``what``: the call's
+        name in torch, for a timeout's message."""
+        watchdog = self._watchdog
+        watchdog.check()
         devices = {t.device for t in tensors if t.is_cuda}
         if len(devices) > 1:
             raise ValueError(f"{BACKEND}: one collective's tensors lie on one device, got {sorted(map(str, devices))}")
@@ -201,8 +213,11 @@ class ProcessGroupDDL(dist.ProcessGroup):
             ready, finished = torch.cuda.Event(), torch.cuda.Event()
             ready.record(torch.cuda.current_stream(dev))
         state = self._state
+        watchdog.add(fut)
 
         def run(c):
+            if not watchdog.begin(fut, what):  # the group timed out meanwhile: fut has failed
+                return
             try:
                 with contextlib.ExitStack() as stack:
                     if dev is not None:
@@ -214,9 +229,10 @@ class ProcessGroupDDL(dist.ProcessGroup):
                     fn(c)
                     if finished is not None:
                         finished.record(side)
-                    fut.set_result(result)  # on the group's stream: a CUDA future records its event there
+                    # on the group's stream: a CUDA future records its event there
+                    watchdog.end(fut, lambda: fut.set_result(result))
             except BaseException as exc:
-                fut.set_exception(exc)
+                watchdog.end(fut, lambda: fut.set_exception(exc))
                 raise
 
         state.engine.submit(run)
@@ -262,8 +278,8 @@ class ProcessGroupDDL(dist.ProcessGroup):
         (t,) = self._checked(tensors, "all_reduce")
         op = self._op(opts, "all_reduce", t.dtype)
         if t.dtype in _MPI_REDUCED:
-            return self._submit(tensors, lambda c: _mpi_allreduce(c, t, op), tensors)
-        return self._submit(tensors, lambda c: c.allreduce(t, op, out=t), tensors)
+            return self._submit(tensors, lambda c: _mpi_allreduce(c, t, op), tensors, "all_reduce")
+        return self._submit(tensors, lambda c: c.allreduce(t, op, out=t), tensors, "all_reduce")
 
     def allreduce_coalesced(self, tensors, opts=None):
         self._checked(tensors, "all_reduce_coalesced", len(tensors))
@@ -279,7 +295,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
             for t, mpi_op in theirs:
                 _mpi_allreduce(c, t, mpi_op)
 
-        return self._submit(tensors, fn, tensors)
+        return self._submit(tensors, fn, tensors, "all_reduce_coalesced")
 
     def reduce(self, tensors, opts):
         (t,) = self._checked(tensors, "reduce")
@@ -294,7 +310,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
             if c.rank == root:
                 t.copy_(got)
 
-        return self._submit(tensors, fn, tensors)
+        return self._submit(tensors, fn, tensors, "reduce")
 
     def broadcast(self, tensors, opts):
         (t,) = self._contiguous(tensors, "broadcast")
@@ -302,11 +318,11 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
         def fn(c):
             raw = _bytes(t)  # t's own memory for a CPU tensor, a host copy of a CUDA one
-            _mpi(c, "broadcast", lambda: c.comm.Ibcast(raw, root=root), raw)
+            c.comm.Bcast(raw, root=root)
             if t.is_cuda and c.rank != root:
                 _put(t, raw)
 
-        return self._submit(tensors, fn, tensors)
+        return self._submit(tensors, fn, tensors, "broadcast")
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         (t,) = self._contiguous(input_tensors, "all_gather")
@@ -323,8 +339,8 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
         def fn(c):
             if word is None:
-                whole, mine = np.empty(nbytes * c.size, np.uint8), _bytes(t)
-                _mpi(c, "all_gather", lambda: c.comm.Iallgather(mine, whole), mine, whole)
+                whole = np.empty(nbytes * c.size, np.uint8)
+                c.comm.Allgather(_bytes(t), whole)
                 whole = torch.from_numpy(whole)
             else:
                 m = words.numel() * c.size
@@ -332,7 +348,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
             for q, o in enumerate(outs):
                 o.reshape(-1).view(torch.uint8).copy_(whole[q * nbytes:(q + 1) * nbytes])
 
-        return self._submit([t, *outs], fn, output_tensors)
+        return self._submit([t, *outs], fn, output_tensors, "all_gather")
 
     def _allgather_base(self, output, input, opts=None):
         self._contiguous([input, output], "all_gather_into_tensor", 2)
@@ -346,8 +362,8 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
         def fn(c):
             if word is None:
-                raw, mine = np.empty(output.numel() * output.element_size(), np.uint8), _bytes(input)
-                _mpi(c, "all_gather_into_tensor", lambda: c.comm.Iallgather(mine, raw), mine, raw)
+                raw = np.empty(output.numel() * output.element_size(), np.uint8)
+                c.comm.Allgather(_bytes(input), raw)
                 _put(output, raw)
                 return
             # FSDP gathers in place (the input is this rank's block of the output), as NCCL allows; ddlkernels
@@ -358,7 +374,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
             if dst is None:  # an output off the words' boundary: gathered aside, its bytes copied in
                 output.reshape(-1).view(torch.uint8).copy_(got.view(torch.uint8))
 
-        return self._submit([input, output], fn, [output])
+        return self._submit([input, output], fn, [output], "all_gather_into_tensor")
 
     all_gather_single = _allgather_base  # the name torch calls it by from 2.13 on
 
@@ -373,7 +389,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
         if len(outputs) != len(inputs):
             raise ValueError(f"{BACKEND}: {len(outputs)} outputs for {len(inputs)} inputs")
         works = [one(o, i, opts) for o, i in zip(outputs, inputs)]
-        return works[-1] if works else self._submit([], lambda c: None, outputs)
+        return works[-1] if works else self._submit([], lambda c: None, outputs, "a coalesced call")
 
     def _reduce_scatter_base(self, output, input, opts=None):
         self._checked([output, input], "reduce_scatter_tensor", 2)
@@ -392,7 +408,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
             else:  # the output is this rank's block of the input (in place, as NCCL allows): through a new one
                 output.reshape(-1).copy_(c.reduce_scatter(input.reshape(-1), op, dims=dims))
 
-        return self._submit([output, input], fn, [output])
+        return self._submit([output, input], fn, [output], "reduce_scatter_tensor")
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         (o,) = self._checked(output_tensors, "reduce_scatter")
@@ -410,7 +426,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
                 return _mpi_reduce_scatter(c, whole, o, op)
             c.reduce_scatter(whole, op, out=o.reshape(-1), dims=self._rank_order(c, n * c.size))
 
-        return self._submit([o, *ins], fn, output_tensors)
+        return self._submit([o, *ins], fn, output_tensors, "reduce_scatter")
 
     reduce_scatter_single = _reduce_scatter_base  # the name torch calls it by from 2.13 on
 
@@ -420,7 +436,7 @@ class ProcessGroupDDL(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def barrier(self, opts=None):
-        return self._submit([], lambda c: _mpi(c, "barrier", c.comm.Ibarrier), None)
+        return self._submit([], lambda c: c.comm.Barrier(), None, "barrier")
 
     # -- data moved as it is, through host memory (MPI's own collectives on the bytes) -----------------
     def gather(self, output_tensors, input_tensors, opts):
@@ -430,12 +446,11 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
         def fn(c):
             whole = np.empty(t.numel() * t.element_size() * c.size, np.uint8) if c.rank == root else None
-            mine = _bytes(t)
-            _mpi(c, "gather", lambda: c.comm.Igather(mine, whole, root=root), mine, whole)
+            c.comm.Gather(_bytes(t), whole, root=root)
             for o, raw in zip(outs, np.split(whole, c.size) if whole is not None else ()):
                 _put(o, raw)
 
-        return self._submit([t, *outs], fn, output_tensors)
+        return self._submit([t, *outs], fn, output_tensors, "gather")
 
     def scatter(self, output_tensors, input_tensors, opts):
         (t,) = self._contiguous(output_tensors, "scatter")
@@ -445,10 +460,10 @@ class ProcessGroupDDL(dist.ProcessGroup):
         def fn(c):
             whole = np.concatenate([_bytes(i) for i in ins]) if c.rank == root else None
             raw = np.empty(t.numel() * t.element_size(), np.uint8)
-            _mpi(c, "scatter", lambda: c.comm.Iscatter(whole, raw, root=root), whole, raw)
+            c.comm.Scatter(whole, raw, root=root)
             _put(t, raw)
 
-        return self._submit([t, *ins], fn, output_tensors)
+        return self._submit([t, *ins], fn, output_tensors, "scatter")
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         self._contiguous([output, input], "all_to_all_single", 2)
@@ -459,11 +474,10 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
         def fn(c):
             raw = np.empty(output.numel() * output.element_size(), np.uint8)
-            mine = _bytes(input)
-            _mpi(c, "all_to_all_single", lambda: c.comm.Ialltoallv([mine, send], [raw, recv]), mine, raw)
+            c.comm.Alltoallv([_bytes(input), send], [raw, recv])
             _put(output, raw)
 
-        return self._submit([output, input], fn, output)
+        return self._submit([output, input], fn, output, "all_to_all_single")
 
     all_to_all_single = alltoall_base
 
@@ -477,12 +491,11 @@ class ProcessGroupDDL(dist.ProcessGroup):
 
         def fn(c):
             raw = np.empty(sum(recv[0]), np.uint8)
-            mine = np.concatenate([_bytes(i) for i in input_tensors])
-            _mpi(c, "all_to_all", lambda: c.comm.Ialltoallv([mine, send], [raw, recv]), mine, raw)
+            c.comm.Alltoallv([np.concatenate([_bytes(i) for i in input_tensors]), send], [raw, recv])
             for o, lo, n in zip(output_tensors, recv[1], recv[0]):
                 _put(o, raw[lo:lo + n])
 
-        return self._submit([*output_tensors, *input_tensors], fn, output_tensors)
+        return self._submit([*output_tensors, *input_tensors], fn, output_tensors, "all_to_all")
 
     @staticmethod
     def _contiguous(tensors, what, count=1):
@@ -519,22 +532,6 @@ class ProcessGroupDDL(dist.ProcessGroup):
         return self._messages.post(t, None, tag, False, self._message_work)
 
 
-def _mpi(c, what, start, *buffers):
-    """MPI's nonblocking collective ``start()`` on ``c``'s communicator, waited for against ``c``'s timeout as
-    ddlkernels' own collectives are: after a ``CollectiveTimeout`` ``c`` is unusable and the request and its
-    ``buffers`` are kept for MPI (a late rank may still complete it)."""
-    c._usable()
-    deadline = None if c.timeout is None else Deadline(what, c.rank, c.timeout)
-    req = start()
-    if deadline is not None:
-        deadline.pending.append(buffers)
-    try:
-        complete(req, deadline, f"MPI's {what}")
-    except CollectiveTimeout as exc:
-        c._break(str(exc))
-        raise
-
-
 #: dtypes gloo reduces that ddlkernels does not, reduced by MPI's own collectives through host memory (flags and
 #: counts, small): each one's torch ops and the MPI ops that reduce them as gloo does (on bool SUM and MAX are
 #: "or", PRODUCT and MIN "and"; MPI takes only logical ops on C_BOOL).
@@ -555,7 +552,7 @@ def _mpi_allreduce(c, t, op):
     from mpi4py import MPI
 
     arr = _host(t)
-    _mpi(c, "all_reduce", lambda: c.comm.Iallreduce(MPI.IN_PLACE, arr, op=op), arr)
+    c.comm.Allreduce(MPI.IN_PLACE, arr, op=op)
     if t.is_cuda:
         t.copy_(torch.from_numpy(arr).reshape(t.shape))
 
@@ -564,7 +561,7 @@ def _mpi_reduce_scatter(c, whole, out, op):
     """MPI's Reduce_scatter_block of ``whole`` into ``out`` (a dtype of ``_MPI_REDUCED``; in place too)."""
     send = _host(whole)
     got = np.empty(out.numel(), send.dtype)
-    _mpi(c, "reduce_scatter", lambda: c.comm.Ireduce_scatter_block(send, got, op=op), send, got)
+    c.comm.Reduce_scatter_block(send, got, op=op)
     out.copy_(torch.from_numpy(got).reshape(out.shape))
 
 

@@ -512,16 +512,20 @@ def test_refusals_come_before_any_message(gloo):
 
 
 def test_the_group_timeout_ends_a_wait_for_a_rank_that_does_not_come(gloo):
-    """torch's ``timeout=`` of a group: a collective no other rank joins raises ``CollectiveTimeout`` naming it,
-    and the group refuses every later collective (its messages are in flight); a receive nobody sends gives up
-    at its wait().  The late ranks then join the barrier, so nothing is left in flight."""
+    """torch's ``timeout=`` of a group: a collective no other rank joins fails with ``CollectiveTimeout`` naming
+    it, so does one queued behind it, and the group refuses every later collective (its messages are in
+    flight); a receive nobody sends gives up at its wait().  The late ranks then join the barrier, so nothing
+    is left in flight."""
     if P < 2:
         pytest.skip("a rank that does not come needs 2 ranks")
     sub = dist.new_group(backend=pg_module.BACKEND, timeout=datetime.timedelta(seconds=0.5))
-    assert sub.communicator.timeout == 0.5
+    assert sub._watchdog.timeout == 0.5 and sub.communicator.timeout is None  # a watchdog, not a deadline
     if RANK == 0:
-        with pytest.raises(ddlkernels.CollectiveTimeout, match="barrier timed out after 0.5 s on rank 0"):
-            dist.barrier(group=sub)
+        first = dist.barrier(group=sub, async_op=True)
+        behind = dist.all_reduce(torch.ones(3), group=sub, async_op=True)
+        for w in (first, behind):
+            with pytest.raises(ddlkernels.CollectiveTimeout, match="barrier timed out after 0.5 s on rank 0"):
+                w.wait()
         with pytest.raises(RuntimeError, match="unusable"):
             dist.all_reduce(torch.ones(3), group=sub)
     else:
