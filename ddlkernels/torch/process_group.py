@@ -345,8 +345,8 @@ class ProcessGroupDDL(dist.ProcessGroup):
             else:
                 m = words.numel() * c.size
                 whole = c.allgather(words, count=m, dims=self._rank_order(c, m)).view(torch.uint8)
-            for q, o in enumerate(outs):
-                o.reshape(-1).view(torch.uint8).copy_(whole[q * nbytes:(q + 1) * nbytes])
+            for q, o in enumerate(outs):  # an output need not be contiguous: copied into, not viewed
+                o.copy_(whole[q * nbytes:(q + 1) * nbytes].view(o.dtype).view(o.shape))
 
         return self._submit([t, *outs], fn, output_tensors, "all_gather")
 

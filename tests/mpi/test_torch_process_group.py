@@ -255,7 +255,7 @@ def ref_of(t, op, gloo):
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.int16, torch.complex64, torch.float32])
-def test_all_gather_of_any_dtype_moves_every_byte(dtype):
+def test_all_gather_of_any_dtype_moves_every_byte(gloo, dtype):
     """all_gather and all_gather_into_tensor of dtypes ddlkernels does not reduce (FSDP2 gathers mixed parameters
     as uint8): byte counts of words of 8, of 4 and of neither, tensors off a word's boundary, in place."""
     for n in (0, 1, 3, 4, 8, 13, 4096):
@@ -264,6 +264,9 @@ def test_all_gather_of_any_dtype_moves_every_byte(dtype):
         outs = [torch.empty(n, dtype=dtype) for _ in range(P)]
         dist.all_gather(outs, x)
         same_bytes(torch.cat(outs), want, f"all_gather of {n} {dtype}")
+        cols = torch.zeros(n, P, dtype=dtype)  # outputs that are not contiguous: a column each
+        dist.all_gather([cols[:, q] for q in range(P)], x)
+        same_bytes(cols.t().contiguous().reshape(-1), want, f"all_gather of {n} {dtype} into columns")
         # Input and output one byte into a buffer: no word view of either.
         size = x.element_size()
         buf = torch.empty((n * P + 1) * size + 1, dtype=torch.uint8)
@@ -278,7 +281,7 @@ def test_all_gather_of_any_dtype_moves_every_byte(dtype):
         same_bytes(whole, want, f"in-place all_gather_into_tensor of {n} {dtype}")
 
 
-def test_object_collectives():
+def test_object_collectives(gloo):
     """torch's object collectives, made of all_gather and broadcast of uint8 and int64, and of send and recv."""
     obj = {"rank": RANK, "list": list(range(RANK + 1)), "text": "x" * (RANK * 7 + 1)}
     every = [None] * P
@@ -303,7 +306,7 @@ def test_object_collectives():
             assert got == [{"to": 1}, "x"]
 
 
-def test_point_to_point_moves_every_byte_in_call_order():
+def test_point_to_point_moves_every_byte_in_call_order(gloo):
     """A ring of isend/irecv pairs (batch_isend_irecv), every dtype and size; tags matched out of call order;
     two messages on one tag in call order; a receive from any rank names its sender."""
     nxt, prv = (RANK + 1) % P, (RANK - 1) % P
