@@ -61,7 +61,9 @@ class Watchdog:
                                f"abort the job)")
 
     def add(self, fut) -> None:
+        """A unit is called (``RuntimeError`` if the group has broken since ``check``)."""
         with self._guard:
+            self.check()
             self._pending[id(fut)] = fut
 
     def begin(self, fut, what) -> bool:
@@ -74,15 +76,18 @@ class Watchdog:
             return True
 
     def end(self, fut, complete) -> None:
-        """The unit of ``fut`` has run: ``complete()`` (its result or error) unless the watchdog failed it."""
+        """The unit of ``fut`` has run: ``complete()`` (its result or error) unless the watchdog failed it.
+
+        Whoever takes a future out of ``_pending`` completes it, outside the lock: a future's callbacks run
+        inside its completion and may call the group again."""
         with self._guard:
             self._current = None
-            self._pending.pop(id(fut), None)
+            ours = self._pending.pop(id(fut), None) is not None
             if self._stuck is not None:
                 self._stuck.release()
                 self._stuck = None
-            if not fut.done():
-                complete()
+        if ours:
+            complete()
 
     def _watch(self):
         while not self._stop.wait(min(1.0, self.timeout / 4)):
@@ -93,14 +98,14 @@ class Watchdog:
                 self.broken = (f"{what} timed out after {self.timeout:g} s on rank {self.rank}: a rank of the "
                                f"group has not joined it (torch's timeout= of the group)")
                 exc = CollectiveTimeout(self.broken, collective=what, rank=self.rank, timeout=self.timeout)
-                for fut in self._pending.values():
-                    if not fut.done():
-                        fut.set_exception(exc)
+                failed = list(self._pending.values())
                 self._pending.clear()
                 self._stuck = _thread.allocate_lock()
                 self._stuck.acquire()
                 _STUCK.append((self._stuck, EXIT_WAIT, what, self.rank))
-                return
+            for fut in failed:
+                fut.set_exception(exc)
+            return
 
     def close(self) -> None:
         self._stop.set()

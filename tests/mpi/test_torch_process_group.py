@@ -103,6 +103,17 @@ def test_avg_product_async_and_coalesced(gloo):
         r = data(n, torch.float32, salt=n)
         dist.all_reduce(r, group=gloo)
         same(t, r, f"async n={n}")
+    # A callback on a collective's future that starts another: it runs on the progress thread, inside the
+    # first one's completion, and must not wait for the group's own bookkeeping.
+    first, second = data(5, torch.float32, salt=20), data(6, torch.int64, salt=21)
+    refs = [first.clone(), second.clone()]
+    chained = dist.all_reduce(first, async_op=True).get_future().then(
+        lambda f: dist.all_reduce(second, async_op=True))
+    chained.wait().wait()
+    for r in refs:
+        dist.all_reduce(r, group=gloo)
+    same(first, refs[0], "the collective with a callback")
+    same(second, refs[1], "the collective its callback started")
     # Coalesced: one call for several tensors of several dtypes and shapes.
     tensors = [data(n, d, salt=3).reshape(-1, 1) for n, d in zip((5, 4097, 0), (torch.float32, torch.int64,
                                                                                     torch.float16))]
