@@ -46,7 +46,7 @@ class Watchdog:
         self.broken = None  # why, once a unit timed out
         self._guard = threading.Lock()
         self._pending: dict = {}  # id(future) -> future: called, not completed
-        self._current = None  # (when the unit began, its name, its future)
+        self._current = None  # (when the running unit began, its name)
         self._stuck = None  # released when the unit given up on returns
         self._stop = threading.Event()
         self._thread = None
@@ -72,7 +72,7 @@ class Watchdog:
         with self._guard:
             if self.broken is not None:
                 return False
-            self._current = (time.monotonic(), what, fut)
+            self._current = (time.monotonic(), what)
             return True
 
     def end(self, fut, complete) -> None:
@@ -94,7 +94,7 @@ class Watchdog:
             with self._guard:
                 if self._current is None or time.monotonic() - self._current[0] <= self.timeout:
                     continue
-                _, what, _ = self._current
+                _, what = self._current
                 self.broken = (f"{what} timed out after {self.timeout:g} s on rank {self.rank}: a rank of the "
                                f"group has not joined it (torch's timeout= of the group)")
                 exc = CollectiveTimeout(self.broken, collective=what, rank=self.rank, timeout=self.timeout)
