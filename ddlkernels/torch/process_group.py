@@ -202,7 +202,6 @@ class ProcessGroupDDL(dist.ProcessGroup):
         ``tensors``' device; a ``Work`` whose future holds ``result`` once ``fn`` has run.  ``what``: the call's
         name in torch, for a timeout's message."""
         watchdog = self._watchdog
-        watchdog.check()
         devices = {t.device for t in tensors if t.is_cuda}
         if len(devices) > 1:
             raise ValueError(f"{BACKEND}: one collective's tensors lie on one device, got {sorted(map(str, devices))}")
@@ -591,7 +590,7 @@ def _word(t):
     except TypeError:
         pass
     nbytes = t.numel() * t.element_size()
-    return next((w for w, size in ((torch.int64, 8), (torch.int32, 4)) if nbytes % size == 0), None)
+    return next((w for w in (torch.int64, torch.int32) if nbytes % w.itemsize == 0), None)
 
 
 def _as_words(t, word, copy=False):
@@ -601,7 +600,7 @@ def _as_words(t, word, copy=False):
     if word == t.dtype:
         return flat
     raw = flat.view(torch.uint8)
-    if raw.storage_offset() % torch.empty(0, dtype=word).element_size():
+    if raw.storage_offset() % word.itemsize:
         return raw.clone().view(word) if copy else None
     return raw.view(word)
 
@@ -614,10 +613,8 @@ def _overlap(a, b) -> bool:
 
 
 def _bytes(t):
-    """Contiguous tensor ``t``'s bytes as a numpy uint8 array: a view of a CPU tensor's memory, a host copy of
-    a CUDA one (on the current stream, waited for)."""
-    raw = t.detach().reshape(-1).view(torch.uint8)
-    return (raw.cpu() if raw.is_cuda else raw).numpy()
+    """Contiguous tensor ``t``'s bytes as a numpy uint8 array (``_host``)."""
+    return _host(t.detach().reshape(-1).view(torch.uint8))
 
 
 def _put(t, raw):
