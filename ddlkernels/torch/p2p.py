@@ -40,6 +40,8 @@ import threading
 
 import torch
 
+from ..safety.deadline import abandon
+
 __all__ = ["Messages"]
 
 #: The poller's sleep between tests while messages are in flight grows from the first to the second (seconds):
@@ -164,13 +166,16 @@ class Messages:
             if closed:
                 return self._abandon([*waiting, *posted])
             moved = False
-            while waiting and waiting[0].postable():
-                m = waiting.popleft()
+            while waiting:
+                m = waiting[0]
                 try:
+                    if not m.postable():
+                        break
                     m.post(self.comm, self._mpi)
                     posted.append(m)
-                except Exception as exc:
+                except Exception as exc:  # a CUDA or MPI error fails its message, not the poller
                     m.fut.set_exception(exc)
+                waiting.popleft()
                 moved = True
             still = []
             for m in posted:
@@ -213,14 +218,15 @@ class Messages:
 
     def _abandon(self, left):
         """Shut down with messages in flight: receives cancelled, every future failed.  A send still in flight
-        keeps its bytes alive in ``_ORPHANS``: MPI may still read them after the communicator is freed."""
+        keeps its bytes for the process's life (``abandon``): MPI may still read them after the communicator is
+        freed."""
         for m in left:
             if m.request is not None and not m.send:
                 with contextlib.suppress(Exception):
                     m.request.Cancel()
                     m.request.Wait()
             elif m.request is not None:
-                _ORPHANS.append(m)
+                abandon(m)
             m.fut.set_exception(RuntimeError("ddlkernels: the process group was shut down before this "
                                              f"{'send' if m.send else 'recv'} completed"))
 
@@ -233,7 +239,3 @@ class Messages:
         if thread is not None:
             thread.join()
         self.comm.Free()
-
-
-#: Sends a shut-down group left in flight, kept for MPI to read to the end.
-_ORPHANS: list = []
