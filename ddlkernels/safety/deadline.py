@@ -55,7 +55,7 @@ import sys
 import threading
 import time
 
-__all__ = ["CollectiveTimeout", "Deadline", "BlockingRunner", "abandon", "complete"]
+__all__ = ["CollectiveTimeout", "Deadline", "BlockingRunner", "abandon", "complete", "stuck"]
 
 #: What abandoned collectives still use (requests, their buffers, windows, Communicators, helper threads' calls):
 #: never released while the process runs.  Bounded by the number of timeouts a process survives.
@@ -69,6 +69,12 @@ def abandon(*objs) -> None:
 
 #: Blocking calls abandoned by a timeout, as (lock released when the call returns, its timeout, what it is, rank).
 _STUCK: list = []
+
+
+def stuck(done, seconds: float, what: str, rank: int) -> None:
+    """A call abandoned by a timeout may still be inside MPI: at exit, wait up to ``seconds`` for ``done`` (a
+    lock its thread releases when the call returns), else abort the job (``_finish_abandoned_calls``)."""
+    _STUCK.append((done, seconds, what, rank))
 
 
 @atexit.register
@@ -291,7 +297,7 @@ class BlockingRunner:
         self._jobs.put((fn, args, done, failed))
         if not done.acquire(timeout=max(0.0, deadline.expires - time.monotonic())):
             deadline.pending.append((self, fn, args))
-            _STUCK.append((done, deadline.timeout, what, deadline.rank))
+            stuck(done, deadline.timeout, what, deadline.rank)
             raise deadline.expired(what=f"complete {what} (a rank has not joined)")
         if failed:
             raise failed[0]

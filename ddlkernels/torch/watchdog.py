@@ -17,7 +17,7 @@ The collectives themselves run without a deadline: under one (ddlkernels'
 it looks once a second (or a quarter of the timeout) at the unit the
 progress thread is in.  A unit it gave up on may still complete (a late
 rank); if it is still inside MPI when the process exits, the exit aborts the
-job instead of finalizing MPI beside it (``deadline._STUCK``).
+job instead of finalizing MPI beside it (``deadline.stuck``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import _thread
 import threading
 import time
 
-from ..safety.deadline import _STUCK, CollectiveTimeout
+from ..safety.deadline import CollectiveTimeout, stuck
 
 __all__ = ["Watchdog"]
 
@@ -102,7 +102,7 @@ class Watchdog:
                 self._pending.clear()
                 self._stuck = _thread.allocate_lock()
                 self._stuck.acquire()
-                _STUCK.append((self._stuck, EXIT_WAIT, what, self.rank))
+                stuck(self._stuck, EXIT_WAIT, what, self.rank)
             for fut in failed:
                 fut.set_exception(exc)
             return
