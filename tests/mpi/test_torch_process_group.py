@@ -206,8 +206,7 @@ def raw(n, dtype, sender, salt):
     g = torch.Generator().manual_seed(1000 * salt + sender)
     if dtype == torch.bool:
         return torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8).bool()
-    size = torch.empty(0, dtype=dtype).element_size()
-    return torch.randint(0, 256, (n * size,), generator=g, dtype=torch.uint8).view(dtype)
+    return torch.randint(0, 256, (n * dtype.itemsize,), generator=g, dtype=torch.uint8).view(dtype)
 
 
 def same_bytes(got, want, what):
