@@ -12,7 +12,7 @@ Worked example, 2 ranks under ``mpirun``, a tensor ``t`` on each::
                                                       # is ordered after it, as NCCL's wait)
     model = DistributedDataParallel(model)            # buckets reduced the same way, during backward
 
-Every operation of a group is one unit of work of the group's progress thread
+Every collective of a group is one unit of work of the group's progress thread
 (``ddlkernels.asynchronous``, the engine of ``allreduce_async`` and of the DDP
 hook), run in the order the ranks call them, which is the order torch
 requires of every rank.  For CUDA tensors the call records an event on the
@@ -20,7 +20,8 @@ caller's current stream; on the progress thread a stream of the group's own
 waits for it and the collective runs there (ddlkernels runs a torch tensor's
 call on torch's current stream); the ``Work``'s future is a CUDA-aware
 ``torch.futures.Future``, so ``wait()`` makes the waiting stream wait for the
-result instead of blocking on the device.
+result instead of blocking on the device.  Messages (send, recv) take a path
+of their own beside that queue (``ddlkernels.torch.p2p``).
 
 The collectives and how they map (``shard_range`` cuts a flat buffer in
 rank order for the flat ring: reduce_scatter and allgather take ``dims=(p,)``
