@@ -106,3 +106,17 @@ def test_exit_after_a_caught_timeout_is_clean():
     assert rc == 0, out[-3000:]
     assert elapsed < BOUND, f"job took {elapsed:.1f} s"
     assert out.count("completed without error") == RANKS and out.count(": caught allreduce timed out") == RANKS - 1
+
+
+def test_exit_with_a_message_posted_stops_the_poller_first():
+    """Ranks exit with a receive posted on the ddlkernels torch group: its poller has ended before MPI finalizes
+    (tests/_torch_exit_job.py), and every rank exits 0."""
+    pytest.importorskip("torch.distributed", reason="torch with torch.distributed not installed")
+    cmd = [mpirun(), "-n", "2", sys.executable, os.path.join(HERE, "_torch_exit_job.py")]
+    t = time.monotonic()
+    proc = subprocess.run(cmd, env=mpi_env(60), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, out[-3000:]
+    assert time.monotonic() - t < BOUND
+    assert out.count("exiting with a receive posted") == 2, out[-3000:]
+    assert out.count("poller alive at exit: False") == 2, out[-3000:]

@@ -34,9 +34,11 @@ before anything is posted.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import threading
+import weakref
 
 import torch
 
@@ -123,6 +125,7 @@ class Messages:
         self._thread = None
         self._closed = False
         self._streams: dict = {}  # CUDA device index -> the stream of this group's messages on it
+        _LIVE.add(self)
 
     def _stream(self, device):
         s = self._streams.get(device.index)
@@ -230,12 +233,26 @@ class Messages:
             m.fut.set_exception(RuntimeError("ddlkernels: the process group was shut down before this "
                                              f"{'send' if m.send else 'recv'} completed"))
 
-    def close(self) -> None:
-        """End the poller (messages still in flight fail) and free the communicator (collective)."""
+    def stop(self) -> None:
+        """End the poller: messages still in flight fail, receives cancelled."""
         with self._lock:
             self._closed = True
             thread = self._thread
         self._wake.set()
         if thread is not None:
             thread.join()
+
+    def close(self) -> None:
+        """``stop``, and free the communicator (collective)."""
+        self.stop()
         self.comm.Free()
+
+
+#: Every group's messages, for the exit: a poller inside MPI_Test beside MPI_Finalize could crash it.
+_LIVE: "weakref.WeakSet[Messages]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_pollers():  # Python's exit handlers run before mpi4py's MPI_Finalize (a Py_AtExit hook)
+    for messages in list(_LIVE):
+        messages.stop()
