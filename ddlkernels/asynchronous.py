@@ -357,7 +357,7 @@ def progress_engine(comm=None, progress: str = "thread"):
 
 
 @atexit.register
-def _close_engines():  # before mpi4py finalizes MPI (its atexit hook was registered first)
+def _close_engines():  # Python's exit handlers run before mpi4py's MPI_Finalize (a Py_AtExit hook, C-level)
     with _ENGINES_LOCK:
         every = list(_ENGINES.values())
     for engines in every:
