@@ -415,6 +415,42 @@ def test_a_receive_left_at_shutdown_fails_and_nothing_hangs(gloo):
     assert messages._thread is None or not messages._thread.is_alive(), "the poller outlived its group"
 
 
+def test_a_pipeline_of_a_stage_a_rank_trains_as_one_process(gloo):
+    """torch.distributed.pipelining's GPipe over the group's messages (activations forward, gradients back, 4
+    microbatches through P stages): the last stage's losses are one process's bits, every stage's gradients
+    within rounding of one process's."""
+    pipelining = pytest.importorskip("torch.distributed.pipelining", reason="torch without pipelining")
+    if P < 2:
+        pytest.skip("a pipeline needs 2 ranks or more")
+
+    def layer(q):
+        torch.manual_seed(1000 + q)
+        return torch.nn.Linear(8, 8)
+
+    def loss_fn(out, y):
+        return ((out - y) ** 2).mean()
+
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+    mine = layer(RANK)
+    stage = pipelining.PipelineStage(mine, stage_index=RANK, num_stages=P, device=torch.device("cpu"))
+    schedule = pipelining.ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn, scale_grads=True)
+    losses = []
+    if RANK == 0:
+        schedule.step(x)
+    elif RANK == P - 1:
+        schedule.step(target=y, losses=losses)
+    else:
+        schedule.step()
+    chain = torch.nn.Sequential(*[layer(q) for q in range(P)])
+    ref = [loss_fn(chain(xb), yb) for xb, yb in zip(x.chunk(4), y.chunk(4))]
+    (sum(ref) / 4).backward()
+    if RANK == P - 1:
+        assert [float(v) for v in losses] == [float(v) for v in ref], "the pipeline's losses"
+    for got, want in zip(mine.parameters(), chain[RANK].parameters()):
+        assert torch.allclose(got.grad, want.grad, rtol=1e-5, atol=1e-7), f"stage {RANK}'s gradients"
+
+
 def test_ddp_on_the_group_trains_as_ddp_on_gloo(gloo):
     """A few SGD steps of DDP with momentum (small buckets: several per step) on data unique to each rank."""
     def train(group):
