@@ -12,8 +12,8 @@ import torch
 
 from ..communicator import as_communicator
 
-__all__ = ["all_reduce", "init_process_group", "set_device", "ProgressStreams", "HookState", "allreduce_hook",
-           "fp16_compress_hook", "bfloat16_compress_hook"]
+__all__ = ["all_reduce", "init_process_group", "set_device", "DeviceStreams", "ProgressStreams", "HookState",
+           "allreduce_hook", "fp16_compress_hook", "bfloat16_compress_hook"]
 
 
 def all_reduce(tensor, op="sum", *, comm=None, async_op: bool = False):
@@ -102,7 +102,23 @@ def set_device(comm=None) -> "torch.device":
 # -- DistributedDataParallel communication hooks -------------------------------------------
 
 
-class ProgressStreams:
+class DeviceStreams:
+    """A stream of its own per CUDA device, made at the first use (the progress thread's collectives, the process
+    group's messages)."""
+
+    def __init__(self):
+        self._streams: dict = {}  # CUDA device index -> its stream
+
+    def stream(self, device):
+        """The CUDA stream of ``device`` (made at the first): a stream of its own, as NCCL's, so that the work
+        queued on it runs beside the caller's kernels instead of in their queue."""
+        s = self._streams.get(device.index)
+        if s is None:
+            s = self._streams[device.index] = torch.cuda.Stream(device)
+        return s
+
+
+class ProgressStreams(DeviceStreams):
     """A communicator's progress thread and, per CUDA device, the stream its collectives run on.
 
     What the DDP hooks' state and the ``ddlkernels`` process group share.
@@ -112,20 +128,12 @@ class ProgressStreams:
     def __init__(self, comm=None):
         from ..asynchronous import progress_engine
 
+        super().__init__()
         self.comm = as_communicator(comm)
         self.size = self.comm.size
         # The collectives run on the progress thread: DDP waits on the returned future from C++, which
         # cannot poll MPI_Iallreduce requests (progress="hooks").
         self.engine = progress_engine(self.comm, "thread")
-        self._streams: dict = {}  # CUDA device index -> the stream the collectives of that device run on
-
-    def stream(self, device):
-        """The CUDA stream this state reduces ``device``'s buckets on (made at the first): a stream of its own,
-        as NCCL's, so that the reductions run beside the backward kernels instead of in their queue."""
-        s = self._streams.get(device.index)
-        if s is None:
-            s = self._streams[device.index] = torch.cuda.Stream(device)
-        return s
 
 
 class HookState(ProgressStreams):

@@ -43,6 +43,7 @@ import weakref
 import torch
 
 from ..safety.deadline import abandon
+from .ddp import DeviceStreams
 
 __all__ = ["Messages"]
 
@@ -124,14 +125,8 @@ class Messages:
         self._waiters = 0  # callers blocked in a message's wait() (``hurry``)
         self._thread = None
         self._closed = False
-        self._streams: dict = {}  # CUDA device index -> the stream of this group's messages on it
+        self._streams = DeviceStreams()  # the group's messages' stream on each device
         _LIVE.add(self)
-
-    def _stream(self, device):
-        s = self._streams.get(device.index)
-        if s is None:
-            s = self._streams[device.index] = torch.cuda.Stream(device)
-        return s
 
     def post(self, tensor, peer, tag, send, work):
         """Queue one message of ``tensor``'s bytes to (``send``) or from ``peer`` (None: any rank) on ``tag``;
@@ -147,7 +142,7 @@ class Messages:
         cuda = tensor.is_cuda
         fut = torch.futures.Future(devices=[tensor.device]) if cuda else torch.futures.Future()
         source = self._mpi.ANY_SOURCE if peer is None else int(peer)
-        m = _Message(self, fut, tensor, source, tag, send, self._stream(tensor.device) if cuda else None)
+        m = _Message(self, fut, tensor, source, tag, send, self._streams.stream(tensor.device) if cuda else None)
         with self._lock:
             self._new.append(m)
             if self._thread is None:
